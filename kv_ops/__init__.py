@@ -1,0 +1,34 @@
+"""kv_ops: KV-cache blocks between GPU memory and page-locked host memory, as compile-safe ops.
+
+Where each piece lives:
+
+* ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
+                     to block-strided byte regions ``[num_blocks, block_bytes]``.
+* ``host_memory`` -- ``pinned_empty`` (exact-size page-locked memory), ``device_view``.
+* ``kernels``     -- the Triton block-copy kernel and its launcher.
+* ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
+* ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
+* ``reference``   -- pure-torch copies: the CPU path and the test oracle.
+"""
+
+from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+from .host_memory import device_view, pinned_empty
+from .ops import copy_blocks, gather_blocks, scatter_blocks
+from .validation import error_count, error_counter, id_checks, reset_error_count, set_id_checks
+
+__all__ = [
+    "KVCacheTensorSpec",
+    "resolve_regions",
+    "infer_regions",
+    "block_bytes",
+    "pinned_empty",
+    "device_view",
+    "copy_blocks",
+    "gather_blocks",
+    "scatter_blocks",
+    "set_id_checks",
+    "id_checks",
+    "error_count",
+    "error_counter",
+    "reset_error_count",
+]

@@ -1,0 +1,232 @@
+"""Exact-size page-locked host memory registered with the CUDA driver, and device views of it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import mmap
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+# cuMemHostRegister pins page by page; very large single registrations have failed on some
+# drivers, so we register in pieces of at most 64 GiB (DESIGN.md). The pieces are adjacent in
+# the virtual address space, and on devices that use the host pointer for registered memory
+# (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, every x86-64 and Grace system
+# we know) the device addresses are adjacent too, so one tensor may span several pieces.
+REGISTER_CHUNK_BYTES = 64 << 30
+
+_warned_no_cuda = False
+
+
+def _driver():
+    # Imported lazily: cuda-bindings loads libcuda on first use and fails where no driver exists.
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result, what: str):
+    """Raise on a driver error code; return the call's remaining outputs."""
+    drv = _driver()
+    err = result[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, text = drv.cuGetErrorString(err)
+        text = text.decode() if isinstance(text, bytes) else text
+        raise RuntimeError(f"{what} failed: {err.name} ({int(err)}): {text}")
+    return result[1:]
+
+
+@contextlib.contextmanager
+def _driver_context(device: torch.device):
+    """Bind ``device``'s primary context to this thread for driver calls, then restore.
+
+    The driver API acts on the calling thread's current context, which torch creates lazily; a
+    one-element allocation is the cheapest way to make torch create and bind it.
+    """
+    with torch.cuda.device(device):
+        torch.empty(1, device=device)
+        yield
+
+
+class _Pinned:
+    """Owns one anonymous mapping and its driver registrations; unregisters before unmapping.
+
+    The tensor handed to the user holds a ctypes array that references this object, so this
+    object dies only after the last tensor view of the memory is gone.
+    """
+
+    def __init__(self, nbytes: int, register: bool):
+        # mmap gives page-aligned memory that no other allocation shares, so registering it
+        # cannot collide with another registration of the same page.
+        self.map = mmap.mmap(-1, nbytes)
+        self.buffer = (ctypes.c_uint8 * nbytes).from_buffer(self.map)
+        self.address = ctypes.addressof(self.buffer)
+        self.registered: list[int] = []
+        if register:
+            self._register(nbytes)
+
+    def _register(self, nbytes: int) -> None:
+        drv = _driver()
+        flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
+        if nbytes > REGISTER_CHUNK_BYTES:
+            dev = torch.cuda.current_device()
+            attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
+            (same,) = _check(drv.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute")
+            if not same:
+                raise RuntimeError(
+                    f"pinned_empty: {nbytes} bytes need several registrations, and this device "
+                    "does not map registered memory at its host address"
+                )
+        try:
+            for start in range(0, nbytes, REGISTER_CHUNK_BYTES):
+                size = min(REGISTER_CHUNK_BYTES, nbytes - start)
+                _check(
+                    drv.cuMemHostRegister(self.address + start, size, flags),
+                    f"cuMemHostRegister({size} bytes at offset {start})",
+                )
+                self.registered.append(self.address + start)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        drv = _driver() if self.registered else None
+        while self.registered:
+            # A failure here cannot be raised from a finalizer; the mapping is freed regardless.
+            drv.cuMemHostUnregister(self.registered.pop())
+
+    def __del__(self):
+        self.release()
+
+
+def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Allocate uninitialised, page-locked host memory of exactly the requested size.
+
+    Unlike ``torch.empty(..., pin_memory=True)``, whose caching allocator rounds every request up
+    to a power of two (100 GB becomes 128 GB), this maps exactly ``numel * itemsize`` bytes
+    (rounded to whole pages by the kernel) and registers them with ``cuMemHostRegister`` in
+    pieces of at most 64 GiB, as portable and device-mapped memory, checking every driver return
+    code. The memory is unregistered when the last tensor viewing it is freed.
+
+    On a machine without CUDA it returns ordinary host memory and warns once.
+
+    Parameters
+    ----------
+    size : int or sequence of int
+        Shape of the tensor.
+    dtype : torch.dtype
+        Element type; ``torch.uint8`` by default, the type of block regions.
+
+    Returns
+    -------
+    torch.Tensor
+        A contiguous CPU tensor; ``is_pinned()`` is True where CUDA exists.
+
+    Examples
+    --------
+    >>> mirror = kv_ops.pinned_empty((num_host_blocks, block_bytes))
+    """
+    global _warned_no_cuda
+    shape = (size,) if isinstance(size, int) else tuple(size)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"pinned_empty: negative dimension in size {shape}")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    have_cuda = torch.cuda.is_available()
+    if not have_cuda and not _warned_no_cuda:
+        _warned_no_cuda = True
+        warnings.warn(
+            "kv_ops.pinned_empty: CUDA is not available; returning ordinary (pageable) host memory",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if have_cuda:
+        with _driver_context(torch.device("cuda", torch.cuda.current_device())):
+            owner = _Pinned(nbytes, register=True)
+    else:
+        owner = _Pinned(nbytes, register=False)
+    # The tensor keeps the ctypes array alive through the buffer protocol; the array keeps the
+    # owner alive through this attribute.
+    owner.buffer._owner = owner
+    flat = torch.frombuffer(owner.buffer, dtype=torch.uint8)
+    buffer, owner.buffer = owner.buffer, None  # break the owner -> buffer -> owner cycle
+    del buffer
+    return flat.view(dtype).view(shape)
+
+
+def device_pointer(host: torch.Tensor) -> int:
+    """The device address at which the GPU reaches a page-locked host tensor's first byte.
+
+    Raises ``ValueError`` if the memory is not page-locked and mapped for the device.
+    """
+    drv = _driver()
+    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    err, ptr = drv.cuPointerGetAttribute(attr, host.data_ptr())
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise ValueError(
+            "host tensor at 0x%x is not page-locked memory mapped for the GPU (%s); allocate it "
+            "with kv_ops.pinned_empty or torch.empty(..., pin_memory=True)" % (host.data_ptr(), err.name)
+        )
+    return int(ptr)
+
+
+class _CudaArrayInterface:
+    """Describes mapped host bytes as device memory; holds the host tensor alive."""
+
+    def __init__(self, host: torch.Tensor, address: int, nbytes: int):
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def device_view(host: torch.Tensor, device: torch.device | str | int | None = None) -> torch.Tensor:
+    """A CUDA tensor that aliases a page-locked host tensor (zero-copy).
+
+    Kernels that read or write the view go over PCIe to host memory. Graph machinery sees an
+    ordinary CUDA tensor, which is what ``mode="reduce-overhead"`` needs: CUDA-graph trees skip
+    any graph that has a CPU tensor among its inputs.
+
+    Parameters
+    ----------
+    host : torch.Tensor
+        A contiguous, page-locked CPU tensor (``pinned_empty`` or ``pin_memory=True``).
+    device : device, optional
+        The CUDA device that will access it; the current device by default.
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and dtype as ``host``, on ``device``. It keeps ``host`` alive.
+
+    Examples
+    --------
+    >>> host = kv_ops.pinned_empty((1024, 4096))
+    >>> view = kv_ops.device_view(host)       # torch.device("cuda:0"), bytes live in host RAM
+    """
+    if host.device.type != "cpu" or not host.is_contiguous():
+        raise ValueError(f"device_view needs a contiguous CPU tensor, got {host.device} stride {host.stride()}")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device_view: device must be a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    nbytes = host.numel() * host.element_size()
+    if nbytes == 0:
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    with _driver_context(device):
+        iface = _CudaArrayInterface(host, device_pointer(host), nbytes)
+    flat = torch.as_tensor(iface, device=device)
+    return flat.view(host.dtype).view(host.shape)
+
+
+__all__ = ["pinned_empty", "device_view", "device_pointer", "REGISTER_CHUNK_BYTES"]

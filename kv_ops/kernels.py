@@ -1,0 +1,259 @@
+"""The Triton kernel that copies blocks between byte regions, and its launcher.
+
+One kernel serves all three ops. Each side of a copy is either a list of regions (a block is
+row ``id`` of region ``r``) or a packed buffer (row ``i`` holds pair ``i``'s blocks of every
+region side by side, at column ``col[r]``):
+
+* ``copy_blocks``:    regions -> regions
+* ``gather_blocks``:  regions -> packed
+* ``scatter_blocks``: packed  -> regions
+
+Any side may be GPU memory or page-locked host memory: the kernel reads and writes host memory
+through its device address (zero-copy over PCIe), so there is no staging copy and the launch is
+a plain kernel node that CUDA graphs capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from . import host_memory
+
+# At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
+# and eight SMs already saturate a PCIe Gen5 x16 link (DESIGN.md: 93% of memcpy at 4 KiB).
+NUM_PROGRAMS = 8
+# Bytes one program moves per loop iteration. PCIe reads from host memory take ~1-2 us, so each
+# program needs many bytes in flight: 8 programs x 16 KiB = 128 KiB covers the link's
+# bandwidth-delay product (55 GB/s x ~2 us).
+TILE_BYTES = 16384
+NUM_WARPS = 4
+# Ids checked per step in the kernel's counting phase.
+CHECK_LANES = 1024
+
+
+@triton.jit(do_not_specialize=["num_regions", "num_pairs", "src_limit", "dst_limit", "packed_stride"])
+def _block_copy_kernel(
+    table_ptr,  # int64 [6, num_regions], per region r: src offset, dst offset (bytes from anchor_ptr),
+    #             src block stride, dst block stride, block bytes, column in the packed buffer
+    anchor_ptr,  # uint8*: the table's own first byte; region addresses are offsets from it, so they
+    #              carry the table pointer's alignment, which Triton knows, into the address math
+    packed_ptr,  # uint8*: the packed buffer of gather (dst) or scatter (src); unused by copy
+    packed_stride,  # bytes between rows of the packed buffer
+    num_regions,
+    src_ids_ptr,  # int32/int64 [num_pairs]: source block of pair i (unused when SRC_PACKED)
+    dst_ids_ptr,  # int32/int64 [num_pairs]: destination block of pair i (unused when DST_PACKED)
+    num_pairs,
+    src_limit,  # a source id is valid in [0, src_limit)
+    dst_limit,  # a destination id is valid in [0, dst_limit)
+    error_ptr,  # int64 [1]: incremented by the number of invalid (skipped) pairs
+    COLS: tl.constexpr,  # bytes of a block that one tile row covers (a block is ceil(bytes / COLS) rows)
+    ROWS: tl.constexpr,  # tile rows; ROWS * COLS bytes move per program per iteration
+    ALIGN: tl.constexpr,  # power of two (<= 16) dividing every address, stride and width: lets loads vectorize
+    SRC_PACKED: tl.constexpr,
+    DST_PACKED: tl.constexpr,
+    LANES: tl.constexpr,  # ids examined per step of the counting phase
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n = num_pairs.to(tl.int64)
+
+    # Count invalid pairs once per launch (they are skipped in every region below).
+    if not (SRC_PACKED and DST_PACKED):
+        for start in range(pid * LANES, n, nprog * LANES):
+            i = start + tl.arange(0, LANES).to(tl.int64)
+            live = i < n
+            bad = tl.zeros([LANES], dtype=tl.int1)
+            if not SRC_PACKED:
+                s = tl.load(src_ids_ptr + i, mask=live, other=0).to(tl.int64)
+                bad = bad | (s < 0) | (s >= src_limit)
+            if not DST_PACKED:
+                d = tl.load(dst_ids_ptr + i, mask=live, other=0).to(tl.int64)
+                bad = bad | (d < 0) | (d >= dst_limit)
+            count = tl.sum((bad & live).to(tl.int64), axis=0)
+            if count > 0:
+                tl.atomic_add(error_ptr, count)
+
+    lanes = tl.arange(0, COLS).to(tl.int64)
+    first = tl.full([], 0, tl.int64)  # global index of region r's first tile
+    for r in range(num_regions):
+        src_off = tl.load(table_ptr + r)
+        dst_off = tl.load(table_ptr + num_regions + r)
+        src_stride = tl.load(table_ptr + 2 * num_regions + r)
+        dst_stride = tl.load(table_ptr + 3 * num_regions + r)
+        width = tl.multiple_of(tl.load(table_ptr + 4 * num_regions + r), ALIGN)
+        column = tl.load(table_ptr + 5 * num_regions + r)
+        chunks = (width + COLS - 1) // COLS  # tile rows per block
+        items = n * chunks
+        tiles = (items + ROWS - 1) // ROWS
+        # Tiles are dealt round-robin over programs across region boundaries: the program after
+        # the one that took region r's last tile takes region r + 1's first, so many small
+        # regions still keep every program busy.
+        start = ((pid - first) % nprog + nprog) % nprog
+        for t in range(start, tiles, nprog):
+            item = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
+            live = item < items
+            pair = item // chunks
+            col = (item - pair * chunks) * COLS  # first byte of this row within the block
+            if SRC_PACKED:
+                sid = pair
+            else:
+                sid = tl.load(src_ids_ptr + pair, mask=live, other=0).to(tl.int64)
+            if DST_PACKED:
+                did = pair
+            else:
+                did = tl.load(dst_ids_ptr + pair, mask=live, other=0).to(tl.int64)
+            ok = live & (sid >= 0) & (sid < src_limit) & (did >= 0) & (did < dst_limit)
+            if SRC_PACKED:
+                src_row = sid * packed_stride + column + col
+                src_base = packed_ptr
+            else:
+                src_row = src_off + sid * src_stride + col
+                src_base = anchor_ptr
+            if DST_PACKED:
+                dst_row = did * packed_stride + column + col
+                dst_base = packed_ptr
+            else:
+                dst_row = dst_off + did * dst_stride + col
+                dst_base = anchor_ptr
+            src_row = tl.multiple_of(src_row, ALIGN)
+            dst_row = tl.multiple_of(dst_row, ALIGN)
+            mask = ok[:, None] & ((col[:, None] + lanes[None, :]) < width)
+            values = tl.load(src_base + (src_row[:, None] + lanes[None, :]), mask=mask)
+            tl.store(dst_base + (dst_row[:, None] + lanes[None, :]), values, mask=mask)
+        first += tiles
+
+
+# Tables of region geometry, keyed by their content. Never evicted: a captured CUDA graph holds
+# a table's address, so freeing one could make a replay read garbage. An entry is tiny (48 bytes
+# per region) and a process sees few distinct region sets.
+_tables: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _address(t: torch.Tensor, device: torch.device) -> int:
+    """Where a kernel on ``device`` finds ``t``'s first byte (host memory: its mapped address)."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return host_memory.device_pointer(t)
+    return t.data_ptr()
+
+
+def _geometry_table(
+    device: torch.device, src: Sequence[torch.Tensor] | None, dst: Sequence[torch.Tensor] | None, widths: list[int]
+) -> tuple[torch.Tensor, int]:
+    """The kernel's per-region table for these regions and its alignment, built once and reused."""
+    key = (
+        device,
+        tuple((t.device, t.data_ptr(), t.stride(0)) for t in src) if src is not None else None,
+        tuple((t.device, t.data_ptr(), t.stride(0)) for t in dst) if dst is not None else None,
+        tuple(widths),
+    )
+    cached = _tables.get(key)
+    if cached is not None:
+        return cached
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "kv_ops: these regions were first seen during CUDA graph capture; run the op once with "
+            "them before capturing (the warm-up that every capture needs)"
+        )
+    num = len(widths)
+    table = torch.empty(6 * num, dtype=torch.int64, device=device)
+    base = table.data_ptr()
+    columns = [0]
+    for w in widths[:-1]:
+        columns.append(columns[-1] + w)
+    rows = [
+        [_address(t, device) - base for t in src] if src is not None else [0] * num,
+        [_address(t, device) - base for t in dst] if dst is not None else [0] * num,
+        [t.stride(0) for t in src] if src is not None else [0] * num,
+        [t.stride(0) for t in dst] if dst is not None else [0] * num,
+        widths,
+        columns,
+    ]
+    values = [v for row in rows for v in row]
+    table.copy_(torch.tensor(values, dtype=torch.int64))
+    # Offsets from the table: their alignment is what the kernel's address math inherits.
+    _tables[key] = (table, _alignment(values))
+    return _tables[key]
+
+
+def _alignment(values: Sequence[int]) -> int:
+    """Largest power of two, at most 16, that divides every value."""
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    return 16 if g == 0 else min(16, g & -g)
+
+
+def block_copy(
+    src: Sequence[torch.Tensor] | torch.Tensor,
+    dst: Sequence[torch.Tensor] | torch.Tensor,
+    src_ids: torch.Tensor | None,
+    dst_ids: torch.Tensor | None,
+    num_pairs: int,
+    errors: torch.Tensor,
+    *,
+    num_programs: int = NUM_PROGRAMS,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """Launch the block-copy kernel on the current stream. Arguments are trusted (validated by the op).
+
+    ``src`` and ``dst`` are each a list of uint8 regions ``[num_blocks, block_bytes]`` or one packed
+    uint8 buffer ``[num_pairs, sum(block_bytes)]`` (then its ids are ``None``: pair i is row i).
+    The kernel runs on ``errors.device``; host-memory sides must be page-locked.
+    """
+    if num_pairs == 0:
+        return
+    device = errors.device
+    src_packed, dst_packed = isinstance(src, torch.Tensor), isinstance(dst, torch.Tensor)
+    regions = dst if src_packed else src
+    widths = [r.shape[1] for r in regions]
+    if device.type == "cpu" and not _interpreting():
+        raise RuntimeError("kv_ops.kernels.block_copy runs on CPU tensors only under TRITON_INTERPRET=1")
+    table, align = _geometry_table(device, None if src_packed else src, None if dst_packed else dst, widths)
+    anchor = table.view(torch.uint8)
+    packed = src if src_packed else dst if dst_packed else anchor  # copy never reads it
+    packed_stride = packed.stride(0) if (src_packed or dst_packed) else 0
+    src_limit = num_pairs if src_packed else min(r.shape[0] for r in src)
+    dst_limit = num_pairs if dst_packed else min(r.shape[0] for r in dst)
+
+    if src_packed or dst_packed:
+        align = min(align, _alignment([_address(packed, device), packed_stride]))
+    cols = min(tile_bytes, triton.next_power_of_2(max(1, min(widths))))
+    rows = max(1, tile_bytes // cols)
+    tiles = sum(-(-num_pairs * -(-w // cols) // rows) for w in widths)
+    grid = (max(1, min(num_programs, tiles)),)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _block_copy_kernel[grid](
+            table,
+            anchor,
+            packed,
+            packed_stride,
+            len(widths),
+            src_ids if src_ids is not None else table,
+            dst_ids if dst_ids is not None else table,
+            num_pairs,
+            src_limit,
+            dst_limit,
+            errors,
+            COLS=cols,
+            ROWS=rows,
+            ALIGN=align,
+            SRC_PACKED=src_packed,
+            DST_PACKED=dst_packed,
+            LANES=CHECK_LANES,
+            num_warps=num_warps,
+        )
+
+
+__all__ = ["block_copy", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]

@@ -1,0 +1,65 @@
+"""Pure-torch block copies: the CPU implementation of the ops and the oracle the tests use.
+
+Each function moves the same bytes as its Triton kernel, including the rule for invalid pairs:
+a pair whose source or destination id lies outside ``[0, num_blocks)`` is skipped in every
+region and counted, never wrapped around the way negative indices would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def in_range(ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Boolean mask of the ids that name a block of a region with ``num_blocks`` blocks."""
+    return (ids >= 0) & (ids < num_blocks)
+
+
+def num_blocks(regions: Sequence[torch.Tensor]) -> int:
+    """Blocks that an id may address in every one of ``regions``."""
+    return min(r.shape[0] for r in regions)
+
+
+def copy_blocks(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> int:
+    """``dst[r][dst_ids[i]] = src[r][src_ids[i]]`` for every region r and valid pair i.
+
+    Returns the number of skipped (invalid) pairs.
+    """
+    ok = in_range(src_ids, num_blocks(src)) & in_range(dst_ids, num_blocks(dst))
+    s, d = src_ids[ok].long(), dst_ids[ok].long()
+    for a, b in zip(src, dst):
+        b[d.to(b.device)] = a[s.to(a.device)].to(b.device)
+    return int((~ok).sum())
+
+
+def gather_blocks(regions: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> int:
+    """``out[i] = concat_r regions[r][ids[i]]``; rows of invalid ids are left untouched."""
+    ok = in_range(ids, num_blocks(regions))
+    rows = torch.nonzero(ok).flatten().to(out.device)
+    s = ids[ok].long()
+    col = 0
+    for region in regions:
+        width = region.shape[1]
+        out[rows, col : col + width] = region[s.to(region.device)].to(out.device)
+        col += width
+    return int((~ok).sum())
+
+
+def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Sequence[torch.Tensor]) -> int:
+    """``regions[r][ids[i]] = packed[i, cols of r]``: the inverse of :func:`gather_blocks`."""
+    ok = in_range(ids, num_blocks(regions))
+    rows = torch.nonzero(ok).flatten().to(packed.device)
+    d = ids[ok].long()
+    col = 0
+    for region in regions:
+        width = region.shape[1]
+        region[d.to(region.device)] = packed[rows, col : col + width].to(region.device)
+        col += width
+    return int((~ok).sum())
+
+
+__all__ = ["in_range", "num_blocks", "copy_blocks", "gather_blocks", "scatter_blocks"]

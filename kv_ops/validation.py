@@ -1,0 +1,196 @@
+"""What the block ops do with bad input: eager checks, and the counter of skipped pairs.
+
+Two layers of defence:
+
+* In eager mode every op checks its arguments before a byte moves and raises ``ValueError``
+  naming the offending value. Shape, dtype and device checks read only metadata and always run.
+  Id checks (range, duplicate destinations) read the id values, which for CUDA ids costs one
+  device-to-host sync; they can be turned off for hot paths with :func:`set_id_checks`, and are
+  skipped while a CUDA graph is being captured, where a sync is illegal.
+* The kernels themselves never trust an id: a pair with an id outside ``[0, num_blocks)`` is
+  skipped in every region and counted in a per-device counter that :func:`error_count` reads.
+  That is what protects compiled and captured graphs, whose ids change after the checks ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+_id_checks = True
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def set_id_checks(enabled: bool) -> bool:
+    """Turn the eager id checks on or off for every op; returns the previous setting.
+
+    Examples
+    --------
+    >>> previous = kv_ops.set_id_checks(False)   # hot path: trust the scheduler's ids
+    """
+    global _id_checks
+    previous, _id_checks = _id_checks, bool(enabled)
+    return previous
+
+
+@contextlib.contextmanager
+def id_checks(enabled: bool):
+    """Context manager form of :func:`set_id_checks`."""
+    previous = set_id_checks(enabled)
+    try:
+        yield
+    finally:
+        set_id_checks(previous)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def should_check_ids(device: torch.device) -> bool:
+    """Whether an op running now on ``device`` checks id values (needs a host sync on CUDA)."""
+    return _id_checks and not _capturing(device)
+
+
+def _normalize(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def error_counter(device: torch.device | str | int | None = None) -> torch.Tensor:
+    """The int64 ``[1]`` tensor in which kernels on ``device`` count skipped pairs.
+
+    The tensor lives for the whole process, so a captured graph may hold its address. Create it
+    (any op's warm-up does) before capturing a graph; creating it during capture would record
+    its zero-fill into the graph.
+    """
+    device = _normalize(device)
+    counter = _counters.get(device)
+    if counter is None:
+        if _capturing(device):
+            raise RuntimeError(
+                f"kv_ops: the error counter for {device} does not exist yet; run the op once (warm-up) "
+                "or call kv_ops.error_counter(device) before capturing a CUDA graph"
+            )
+        counter = _counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return counter
+
+
+def error_count(device: torch.device | str | int | None = None) -> int:
+    """Pairs skipped so far on ``device`` because an id was out of range (syncs the device)."""
+    return int(error_counter(device).item())
+
+
+def reset_error_count(device: torch.device | str | int | None = None) -> None:
+    """Set the counter of ``device`` to zero (stream-ordered on CUDA)."""
+    error_counter(device).zero_()
+
+
+# --- metadata checks (always on) -----------------------------------------------------------------
+
+
+def check_regions(op: str, what: str, regions: Sequence[torch.Tensor]) -> None:
+    """Every region is a 2-D uint8 view whose rows are contiguous and do not overlap."""
+    if len(regions) == 0:
+        raise ValueError(f"{op}: {what} is an empty list of regions")
+    for i, r in enumerate(regions):
+        if r.dtype != torch.uint8 or r.dim() != 2:
+            raise ValueError(
+                f"{op}: {what}[{i}] must be a 2-D uint8 region [num_blocks, block_bytes], got {r.dtype} {tuple(r.shape)}"
+            )
+        if r.shape[1] > 1 and r.stride(1) != 1:
+            raise ValueError(f"{op}: {what}[{i}] has byte stride {r.stride(1)}; block bytes must be contiguous")
+        if r.shape[0] > 1 and r.stride(0) < r.shape[1]:
+            raise ValueError(
+                f"{op}: {what}[{i}] blocks overlap: block stride {r.stride(0)} < block bytes {r.shape[1]}"
+            )
+
+
+def check_ids_meta(op: str, what: str, ids: torch.Tensor, length: int | None = None) -> None:
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+        raise ValueError(f"{op}: {what} must be a 1-D int32 or int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if length is not None and ids.shape[0] != length:
+        raise ValueError(f"{op}: {what} has {ids.shape[0]} ids, expected {length}")
+
+
+def check_widths(op: str, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
+    if len(src) != len(dst):
+        raise ValueError(f"{op}: {len(src)} source regions but {len(dst)} destination regions")
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if a.shape[1] != b.shape[1]:
+            raise ValueError(f"{op}: region pair {i} has block sizes {a.shape[1]} (src) and {b.shape[1]} (dst)")
+
+
+def check_packed(op: str, what: str, packed: torch.Tensor, rows: int, width: int) -> None:
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or tuple(packed.shape) != (rows, width):
+        raise ValueError(
+            f"{op}: {what} must be uint8 of shape ({rows}, {width}) = (ids, sum of block bytes), "
+            f"got {packed.dtype} {tuple(packed.shape)}"
+        )
+    if width > 1 and packed.stride(1) != 1:
+        raise ValueError(f"{op}: {what} must have contiguous rows, got strides {packed.stride()}")
+
+
+def check_devices(op: str, device: torch.device, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Tensors must sit on ``device``; on the CUDA path, host (CPU) tensors are also accepted."""
+    for what, t in named:
+        if t.device == device or (device.type == "cuda" and t.device.type == "cpu" and not what.endswith("ids")):
+            continue
+        raise ValueError(f"{op}: {what} is on {t.device}, but this call runs on {device}")
+
+
+# --- value checks (eager, switchable) ------------------------------------------------------------
+
+
+def check_ids_values(op: str, what: str, ids: torch.Tensor, limit: int, unique: bool = False) -> None:
+    """Every id lies in ``[0, limit)``; with ``unique``, no id repeats. One host sync."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= limit)
+    flags = [bad.any()]
+    if unique:
+        ordered = ids.sort().values
+        flags.append((ordered[1:] == ordered[:-1]).any())
+    found = torch.stack(flags).tolist()
+    if found[0]:
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{op}: {what}[{i}] = {int(ids[i])} is outside [0, {limit})")
+    if unique and found[1]:
+        values, counts = ids.unique(return_counts=True)
+        dup = int(values[counts > 1][0])
+        where = (ids == dup).nonzero().flatten().tolist()
+        raise ValueError(f"{op}: {what} names block {dup} more than once (positions {where[:4]})")
+
+
+def check_disjoint_ids(op: str, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """For a copy within one region: no block is both read and written (the order would race)."""
+    both = torch.isin(dst_ids, src_ids)
+    if bool(both.any()):
+        i = int(both.nonzero()[0])
+        raise ValueError(
+            f"{op}: block {int(dst_ids[i])} is both a source and a destination (dst_ids[{i}]) of a copy "
+            "within the same region"
+        )
+
+
+__all__ = [
+    "set_id_checks",
+    "id_checks",
+    "should_check_ids",
+    "error_counter",
+    "error_count",
+    "reset_error_count",
+    "check_regions",
+    "check_ids_meta",
+    "check_widths",
+    "check_packed",
+    "check_devices",
+    "check_ids_values",
+    "check_disjoint_ids",
+]

@@ -1,0 +1,292 @@
+"""Property tests: regions resolved from specs or inferred from shapes hold exactly the bytes the
+layout places in each block. The oracle is plain indexing of a typed tensor laid over the same
+storage; random bytes make every misplaced byte show."""
+
+import pytest
+import torch
+from byte_checks import as_bytes, assert_inside_and_disjoint, storage_range
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kv_ops
+from kv_ops import KVCacheTensorSpec, infer_regions, resolve_regions
+
+DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+def random_storage(nbytes: int) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+
+
+def typed_view(raw: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    size = n * dtype.itemsize
+    return raw[offset : offset + size].view(dtype).view(shape)
+
+
+@st.composite
+def block_shape(draw):
+    """Per-block element shape (page, heads, head_dim) and dtype."""
+    return (
+        (draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 8))),
+        draw(st.sampled_from(DTYPES)),
+    )
+
+
+# --- resolve_regions -----------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    layers=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    num_blocks=st.integers(1, 6),
+    block=block_shape(),
+    offset_elems=st.integers(0, 5),
+    tail=st.integers(0, 9),
+)
+def test_layer_outermost_regions_hold_each_layer_group_block(layers, groups, num_blocks, block, offset_elems, tail):
+    inner, dtype = block
+    es = dtype.itemsize
+    offset = offset_elems * es
+    block_stride = es * inner[0] * inner[1] * inner[2]
+    raw = random_storage(offset + layers * groups * num_blocks * block_stride + tail)
+    typed = typed_view(raw, offset, dtype, (layers, groups, num_blocks, *inner))
+    names = [f"model.layers.{l}.attn" for l in range(layers)]
+    kv = {name: typed[l] for l, name in enumerate(names)}
+    spec = KVCacheTensorSpec(names, block_stride, groups * num_blocks * block_stride, offset)
+
+    regions = resolve_regions(kv, [spec], num_blocks)
+
+    expected = {n if groups == 1 else f"{n}.{g}" for n in names for g in range(groups)}
+    assert set(regions) == expected
+    for l, name in enumerate(names):
+        for g in range(groups):
+            region = regions[name if groups == 1 else f"{name}.{g}"]
+            assert region.dtype == torch.uint8 and tuple(region.shape) == (num_blocks, block_stride)
+            for b in range(num_blocks):
+                assert torch.equal(region[b], as_bytes(typed[l, g, b]))
+    assert_inside_and_disjoint(regions, [storage_range(raw)])
+
+
+@SETTINGS
+@given(
+    layers=st.integers(1, 4),
+    num_blocks=st.integers(1, 6),
+    block=block_shape(),
+    offset_elems=st.integers(0, 5),
+    tail=st.integers(0, 9),
+)
+def test_cross_layer_region_block_spans_all_layers(layers, num_blocks, block, offset_elems, tail):
+    inner, dtype = block
+    es = dtype.itemsize
+    offset = offset_elems * es
+    layer_bytes = es * inner[0] * inner[1] * inner[2]
+    raw = random_storage(offset + num_blocks * layers * layer_bytes + tail)
+    typed = typed_view(raw, offset, dtype, (num_blocks, layers, *inner))
+    names = [f"l{l}" for l in range(layers)]
+    kv = {name: typed[:, l] for l, name in enumerate(names)}
+    spec = KVCacheTensorSpec(names, block_stride=layers * layer_bytes, layer_stride=layer_bytes, offset=offset)
+
+    regions = resolve_regions(kv, [spec], num_blocks)
+
+    assert list(regions) == ["l0"]
+    for b in range(num_blocks):
+        assert torch.equal(regions["l0"][b], as_bytes(typed[b]))
+    assert_inside_and_disjoint(regions, [storage_range(raw)])
+
+
+@SETTINGS
+@given(
+    num_blocks=st.integers(1, 5),
+    a=block_shape(),
+    b=block_shape(),
+    gap_elems=st.integers(0, 4),
+)
+def test_specs_sharing_one_storage_with_different_block_sizes(num_blocks, a, b, gap_elems):
+    (inner_a, dtype_a), (inner_b, dtype_b) = a, b
+    bytes_a = dtype_a.itemsize * inner_a[0] * inner_a[1] * inner_a[2]
+    bytes_b = dtype_b.itemsize * inner_b[0] * inner_b[1] * inner_b[2]
+    # Two layers of each kind, K/V-first, placed one after the other in one allocation.
+    size_a = 2 * 2 * num_blocks * bytes_a
+    offset_b = -(-size_a // 8) * 8 + gap_elems * 8  # multiples of 8 keep every dtype aligned
+    raw = random_storage(offset_b + 2 * 2 * num_blocks * bytes_b)
+    ta = typed_view(raw, 0, dtype_a, (2, 2, num_blocks, *inner_a))
+    tb = typed_view(raw, offset_b, dtype_b, (2, 2, num_blocks, *inner_b))
+    kv = {"a0": ta[0], "a1": ta[1], "b0": tb[0], "b1": tb[1]}
+    specs = [
+        KVCacheTensorSpec(["a0", "a1"], bytes_a, 2 * num_blocks * bytes_a, 0),
+        KVCacheTensorSpec(["b0", "b1"], bytes_b, 2 * num_blocks * bytes_b, offset_b),
+    ]
+
+    regions = resolve_regions(kv, specs, num_blocks)
+
+    assert sorted(regions) == ["a0.0", "a0.1", "a1.0", "a1.1", "b0.0", "b0.1", "b1.0", "b1.1"]
+    for prefix, typed, width in (("a", ta, bytes_a), ("b", tb, bytes_b)):
+        for l in range(2):
+            for g in range(2):
+                region = regions[f"{prefix}{l}.{g}"]
+                assert region.shape[1] == width
+                for blk in range(num_blocks):
+                    assert torch.equal(region[blk], as_bytes(typed[l, g, blk]))
+    assert kv_ops.block_bytes(regions) == 4 * (bytes_a + bytes_b)
+    assert_inside_and_disjoint(regions, [storage_range(raw)])
+
+
+@SETTINGS
+@given(num_blocks=st.integers(1, 6), block=block_shape())
+def test_same_spec_on_aliased_tensors_yields_one_region(num_blocks, block):
+    inner, dtype = block
+    block_stride = dtype.itemsize * inner[0] * inner[1] * inner[2]
+    raw = random_storage(num_blocks * block_stride)
+    t = typed_view(raw, 0, dtype, (num_blocks, *inner))
+    kv = {"shared_a": t, "shared_b": t.view(num_blocks, -1)}  # two layers, one cache (KV sharing)
+    specs = [KVCacheTensorSpec([name], block_stride, num_blocks * block_stride) for name in kv]
+
+    regions = resolve_regions(kv, specs, num_blocks)
+
+    assert list(regions) == ["shared_a"]
+    for b in range(num_blocks):
+        assert torch.equal(regions["shared_a"][b], as_bytes(t[b]))
+
+
+def test_spec_past_the_end_of_its_storage_names_layer_and_numbers():
+    raw = random_storage(1000)
+    with pytest.raises(ValueError, match=r"layer 'l0'.*places 1024 bytes at offset 8.*1000 bytes"):
+        resolve_regions({"l0": raw}, [KVCacheTensorSpec(["l0"], 128, 1024, offset=8)], 8)
+
+
+def test_layer_stride_that_is_not_whole_regions_is_rejected():
+    raw = random_storage(4096)
+    with pytest.raises(ValueError, match=r"layer 'l0': layer_stride 1100 is not a whole number.*1024 bytes"):
+        resolve_regions({"l0": raw}, [KVCacheTensorSpec(["l0", "l1"], 128, 1100)], 8)
+
+
+def test_cross_layer_layers_that_overflow_the_block_are_rejected():
+    raw = random_storage(4096)
+    with pytest.raises(ValueError, match=r"layer 'l2'.*3 layers x layer_stride 48 = 144 bytes.*block of 128"):
+        resolve_regions({"l0": raw}, [KVCacheTensorSpec(["l0", "l1", "l2"], 128, 48)], 8)
+
+
+def test_overlapping_specs_are_rejected():
+    raw = random_storage(4096)
+    specs = [KVCacheTensorSpec(["a"], 128, 1024, 0), KVCacheTensorSpec(["b"], 64, 512, 512)]
+    with pytest.raises(ValueError, match=r"regions 'a' and 'b' overlap"):
+        resolve_regions({"a": raw, "b": raw}, specs, 8)
+
+
+def test_spec_without_any_known_layer_lists_the_keys():
+    with pytest.raises(ValueError, match=r"names no tensor in kv_caches \(keys: \['x'\]\)"):
+        resolve_regions({"x": random_storage(64)}, [KVCacheTensorSpec(["y"], 8, 64)], 8)
+
+
+def test_spec_layers_on_different_storages_are_rejected():
+    kv = {"a": random_storage(1024), "b": random_storage(1024)}
+    with pytest.raises(ValueError, match="do not share one storage"):
+        resolve_regions(kv, [KVCacheTensorSpec(["a", "b"], 64, 512)], 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(layers=[], block_stride=8, layer_stride=8), "non-empty"),
+        (dict(layers=["a", "a"], block_stride=8, layer_stride=8), "distinct"),
+        (dict(layers=["a"], block_stride=0, layer_stride=8), "block_stride 0"),
+        (dict(layers=["a", "b"], block_stride=8, layer_stride=0), "layer_stride 0"),
+        (dict(layers=["a"], block_stride=8, layer_stride=8, offset=-1), "offset -1"),
+    ],
+    ids=["no-layers", "repeated-layer", "zero-block-stride", "zero-layer-stride", "negative-offset"],
+)
+def test_spec_rejects_bad_numbers(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheTensorSpec(**kwargs)
+
+
+# --- infer_regions -------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    layout=st.sampled_from(["kv_first", "kv_first_hnd", "blocks_first_kv", "mla"]),
+    layers=st.integers(1, 3),
+    num_blocks=st.integers(3, 6),
+    block=block_shape(),
+    offset_elems=st.integers(0, 3),
+)
+def test_infer_per_layer_layouts(layout, layers, num_blocks, block, offset_elems):
+    (page, heads, dim), dtype = block
+    kv, expected = {}, {}
+    storages = []
+    for l in range(layers):
+        name = f"layer{l}"
+        if layout == "mla":
+            base_shape = (num_blocks, page, heads * dim)
+        elif layout == "blocks_first_kv":
+            base_shape = (num_blocks, 2, page, heads, dim)
+        elif layout == "kv_first":
+            base_shape = (2, num_blocks, page, heads, dim)
+        else:  # HND in storage, seen as NHD: the block's dims are permuted, still one dense span
+            base_shape = (2, num_blocks, heads, page, dim)
+        n = 1
+        for s in base_shape:
+            n *= s
+        raw = random_storage((offset_elems + n) * dtype.itemsize + 5)
+        storages.append(storage_range(raw))
+        base = typed_view(raw, offset_elems * dtype.itemsize, dtype, base_shape)
+        kv[name] = base.transpose(2, 3) if layout == "kv_first_hnd" else base
+        if layout.startswith("kv_first"):
+            for g in range(2):
+                expected[f"{name}.{g}"] = [as_bytes(base[g, b]) for b in range(num_blocks)]
+        else:
+            expected[name] = [as_bytes(base[b]) for b in range(num_blocks)]
+
+    regions = infer_regions(kv, num_blocks)
+
+    assert list(regions) == list(expected)
+    for name, blocks in expected.items():
+        for b, want in enumerate(blocks):
+            assert torch.equal(regions[name][b], want)
+    assert_inside_and_disjoint(regions, storages)
+
+
+@SETTINGS
+@given(
+    layers=st.integers(2, 4),
+    num_blocks=st.integers(3, 6),
+    block=block_shape(),
+    per_layer_views=st.booleans(),
+)
+def test_infer_cross_layer_gives_one_region_spanning_all_layers(layers, num_blocks, block, per_layer_views):
+    (page, heads, dim), dtype = block
+    raw = random_storage(num_blocks * layers * page * heads * dim * dtype.itemsize)
+    t = typed_view(raw, 0, dtype, (num_blocks, layers, page, heads, dim))
+    # Either every layer maps to the whole cross-layer tensor, or each to its own slice t[:, l],
+    # whose per-layer regions interleave per block and are merged back into one.
+    kv = {f"l{l}": (t[:, l] if per_layer_views else t) for l in range(layers)}
+
+    regions = infer_regions(kv, num_blocks)
+
+    assert list(regions) == ["l0"]
+    assert regions["l0"].shape[1] == layers * page * heads * dim * dtype.itemsize
+    for b in range(num_blocks):
+        assert torch.equal(regions["l0"][b], as_bytes(t[b]))
+
+
+@pytest.mark.parametrize(
+    "shape, make, message",
+    [
+        ((5, 4, 8), lambda t: t, "no block axis of size 6"),
+        ((2, 2, 4, 8), lambda t: t, "ambiguous"),
+        ((6, 4, 8), lambda t: t[:, :, :4], "not one contiguous byte span"),
+        ((6, 4, 8), lambda t: t.as_strided((6, 4, 8), (16, 8, 1)), "blocks overlap"),
+    ],
+    ids=["no-block-axis", "ambiguous-two-blocks", "block-not-dense", "overlapping-blocks"],
+)
+def test_infer_rejects_other_layouts_with_an_explanation(shape, make, message):
+    num_blocks = 2 if shape[0] == 2 and shape[1] == 2 else 6
+    t = make(torch.randn(shape))
+    with pytest.raises(ValueError, match=message):
+        infer_regions({"layer": t}, num_blocks)

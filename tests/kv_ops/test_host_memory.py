@@ -1,0 +1,79 @@
+"""pinned_empty and device_view: exact sizes, real page-locking, and zero-copy aliasing."""
+
+import warnings
+
+import pytest
+import torch
+
+import kv_ops
+from kv_ops import host_memory
+
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5000), torch.uint8), ((7,), torch.float32), ((0, 4), torch.uint8)],
+                         ids=["bytes-2d", "float-1d", "empty"])
+def test_pinned_empty_has_exactly_the_requested_bytes(shape, dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = kv_ops.pinned_empty(shape, dtype)
+    assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    fill = torch.randint(0, 100, shape).to(dtype)
+    t.copy_(fill)
+    assert torch.equal(t, fill)
+
+
+def test_pinned_empty_rejects_negative_sizes():
+    with pytest.raises(ValueError, match=r"negative dimension in size \(4, -1\)"):
+        kv_ops.pinned_empty((4, -1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_without_cuda_pinned_empty_warns_once_and_returns_plain_memory(monkeypatch):
+    monkeypatch.setattr(host_memory, "_warned_no_cuda", False)
+    with pytest.warns(RuntimeWarning, match="CUDA is not available"):
+        a = kv_ops.pinned_empty(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise here
+        b = kv_ops.pinned_empty(16)
+    assert a.device.type == b.device.type == "cpu" and not a.is_pinned()
+
+
+@gpu
+def test_pinned_empty_is_page_locked_and_not_rounded_up():
+    nbytes = 100 * 4096 + 123  # far from a power of two
+    t = kv_ops.pinned_empty(nbytes)
+    assert t.is_pinned()
+    assert t.untyped_storage().nbytes() == nbytes
+    assert t.data_ptr() % 4096 == 0
+
+
+@gpu
+def test_device_view_aliases_host_memory_both_ways():
+    host = kv_ops.pinned_empty((64, 1024))
+    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+    view = kv_ops.device_view(host)
+    assert view.device.type == "cuda" and view.shape == host.shape
+    assert torch.equal(view.cpu(), host)  # the GPU reads host bytes
+    fresh = torch.randint(0, 256, host.shape, dtype=torch.uint8, device="cuda")
+    view.copy_(fresh)  # a GPU kernel writes through the view
+    torch.cuda.synchronize()
+    assert torch.equal(host, fresh.cpu())
+
+
+@gpu
+def test_memory_is_unregistered_when_the_last_view_dies():
+    from cuda.bindings import driver
+
+    t = kv_ops.pinned_empty(1 << 20)
+    view = t[10:20]
+    address = t.data_ptr()
+    del t
+    assert view.is_pinned()  # a view keeps the registration alive
+    del view
+    import gc
+
+    gc.collect()
+    err, _ = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER, address)
+    assert err != driver.CUresult.CUDA_SUCCESS

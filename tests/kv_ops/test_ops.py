@@ -1,0 +1,198 @@
+"""The public ops: results against the reference, and bad input rejected before any byte moves.
+
+These run the CPU implementation everywhere and, with a GPU, the CUDA one too (GPU regions and
+page-locked host regions: the zero-copy path).
+"""
+
+import pytest
+import torch
+from byte_checks import assert_same_storages, clone_views, host_regions, make_regions, random_bytes
+
+import kv_ops
+from kv_ops import reference
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+# Where the two sides live: "cpu" (CPU op), "gpu" (GPU regions), "host" (page-locked host
+# regions driven by the GPU kernel). Ids live on the kernel's device.
+PLACEMENTS = [
+    pytest.param("cpu", "cpu", id="cpu-to-cpu"),
+    pytest.param("gpu", "host", id="gpu-to-host", marks=gpu),
+    pytest.param("host", "gpu", id="host-to-gpu", marks=gpu),
+    pytest.param("gpu", "gpu", id="gpu-to-gpu", marks=gpu),
+]
+
+
+def regions_on(place, widths, num_blocks, gen):
+    if place == "host":
+        return host_regions(widths, num_blocks, gen)
+    return make_regions(widths, num_blocks, "cuda" if place == "gpu" else "cpu", strided=True, generator=gen)
+
+
+def ids_device(*places):
+    return "cpu" if set(places) == {"cpu"} else "cuda"
+
+
+@pytest.mark.parametrize("src_place, dst_place", PLACEMENTS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_copy_blocks_matches_reference(src_place, dst_place, seed):
+    gen = torch.Generator().manual_seed(seed)
+    widths = [4096, 1024, 80]
+    src = regions_on(src_place, widths, 40, gen)
+    dst = regions_on(dst_place, widths, 30, gen)
+    src_ids = torch.randint(0, 40, (17,), generator=gen)
+    dst_ids = torch.randperm(30, generator=gen)[:17]
+    want = clone_views(dst)
+    reference.copy_blocks(src, want, src_ids, dst_ids)
+
+    dev = ids_device(src_place, dst_place)
+    kv_ops.copy_blocks(src, dst, src_ids.to(dev), dst_ids.to(dev))
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert_same_storages(dst, want)
+
+
+@pytest.mark.parametrize("region_place, packed_place", PLACEMENTS)
+def test_gather_then_scatter_round_trips(region_place, packed_place):
+    gen = torch.Generator().manual_seed(5)
+    widths = [2048, 512, 12]
+    regions = regions_on(region_place, widths, 24, gen)
+    ids = torch.randperm(24, generator=gen)[:9]
+    dev = ids_device(region_place, packed_place)
+    packed = random_bytes((9, sum(widths)), generator=gen)
+    if packed_place == "host":
+        packed = kv_ops.pinned_empty(packed.shape).copy_(packed)
+    elif packed_place == "gpu":
+        packed = packed.cuda()
+    (want,) = clone_views([packed])
+    reference.gather_blocks(regions, ids, want)
+
+    kv_ops.gather_blocks(regions, ids.to(dev), packed)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert_same_storages([packed], [want])
+
+    # Scatter the packed rows into other blocks, then compare with the reference's scatter.
+    new_ids = torch.randperm(24, generator=gen)[:9]
+    want_regions = clone_views(regions)
+    reference.scatter_blocks(packed, new_ids, want_regions)
+    kv_ops.scatter_blocks(packed, new_ids.to(dev), regions)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    assert_same_storages(regions, want_regions)
+
+
+def test_mappings_pair_by_name():
+    gen = torch.Generator().manual_seed(3)
+    src = dict(zip(["k", "v"], make_regions([64, 32], 8, generator=gen)))
+    dst = dict(zip(["k", "v"], make_regions([64, 32], 8, generator=gen)))
+    kv_ops.copy_blocks(src, dst, torch.tensor([1, 2]), torch.tensor([5, 6]))
+    assert torch.equal(dst["k"][5], src["k"][1]) and torch.equal(dst["v"][6], src["v"][2])
+    with pytest.raises(ValueError, match=r"src and dst name different regions: \['k', 'v'\] vs \['v', 'k'\]"):
+        kv_ops.copy_blocks(src, {"v": dst["v"], "k": dst["k"]}, torch.tensor([1]), torch.tensor([2]))
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def bad_copy_cases():
+    """(id, call(src, dst) -> None, message): each call is wrong in exactly one way."""
+    t = torch.tensor
+    return [
+        ("src-id-too-large", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 9]), t([0, 1])), r"src_ids\[1\] = 9 is outside \[0, 8\)"),
+        ("dst-id-negative", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1]), t([2, -1])), r"dst_ids\[1\] = -1 is outside \[0, 6\)"),
+        ("dst-id-repeated", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1, 2]), t([4, 3, 4])), r"dst_ids names block 4 more than once"),
+        ("ids-length", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1]), t([2])), r"dst_ids has 1 ids, expected 2"),
+        ("ids-float", lambda s, d: kv_ops.copy_blocks(s, d, t([0.0]), t([1])), r"src_ids must be a 1-D int32 or int64"),
+        ("ids-2d", lambda s, d: kv_ops.copy_blocks(s, d, t([[0]]), t([1])), r"src_ids must be a 1-D int32 or int64"),
+        ("width-mismatch", lambda s, d: kv_ops.copy_blocks(s, [d[0], d[1][:, :8]], t([0]), t([1])), r"region pair 1 has block sizes 16 \(src\) and 8 \(dst\)"),
+        ("region-count", lambda s, d: kv_ops.copy_blocks(s, d[:1], t([0]), t([1])), r"2 source regions but 1 destination"),
+        ("region-dtype", lambda s, d: kv_ops.copy_blocks(s, [d[0].view(torch.int16), d[1]], t([0]), t([1])), r"dst\[0\] must be a 2-D uint8 region"),
+        ("region-3d", lambda s, d: kv_ops.copy_blocks([s[0].view(8, 4, 8), s[1]], d, t([0]), t([1])), r"src\[0\] must be a 2-D uint8 region"),
+        ("same-region-overlap", lambda s, d: kv_ops.copy_blocks(s, s, t([0, 1]), t([1, 2])), r"block 1 is both a source and a destination"),
+    ]
+
+
+@pytest.mark.parametrize("case", bad_copy_cases(), ids=lambda c: c[0])
+def test_bad_copy_raises_before_any_byte_moves(case):
+    _, call, message = case
+    gen = torch.Generator().manual_seed(11)
+    src = make_regions([32, 16], 8, generator=gen)
+    dst = make_regions([32, 16], 6, generator=gen)
+    before = clone_views(dst + src)
+    with pytest.raises(ValueError, match=message):
+        call(src, dst)
+    assert_same_storages(dst + src, before)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda r, ids: kv_ops.gather_blocks(r, ids, torch.empty(3, 40, dtype=torch.uint8)), r"out must be uint8 of shape \(3, 48\)"),
+        (lambda r, ids: kv_ops.gather_blocks(r, ids, torch.empty(3, 48)), r"out must be uint8"),
+        (lambda r, ids: kv_ops.gather_blocks(r, torch.tensor([0, 8, 1]), torch.empty(3, 48, dtype=torch.uint8)), r"ids\[1\] = 8 is outside \[0, 8\)"),
+        (lambda r, ids: kv_ops.scatter_blocks(torch.empty(3, 48, dtype=torch.uint8), torch.tensor([1, 1, 2]), r), r"ids names block 1 more than once"),
+        (lambda r, ids: kv_ops.scatter_blocks(torch.empty(2, 48, dtype=torch.uint8), ids, r), r"packed must be uint8 of shape \(3, 48\)"),
+    ],
+    ids=["gather-out-width", "gather-out-dtype", "gather-id-range", "scatter-repeated-id", "scatter-packed-rows"],
+)
+def test_bad_gather_scatter_raise_before_any_byte_moves(call, message):
+    regions = make_regions([32, 16], 8, generator=torch.Generator().manual_seed(2))
+    before = clone_views(regions)
+    with pytest.raises(ValueError, match=message):
+        call(regions, torch.tensor([0, 1, 2]))
+    assert_same_storages(regions, before)
+
+
+def test_with_id_checks_off_invalid_pairs_are_skipped_and_counted():
+    gen = torch.Generator().manual_seed(4)
+    src = make_regions([32, 16], 8, generator=gen)
+    dst = make_regions([32, 16], 6, generator=gen)
+    src_ids, dst_ids = torch.tensor([1, 50, 2, 3]), torch.tensor([0, 1, -2, 5])
+    want = clone_views(dst)
+    reference.copy_blocks(src, want, src_ids, dst_ids)  # moves pairs 0 and 3 only
+    kv_ops.reset_error_count("cpu")
+    with kv_ops.id_checks(False):
+        kv_ops.copy_blocks(src, dst, src_ids, dst_ids)
+    assert_same_storages(dst, want)
+    assert torch.equal(dst[0][0], src[0][1]) and torch.equal(dst[1][5], src[1][3])
+    assert kv_ops.error_count("cpu") == 2
+    kv_ops.reset_error_count("cpu")
+    assert kv_ops.error_count("cpu") == 0
+
+
+@gpu
+def test_gpu_call_with_ids_on_the_host_names_the_device():
+    src = make_regions([64], 8, "cuda")
+    dst = make_regions([64], 8, "cuda")
+    with pytest.raises(ValueError, match=r"src_ids is on cpu, but this call runs on cuda:0"):
+        kv_ops.copy_blocks(src, dst, torch.tensor([0]), torch.tensor([1]).cuda())
+
+
+@gpu
+def test_gpu_rejects_pageable_host_region():
+    src = make_regions([64], 8, "cuda")
+    pageable = make_regions([64], 8, "cpu")
+    ids = torch.tensor([0, 1], device="cuda")
+    with pytest.raises(ValueError, match="not page-locked memory"):
+        kv_ops.copy_blocks(src, pageable, ids, ids)
+
+
+@gpu
+def test_gpu_invalid_ids_with_checks_off_are_skipped_counted_and_write_nothing_outside():
+    gen = torch.Generator().manual_seed(8)
+    src = make_regions([4096, 100], 16, "cuda", strided=True, generator=gen)
+    dst = host_regions([4096, 100], 12, gen)
+    src_ids = torch.tensor([3, 16, 5, -1, 7])
+    dst_ids = torch.tensor([0, 1, 12, 4, 11])
+    want = clone_views(dst)
+    reference.copy_blocks(src, want, src_ids, dst_ids)
+    kv_ops.reset_error_count("cuda")
+    with kv_ops.id_checks(False):
+        kv_ops.copy_blocks(src, dst, src_ids.cuda(), dst_ids.cuda())
+    torch.cuda.synchronize()
+    assert_same_storages(dst, want)
+    assert kv_ops.error_count("cuda") == 3
