@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_memory import alias_bytes
+
 
 @dataclass(frozen=True)
 class KVCacheTensorSpec:
@@ -57,9 +59,25 @@ class KVCacheTensorSpec:
             raise ValueError(f"KVCacheTensorSpec for {self.layers[0]!r}: offset {self.offset} must be >= 0")
 
 
-def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The whole storage under ``t`` as a flat uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+@dataclass(frozen=True)
+class _Placement:
+    """One region before it becomes a tensor: where its blocks sit in a storage, in bytes."""
+
+    name: str
+    base: torch.Tensor  # any tensor on the storage; keeps it alive
+    offset: int  # from the storage's first byte
+    stride: int  # between blocks
+    width: int  # bytes of one block
+
+    @property
+    def address(self) -> int:
+        return self.base.untyped_storage().data_ptr() + self.offset
+
+    def key(self) -> tuple:
+        return (self.base.device, self.address, self.stride, self.width)
+
+    def span(self, num_blocks: int) -> int:
+        return (num_blocks - 1) * self.stride + self.width
 
 
 def _check_num_blocks(num_blocks: int) -> None:
@@ -67,32 +85,40 @@ def _check_num_blocks(num_blocks: int) -> None:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
 
 
-def _add_unique(out: dict[str, torch.Tensor], name: str, region: torch.Tensor) -> None:
-    """Add ``region`` unless the same bytes with the same geometry are already there (an alias)."""
-    key = (region.device, region.data_ptr(), tuple(region.shape), tuple(region.stride()))
-    for other_name, other in out.items():
-        if (other.device, other.data_ptr(), tuple(other.shape), tuple(other.stride())) == key:
-            return
-        if other_name == name:
-            raise ValueError(f"two different regions are both named {name!r}")
-    out[name] = region
+def _unique(placements: list[_Placement]) -> list[_Placement]:
+    """Drop aliases: the same bytes with the same geometry, reached through another name."""
+    seen: set[tuple] = set()
+    out = []
+    for p in placements:
+        if p.key() not in seen:
+            seen.add(p.key())
+            out.append(p)
+    return out
 
 
-def _byte_span(region: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses covered by a 2-D region."""
-    n, width = region.shape
-    start = region.data_ptr()
-    return start, start + (n - 1) * region.stride(0) + width
+def _materialize(placements: list[_Placement], num_blocks: int) -> dict[str, torch.Tensor]:
+    """Check names and disjointness, then make each region a ``[num_blocks, width]`` uint8 tensor.
 
-
-def _check_disjoint(regions: Mapping[str, torch.Tensor]) -> None:
-    """Raise if two regions share a byte: a copy into one would corrupt the other."""
-    spans = sorted((r.device.type, r.device.index or 0, *_byte_span(r), name) for name, r in regions.items())
+    Each region gets a storage of its own over the cache's bytes (``host_memory.alias_bytes``),
+    so that torch.compile sees independent buffers rather than views of one storage.
+    """
+    names = [p.name for p in placements]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"two different regions are both named {dup!r}")
+    spans = sorted(
+        (p.base.device.type, p.base.device.index or 0, p.address, p.address + p.span(num_blocks), p.name)
+        for p in placements
+    )
     for a, b in zip(spans, spans[1:]):
         if a[:2] == b[:2] and b[2] < a[3]:
             raise ValueError(
                 f"regions {a[4]!r} and {b[4]!r} overlap: bytes [{a[2]:#x}, {a[3]:#x}) and [{b[2]:#x}, {b[3]:#x})"
             )
+    return {
+        p.name: alias_bytes(p.base, p.offset, p.span(num_blocks)).as_strided((num_blocks, p.width), (p.stride, 1))
+        for p in placements
+    }
 
 
 def resolve_regions(
@@ -114,8 +140,9 @@ def resolve_regions(
     Returns
     -------
     dict of str to Tensor
-        Every distinct region as a uint8 view ``[num_blocks, block_bytes]`` of the raw storage,
-        named ``layer`` (one region per layer, or a cross-layer region named after its first
+        Every distinct region as a uint8 tensor ``[num_blocks, block_bytes]`` over the raw
+        storage (its own storage object aliasing those bytes, so torch.compile treats regions as
+        independent buffers; see ``host_memory.alias_bytes``), named ``layer`` (one region per layer, or a cross-layer region named after its first
         layer) or ``layer.<g>`` (the g-th group of a layer: K/V, KV-head group). Aliases,
         regions reached twice through tensors that share a storage, appear once.
 
@@ -135,7 +162,7 @@ def resolve_regions(
     ['l0.0', 'l0.1', 'l1.0', 'l1.1']
     """
     _check_num_blocks(num_blocks)
-    out: dict[str, torch.Tensor] = {}
+    found: list[_Placement] = []
     for spec in specs:
         present = [name for name in spec.layers if name in kv_caches]
         if not present:
@@ -145,7 +172,8 @@ def resolve_regions(
         storage_ptrs = {kv_caches[name].untyped_storage().data_ptr() for name in present}
         if len(storage_ptrs) != 1:
             raise ValueError(f"layers {present} of one spec do not share one storage")
-        raw = _raw_bytes(kv_caches[present[0]])
+        base = kv_caches[present[0]]
+        storage_bytes = base.untyped_storage().nbytes()
         region_bytes = num_blocks * spec.block_stride
         first = spec.layers[0]
         num_layers = len(spec.layers)
@@ -175,16 +203,13 @@ def resolve_regions(
             span = region_bytes
             placements = [(first, spec.offset)]
 
-        if spec.offset + span > raw.numel():
+        if spec.offset + span > storage_bytes:
             raise ValueError(
                 f"layer {first!r}: the spec places {span} bytes at offset {spec.offset}, past the end of its "
-                f"storage of {raw.numel()} bytes"
+                f"storage of {storage_bytes} bytes"
             )
-        for name, start in placements:
-            region = raw[start : start + region_bytes].view(num_blocks, spec.block_stride)
-            _add_unique(out, name, region)
-    _check_disjoint(out)
-    return out
+        found += [_Placement(name, base, start, spec.block_stride, spec.block_stride) for name, start in placements]
+    return _materialize(_unique(found), num_blocks)
 
 
 def _dense_bytes(t: torch.Tensor) -> int | None:
@@ -225,7 +250,7 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
     Returns
     -------
     dict of str to Tensor
-        As :func:`resolve_regions`: uint8 views ``[num_blocks, block_bytes]``, named ``layer`` or
+        As :func:`resolve_regions`: uint8 tensors ``[num_blocks, block_bytes]``, named ``layer`` or
         ``layer.<g>`` (g = 0 for K, 1 for V in K/V-first layouts), aliases once.
 
     Raises
@@ -240,7 +265,7 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
     ['l0.0', 'l0.1']
     """
     _check_num_blocks(num_blocks)
-    found: list[tuple[str, torch.Tensor]] = []
+    found: list[_Placement] = []
     for name, t in kv_caches.items():
         shape = tuple(t.shape)
         blocks_first = t.dim() >= 1 and shape[0] == num_blocks
@@ -254,49 +279,35 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
             raise ValueError(f"layer {name!r}: shape {shape} has no block axis of size {num_blocks}. {_LAYOUT_HELP}")
         groups = [(name, t)] if blocks_first else [(f"{name}.{g}", t[g]) for g in range(2)]
         for group_name, g in groups:
-            block_bytes = _dense_bytes(g[0])
-            if block_bytes is None:
+            width = _dense_bytes(g[0])
+            if width is None:
                 raise ValueError(
                     f"layer {name!r}: a block of shape {tuple(g.shape[1:])} with strides {g.stride()[1:]} "
                     f"is not one contiguous byte span. {_LAYOUT_HELP}"
                 )
-            block_stride = g.stride(0) * g.element_size()
-            if num_blocks > 1 and block_stride < block_bytes:
-                raise ValueError(
-                    f"layer {name!r}: blocks overlap (block stride {block_stride} bytes < block size {block_bytes})"
-                )
-            region = _raw_bytes(g).as_strided(
-                (num_blocks, block_bytes), (max(block_stride, block_bytes), 1), g.storage_offset() * g.element_size()
-            )
-            found.append((group_name, region))
+            stride = g.stride(0) * g.element_size()
+            if num_blocks > 1 and stride < width:
+                raise ValueError(f"layer {name!r}: blocks overlap (block stride {stride} bytes < block size {width})")
+            found.append(_Placement(group_name, g, g.storage_offset() * g.element_size(), max(stride, width), width))
 
-    # Drop aliases first, then merge regions that sit side by side inside each block (same
-    # storage, stride and count): one wider block copies faster and moves the same bytes.
-    unique: dict[str, torch.Tensor] = {}
-    for name, region in found:
-        _add_unique(unique, name, region)
-    by_address = sorted(unique.items(), key=lambda item: (item[1].device.type, item[1].device.index or 0, item[1].data_ptr()))
-    merged: list[tuple[str, torch.Tensor]] = []
-    for name, region in by_address:
-        if merged:
-            prev_name, prev = merged[-1]
-            adjacent = (
-                prev.device == region.device
-                and prev.untyped_storage().data_ptr() == region.untyped_storage().data_ptr()
-                and prev.stride(0) == region.stride(0)
-                and prev.data_ptr() + prev.shape[1] == region.data_ptr()
-                and prev.shape[1] + region.shape[1] <= prev.stride(0)
-            )
-            if adjacent:
-                width = prev.shape[1] + region.shape[1]
-                merged[-1] = (prev_name, prev.as_strided((num_blocks, width), prev.stride(), prev.storage_offset()))
-                continue
-        merged.append((name, region))
-
-    order = {name: i for i, (name, _) in enumerate(found)}  # report regions in kv_caches order
-    out = dict(sorted(merged, key=lambda item: order[item[0]]))
-    _check_disjoint(out)
-    return out
+    # Drop aliases, then merge regions that sit side by side inside each block (same storage and
+    # stride): one wider block copies faster and moves the same bytes.
+    order = {p.name: i for i, p in enumerate(found)}  # report regions in kv_caches order
+    merged: list[_Placement] = []
+    for p in sorted(_unique(found), key=lambda p: (p.base.device.type, p.base.device.index or 0, p.address)):
+        prev = merged[-1] if merged else None
+        if (
+            prev is not None
+            and prev.base.device == p.base.device
+            and prev.base.untyped_storage().data_ptr() == p.base.untyped_storage().data_ptr()
+            and prev.stride == p.stride
+            and prev.address + prev.width == p.address
+            and prev.width + p.width <= prev.stride
+        ):
+            merged[-1] = _Placement(prev.name, prev.base, prev.offset, prev.stride, prev.width + p.width)
+        else:
+            merged.append(p)
+    return _materialize(sorted(merged, key=lambda p: order[p.name]), num_blocks)
 
 
 def block_bytes(regions: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> int:

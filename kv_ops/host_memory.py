@@ -176,10 +176,10 @@ def device_pointer(host: torch.Tensor) -> int:
 
 
 class _CudaArrayInterface:
-    """Describes mapped host bytes as device memory; holds the host tensor alive."""
+    """Describes ``nbytes`` at a device address as a flat uint8 array; holds ``owner`` alive."""
 
-    def __init__(self, host: torch.Tensor, address: int, nbytes: int):
-        self.host = host
+    def __init__(self, owner: torch.Tensor, address: int, nbytes: int):
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -229,4 +229,30 @@ def device_view(host: torch.Tensor, device: torch.device | str | int | None = No
     return flat.view(host.dtype).view(host.shape)
 
 
-__all__ = ["pinned_empty", "device_view", "device_pointer", "REGISTER_CHUNK_BYTES"]
+def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of ``base``'s storage from byte ``offset``, with a storage
+    of its own. It keeps ``base`` alive.
+
+    torch, and torch.compile with it, treat the result as unrelated to ``base`` and to other
+    aliases of the same storage. That is the point: regions handed to a compiled graph as views
+    of one storage make AOTAutograd rebuild them from a synthetic base, and Inductor then clones
+    the mutated ones around every call (a KV cache's worth of bytes per step on torch 2.13) or
+    writes them back at wrong offsets (torch 2.11, seen on the H200 machine). Regions are checked
+    disjoint where they are made, so nothing is lost by hiding their common storage.
+    """
+    storage = base.untyped_storage()
+    if offset < 0 or offset + nbytes > storage.nbytes():
+        raise ValueError(f"alias_bytes: bytes [{offset}, {offset + nbytes}) outside a storage of {storage.nbytes()}")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=base.device)
+    address = storage.data_ptr() + offset
+    if base.device.type == "cuda":
+        return torch.as_tensor(_CudaArrayInterface(base, address, nbytes), device=base.device)
+    if base.device.type == "cpu":
+        array = (ctypes.c_uint8 * nbytes).from_address(address)
+        array._owner = base  # the tensor holds the array through the buffer protocol
+        return torch.frombuffer(array, dtype=torch.uint8)
+    raise ValueError(f"alias_bytes: unsupported device {base.device}")
+
+
+__all__ = ["pinned_empty", "device_view", "device_pointer", "alias_bytes", "REGISTER_CHUNK_BYTES"]

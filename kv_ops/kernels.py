@@ -29,11 +29,14 @@ from . import host_memory
 # At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
 # and eight SMs already saturate a PCIe Gen5 x16 link (DESIGN.md: 93% of memcpy at 4 KiB).
 NUM_PROGRAMS = 8
-# Bytes one program moves per loop iteration. PCIe reads from host memory take ~1-2 us, so each
-# program needs many bytes in flight: 8 programs x 16 KiB = 128 KiB covers the link's
-# bandwidth-delay product (55 GB/s x ~2 us).
-TILE_BYTES = 16384
-NUM_WARPS = 4
+# Bytes one program moves per loop iteration, and the warps that move them. Host->GPU is the
+# hard direction: every load crosses PCIe (~1-2 us) before its store can issue, so each program
+# needs many bytes in flight. 32 KiB over 16 warps (16 B per thread per access, 4 accesses) was
+# the best of the tile x warps grid on the H200 (benchmarks/block_copy.py --tune): with 8
+# programs it reached 0.88-0.93 of memcpy host->GPU and 0.91-0.95 GPU->host for 256 B-64 KiB
+# blocks, where 16 KiB over 4 warps left host->GPU at 0.62-0.83.
+TILE_BYTES = 32768
+NUM_WARPS = 16
 # Ids checked per step in the kernel's counting phase.
 CHECK_LANES = 1024
 

@@ -7,7 +7,7 @@ kept the two ops in program order. Every assertion is on bytes, never on "it com
 
 import pytest
 import torch
-from byte_checks import assert_same_storages, clone_views, make_regions, random_bytes
+from byte_checks import assert_same_storages, clone_views, random_bytes
 
 import kv_ops
 from kv_ops import reference
@@ -35,21 +35,25 @@ class BlockMover(torch.nn.Module):
 
 
 def make_mover(device: str, mirror_on_host: bool, seed: int = 0):
+    """A 3-layer cache in the three inferable layouts, and a mirror of 48 blocks per region."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [1024, 256, 40]
-    cache = make_regions(widths, 32, device, strided=True, generator=gen)
-    if mirror_on_host:
-        # Page-locked host mirror, seen by the graph as a CUDA tensor (device_view), so that
-        # CUDA-graph trees accept it.
-        host = kv_ops.pinned_empty((48, sum(widths)))
-        host.copy_(random_bytes(host.shape, generator=gen))
-        view = kv_ops.device_view(host)
-        mirror, col = [], 0
-        for w in widths:
-            mirror.append(view[:, col : col + w])
-            col += w
-    else:
-        mirror = make_regions(widths, 48, device, generator=gen)
+    kv = {
+        "kv_first": torch.randint(-99, 99, (2, 32, 4, 2, 16), generator=gen).to(device, torch.bfloat16),
+        "mla": torch.randint(-99, 99, (32, 4, 24), generator=gen).to(device, torch.float16),
+        "blocks_first": torch.randint(-99, 99, (32, 2, 4, 5), generator=gen).to(device, torch.float32),
+    }
+    cache = list(kv_ops.infer_regions(kv, 32).values())
+    mirror = []
+    for region in cache:
+        width = region.shape[1]
+        if mirror_on_host:
+            # Page-locked host memory seen by the graph as a CUDA tensor (device_view), so that
+            # CUDA-graph trees accept it.
+            host = kv_ops.pinned_empty((48, width))
+            host.copy_(random_bytes(host.shape, generator=gen))
+            mirror.append(kv_ops.device_view(host))
+        else:
+            mirror.append(random_bytes((48, width), device, gen))
     return BlockMover(cache, mirror)
 
 
@@ -91,6 +95,23 @@ def test_fullgraph_compile_moves_the_bytes_on_cpu(backend):
     mover = make_mover("cpu", mirror_on_host=False)
     compiled = torch.compile(mover, backend=backend, fullgraph=True)
     run_steps(mover, compiled, "cpu")
+
+
+def test_inductor_mutates_regions_in_place_without_copying_them():
+    # Regions are independent buffers to compile (infer_regions gives each its own storage), so
+    # Inductor can hand them to the op as they are. Were they views of one storage, it would
+    # clone and copy back the mutated ones on every call: a KV cache's worth of bytes per step.
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    mover = make_mover("cpu", mirror_on_host=False)
+    ids = step_ids(torch.Generator().manual_seed(9), "cpu")
+    want = expected_after(mover, ids)
+    _, (code, *_) = run_and_get_code(torch.compile(mover, backend="inductor", fullgraph=True), *ids)
+    assert_same_storages(mover.regions("cache") + mover.regions("mirror"), want)
+    calls = [line for line in code.splitlines() if "kv_ops.copy_blocks.default(" in line]
+    assert len(calls) == 2, code
+    assert "clone" not in code and "reinterpret_tensor(buf" not in code, code
 
 
 @gpu

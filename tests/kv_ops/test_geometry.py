@@ -290,3 +290,20 @@ def test_infer_rejects_other_layouts_with_an_explanation(shape, make, message):
     t = make(torch.randn(shape))
     with pytest.raises(ValueError, match=message):
         infer_regions({"layer": t}, num_blocks)
+
+
+def test_regions_write_through_to_the_cache_and_keep_it_alive():
+    import gc
+
+    kv = {"l0": torch.randn(2, 4, 16, 8)}
+    expected_v2 = kv["l0"][1, 2].clone()
+    regions = infer_regions(kv, 4)
+    cache = kv.pop("l0")
+    fresh = torch.randint(0, 256, (16 * 8 * 4,), dtype=torch.uint8)
+    regions["l0.0"][3] = fresh
+    assert torch.equal(as_bytes(cache[0, 3]), fresh)
+    # Each region has a storage of its own (what torch.compile needs), yet owns the cache's bytes.
+    assert regions["l0.0"].untyped_storage().nbytes() == 4 * 16 * 8 * 4 < cache.untyped_storage().nbytes()
+    del cache
+    gc.collect()
+    assert torch.equal(regions["l0.1"][2], as_bytes(expected_v2))
