@@ -208,15 +208,16 @@ def block_copy(
     num_programs: int = NUM_PROGRAMS,
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
-) -> None:
+):
     """Launch the block-copy kernel on the current stream. Arguments are trusted (validated by the op).
 
     ``src`` and ``dst`` are each a list of uint8 regions ``[num_blocks, block_bytes]`` or one packed
     uint8 buffer ``[num_pairs, sum(block_bytes)]`` (then its ids are ``None``: pair i is row i).
-    The kernel runs on ``errors.device``; host-memory sides must be page-locked.
+    The kernel runs on ``errors.device``; host-memory sides must be page-locked. Returns Triton's
+    handle of the launched kernel (its ``asm`` holds the PTX), or None when nothing was launched.
     """
     if num_pairs == 0:
-        return
+        return None
     device = errors.device
     src_packed, dst_packed = isinstance(src, torch.Tensor), isinstance(dst, torch.Tensor)
     regions = dst if src_packed else src
@@ -237,7 +238,7 @@ def block_copy(
     tiles = sum(-(-num_pairs * -(-w // cols) // rows) for w in widths)
     grid = (max(1, min(num_programs, tiles)),)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _block_copy_kernel[grid](
+        return _block_copy_kernel[grid](
             table,
             anchor,
             packed,

@@ -77,3 +77,17 @@ def test_memory_is_unregistered_when_the_last_view_dies():
     gc.collect()
     err, _ = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER, address)
     assert err != driver.CUresult.CUDA_SUCCESS
+
+
+@gpu
+def test_registration_in_chunks_serves_copies_across_chunk_boundaries(monkeypatch):
+    # Shrink the chunk so that a small buffer needs six registrations, then move blocks that
+    # straddle the chunk boundaries with the zero-copy kernel.
+    monkeypatch.setattr(host_memory, "REGISTER_CHUNK_BYTES", 1 << 20)
+    host = kv_ops.pinned_empty((11, 512 * 1024))  # 5.5 MiB: six pieces
+    assert host.is_pinned() and host[-1].is_pinned()
+    gpu_region = torch.randint(0, 256, (11, 512 * 1024), dtype=torch.uint8, device="cuda")
+    ids = torch.arange(11, device="cuda")
+    kv_ops.copy_blocks([gpu_region], [host], ids, ids.flip(0))
+    torch.cuda.synchronize()
+    assert torch.equal(host, gpu_region.flip(0).cpu())

@@ -100,3 +100,23 @@ def test_alignment_is_the_largest_power_of_two_up_to_16():
     assert kernels._alignment([12, 4096]) == 4
     assert kernels._alignment([3, 4096]) == 1
     assert kernels._alignment([0, 0]) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["gpu_to_host", "host_to_gpu"])
+def test_aligned_blocks_compile_to_16_byte_accesses(direction):
+    import kv_ops
+
+    gpu = make_regions([4096, 1024], 8, "cuda")
+    host = [kv_ops.pinned_empty((8, w)) for w in (4096, 1024)]
+    src, dst = (gpu, host) if direction == "gpu_to_host" else (host, gpu)
+    ids = torch.arange(8, device="cuda")
+    errors = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kernel = kernels.block_copy(src, dst, ids, ids.flip(0), 8, errors)
+    torch.cuda.synchronize()
+    ptx = kernel.asm["ptx"]
+    # Every copy access is a 128-bit vector access: ld/st.global(.nc).v4.b32.
+    assert "ld.global" in ptx and ".v4.b32" in ptx
+    assert all(".v4." in line for line in ptx.splitlines() if "st.global" in line and "b32" in line), ptx[:2000]
+    for s, d in zip(src, dst):
+        assert torch.equal(d.cpu(), s.cpu().flip(0))
