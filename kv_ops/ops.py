@@ -35,7 +35,7 @@ def _kernel_device(*groups: Sequence[torch.Tensor]) -> torch.device:
     raise AssertionError("CUDA kernel dispatched without a CUDA tensor")
 
 
-def _region_list(what: str, regions: Regions) -> list[torch.Tensor]:
+def _region_list(regions: Regions) -> list[torch.Tensor]:
     return list(regions.values()) if isinstance(regions, Mapping) else list(regions)
 
 
@@ -52,9 +52,8 @@ def _check_copy(src, dst, src_ids, dst_ids, device: torch.device) -> None:
     V.check_devices(
         op,
         device,
-        [("src_ids", src_ids), ("dst_ids", dst_ids)]
-        + [(f"src[{i}]", t) for i, t in enumerate(src)]
-        + [(f"dst[{i}]", t) for i, t in enumerate(dst)],
+        ids=[("src_ids", src_ids), ("dst_ids", dst_ids)],
+        data=[(f"src[{i}]", t) for i, t in enumerate(src)] + [(f"dst[{i}]", t) for i, t in enumerate(dst)],
     )
     if V.should_check_ids(device):
         V.check_ids_values(op, "src_ids", src_ids, reference.num_blocks(src))
@@ -121,7 +120,7 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     """
     if isinstance(src, Mapping) and isinstance(dst, Mapping) and list(src) != list(dst):
         raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {list(src)} vs {list(dst)}")
-    torch.ops.kv_ops.copy_blocks(_region_list("src", src), _region_list("dst", dst), src_ids, dst_ids)
+    torch.ops.kv_ops.copy_blocks(_region_list(src), _region_list(dst), src_ids, dst_ids)
 
 
 # --- gather_blocks -------------------------------------------------------------------------------
@@ -132,7 +131,7 @@ def _check_gather(regions, ids, out, device: torch.device) -> None:
     V.check_regions(op, "regions", regions)
     V.check_ids_meta(op, "ids", ids)
     V.check_packed(op, "out", out, ids.shape[0], sum(r.shape[1] for r in regions))
-    V.check_devices(op, device, [("ids", ids), ("out", out)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)])
+    V.check_devices(op, device, ids=[("ids", ids)], data=[("out", out)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)])
     if V.should_check_ids(device):
         V.check_ids_values(op, "ids", ids, reference.num_blocks(regions))
 
@@ -182,7 +181,7 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
     >>> staging = kv_ops.pinned_empty((len(ids), kv_ops.block_bytes(regions)))
     >>> kv_ops.gather_blocks(regions, ids, staging)       # GPU regions -> one host buffer
     """
-    torch.ops.kv_ops.gather_blocks(_region_list("regions", regions), ids, out)
+    torch.ops.kv_ops.gather_blocks(_region_list(regions), ids, out)
 
 
 # --- scatter_blocks ------------------------------------------------------------------------------
@@ -193,7 +192,7 @@ def _check_scatter(packed, ids, regions, device: torch.device) -> None:
     V.check_regions(op, "regions", regions)
     V.check_ids_meta(op, "ids", ids)
     V.check_packed(op, "packed", packed, ids.shape[0], sum(r.shape[1] for r in regions))
-    V.check_devices(op, device, [("ids", ids), ("packed", packed)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)])
+    V.check_devices(op, device, ids=[("ids", ids)], data=[("packed", packed)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)])
     if V.should_check_ids(device):
         V.check_ids_values(op, "ids", ids, reference.num_blocks(regions), unique=True)
 
@@ -242,7 +241,7 @@ def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Regions) ->
     --------
     >>> kv_ops.scatter_blocks(staging, new_ids, regions)  # one host buffer -> GPU regions
     """
-    torch.ops.kv_ops.scatter_blocks(packed, ids, _region_list("regions", regions))
+    torch.ops.kv_ops.scatter_blocks(packed, ids, _region_list(regions))
 
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]

@@ -137,12 +137,18 @@ def check_packed(op: str, what: str, packed: torch.Tensor, rows: int, width: int
         raise ValueError(f"{op}: {what} must have contiguous rows, got strides {packed.stride()}")
 
 
-def check_devices(op: str, device: torch.device, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Tensors must sit on ``device``; on the CUDA path, host (CPU) tensors are also accepted."""
-    for what, t in named:
-        if t.device == device or (device.type == "cuda" and t.device.type == "cpu" and not what.endswith("ids")):
-            continue
-        raise ValueError(f"{op}: {what} is on {t.device}, but this call runs on {device}")
+def check_devices(
+    op: str, device: torch.device, ids: Sequence[tuple[str, torch.Tensor]], data: Sequence[tuple[str, torch.Tensor]]
+) -> None:
+    """Ids sit on the kernel's ``device``. Data (regions, packed buffers) too, except that the CUDA
+    kernel also reaches host (CPU) tensors, which must then be page-locked (checked when their
+    device address is resolved)."""
+    for what, t in ids:
+        if t.device != device:
+            raise ValueError(f"{op}: {what} is on {t.device}, but this call runs on {device}")
+    for what, t in data:
+        if t.device != device and not (device.type == "cuda" and t.device.type == "cpu"):
+            raise ValueError(f"{op}: {what} is on {t.device}, but this call runs on {device}")
 
 
 # --- value checks (eager, switchable) ------------------------------------------------------------
