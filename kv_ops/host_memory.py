@@ -28,8 +28,8 @@ def _driver():
     return driver
 
 
-def _check(result, what: str):
-    """Raise on a driver error code; return the call's remaining outputs."""
+def check_driver(result, what: str):
+    """Raise on a cuda-bindings driver error code; return the call's remaining outputs."""
     drv = _driver()
     err = result[0]
     if err != drv.CUresult.CUDA_SUCCESS:
@@ -40,7 +40,7 @@ def _check(result, what: str):
 
 
 @contextlib.contextmanager
-def _driver_context(device: torch.device):
+def driver_context(device: torch.device):
     """Bind ``device``'s primary context to this thread for driver calls, then restore.
 
     The driver API acts on the calling thread's current context, which torch creates lazily; a
@@ -52,16 +52,16 @@ def _driver_context(device: torch.device):
 
 
 class _Pinned:
-    """Owns one anonymous mapping and its driver registrations; unregisters before unmapping.
+    """Owns one mapping and its driver registrations; unregisters before unmapping.
 
     The tensor handed to the user holds a ctypes array that references this object, so this
     object dies only after the last tensor view of the memory is gone.
     """
 
-    def __init__(self, nbytes: int, register: bool):
-        # mmap gives page-aligned memory that no other allocation shares, so registering it
+    def __init__(self, mapping: mmap.mmap, nbytes: int, register: bool):
+        # An mmap is page-aligned memory that no other allocation shares, so registering it
         # cannot collide with another registration of the same page.
-        self.map = mmap.mmap(-1, nbytes)
+        self.map = mapping
         self.buffer = (ctypes.c_uint8 * nbytes).from_buffer(self.map)
         self.address = ctypes.addressof(self.buffer)
         self.registered: list[int] = []
@@ -74,7 +74,7 @@ class _Pinned:
         if nbytes > REGISTER_CHUNK_BYTES:
             dev = torch.cuda.current_device()
             attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
-            (same,) = _check(drv.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute")
+            (same,) = check_driver(drv.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute")
             if not same:
                 raise RuntimeError(
                     f"pinned_empty: {nbytes} bytes need several registrations, and this device "
@@ -83,7 +83,7 @@ class _Pinned:
         try:
             for start in range(0, nbytes, REGISTER_CHUNK_BYTES):
                 size = min(REGISTER_CHUNK_BYTES, nbytes - start)
-                _check(
+                check_driver(
                     drv.cuMemHostRegister(self.address + start, size, flags),
                     f"cuMemHostRegister({size} bytes at offset {start})",
                 )
@@ -137,26 +137,32 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    have_cuda = torch.cuda.is_available()
-    if not have_cuda and not _warned_no_cuda:
+    if not torch.cuda.is_available() and not _warned_no_cuda:
         _warned_no_cuda = True
         warnings.warn(
             "kv_ops.pinned_empty: CUDA is not available; returning ordinary (pageable) host memory",
             RuntimeWarning,
             stacklevel=2,
         )
-    if have_cuda:
-        with _driver_context(torch.device("cuda", torch.cuda.current_device())):
-            owner = _Pinned(nbytes, register=True)
+    flat = pin_mapping(mmap.mmap(-1, nbytes), nbytes, register=torch.cuda.is_available())
+    return flat.view(dtype).view(shape)
+
+
+def pin_mapping(mapping: mmap.mmap, nbytes: int, register: bool) -> torch.Tensor:
+    """Wrap the first ``nbytes`` of ``mapping`` as a flat uint8 CPU tensor, page-locking them with
+    the driver first if ``register``. The tensor (and its views) own the mapping and the
+    registration: both are released, registration first, when the last view dies."""
+    if register:
+        with driver_context(torch.device("cuda", torch.cuda.current_device())):
+            owner = _Pinned(mapping, nbytes, register=True)
     else:
-        owner = _Pinned(nbytes, register=False)
+        owner = _Pinned(mapping, nbytes, register=False)
     # The tensor keeps the ctypes array alive through the buffer protocol; the array keeps the
     # owner alive through this attribute.
     owner.buffer._owner = owner
     flat = torch.frombuffer(owner.buffer, dtype=torch.uint8)
-    buffer, owner.buffer = owner.buffer, None  # break the owner -> buffer -> owner cycle
-    del buffer
-    return flat.view(dtype).view(shape)
+    owner.buffer = None  # break the owner -> array -> owner cycle
+    return flat
 
 
 def device_pointer(host: torch.Tensor) -> int:
@@ -223,7 +229,7 @@ def device_view(host: torch.Tensor, device: torch.device | str | int | None = No
     nbytes = host.numel() * host.element_size()
     if nbytes == 0:
         return torch.empty(host.shape, dtype=host.dtype, device=device)
-    with _driver_context(device):
+    with driver_context(device):
         iface = _CudaArrayInterface(host, device_pointer(host), nbytes)
     flat = torch.as_tensor(iface, device=device)
     return flat.view(host.dtype).view(host.shape)
@@ -255,4 +261,13 @@ def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     raise ValueError(f"alias_bytes: unsupported device {base.device}")
 
 
-__all__ = ["pinned_empty", "device_view", "device_pointer", "alias_bytes", "REGISTER_CHUNK_BYTES"]
+__all__ = [
+    "pinned_empty",
+    "pin_mapping",
+    "device_view",
+    "device_pointer",
+    "alias_bytes",
+    "check_driver",
+    "driver_context",
+    "REGISTER_CHUNK_BYTES",
+]

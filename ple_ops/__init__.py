@@ -1,6 +1,41 @@
-"""ple_ops: per-layer-embedding offload ops (host-flag wait, host-to-device pull, release).
+"""ple_ops: per-layer-embedding rows computed in a CUDA-free CPU process, pulled by GPU streams.
 
-Not built yet: see issue 3. The package exists so that the distribution's layout is fixed.
+Where each piece lives:
+
+* ``shared_memory`` -- ``SharedHostBuffer``: page-locked host memory two processes map.
+* ``semaphore``     -- ``CpuGpuSemaphore``: the flag (device or shared host memory) and its
+                       stream and host operations; the host spin-wait and release fence.
+* ``registry``      -- layer name -> this process's live flag, slot and row size.
+* ``ops``           -- ``torch.ops.ple_ops.wait / wait_copy / release``, copy-geometry observation.
+* ``layer``         -- ``PleOffloadLayer``, the model-side base class.
+* ``runtime``       -- ``OffloadRuntime``: the offload process and the per-step transaction.
+* ``reference``     -- pure-torch row pull and poison: the CPU path and the test oracle.
 """
 
-__all__: list[str] = []
+from .layer import PleOffloadLayer, building_placeholders, mark_offload_worker
+from .ops import observe_copy_geometry, release, wait, wait_copy
+from .registry import ArmedLayer, arm, armed_names, disarm, lookup
+from .runtime import OffloadError, OffloadRuntime
+from .semaphore import CpuGpuSemaphore, ProducerFailed
+from .shared_memory import SharedHandle, SharedHostBuffer
+
+__all__ = [
+    "PleOffloadLayer",
+    "building_placeholders",
+    "mark_offload_worker",
+    "wait",
+    "wait_copy",
+    "release",
+    "observe_copy_geometry",
+    "ArmedLayer",
+    "arm",
+    "disarm",
+    "lookup",
+    "armed_names",
+    "OffloadRuntime",
+    "OffloadError",
+    "ProducerFailed",
+    "CpuGpuSemaphore",
+    "SharedHandle",
+    "SharedHostBuffer",
+]

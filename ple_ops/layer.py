@@ -1,0 +1,104 @@
+"""PleOffloadLayer: one model class that runs locally, in the offload process, or as a wait+pull."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from . import ops
+
+# Which role this process plays. "local": offload off, layers are ordinary modules.
+# "placeholder": the GPU process with offload on, while it builds the model: PLE layers skip
+# their constructors, so their tables are never allocated. "worker": the offload process.
+_role = "local"
+
+
+def role() -> str:
+    """``"local"``, ``"placeholder"`` (while the GPU process builds its model) or ``"worker"``."""
+    return _role
+
+
+@contextlib.contextmanager
+def building_placeholders():
+    """Build a model whose PLE layers allocate nothing (the GPU side of an offloaded model)."""
+    global _role
+    previous, _role = _role, "placeholder"
+    try:
+        yield
+    finally:
+        _role = previous
+
+
+def mark_offload_worker() -> None:
+    """Declare this process the offload worker: PLE layers build their weights and compute."""
+    global _role
+    _role = "worker"
+
+
+class PleOffloadLayer(nn.Module, ABC):
+    """Base class of per-layer-embedding layers that can live in a CPU offload process.
+
+    Subclasses write ``__init__`` (building their tables) and :meth:`forward_impl`. Model code
+    calls ``layer(hidden_states, input_ids)`` in every mode:
+
+    * offload off: ``forward_impl(input_ids)`` runs here;
+    * GPU process, offload on: the constructor did nothing; the runtime attached an output
+      buffer and a name, and forward is ``ple_ops.wait_copy`` + ``out[:num_tokens]``;
+    * offload process: the full layer is built and the runtime calls ``forward_impl``.
+
+    Examples
+    --------
+    >>> class Ple(PleOffloadLayer):
+    ...     def __init__(self, vocab, dim):
+    ...         super().__init__()
+    ...         self.table = nn.Embedding(vocab, dim)
+    ...     def forward_impl(self, input_ids):
+    ...         return self.table(input_ids)
+    """
+
+    ple_name: str | None = None
+    ple_placeholder = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def guarded_init(self, *args, **kw):
+            if _role == "placeholder":
+                nn.Module.__init__(self)
+                self.ple_placeholder = True
+                return
+            init(self, *args, **kw)
+
+        cls.__init__ = guarded_init
+
+    @abstractmethod
+    def forward_impl(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``[len(input_ids), dim]`` for the given token ids, on this module's device."""
+
+    def attach_offload(self, name: str, out: torch.Tensor) -> None:
+        """Make this (placeholder) layer pull its rows into ``out`` as armed layer ``name``."""
+        self.ple_name = name
+        self.register_buffer("ple_out", out, persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ple_name is not None:
+            return ops.wait_copy(self.ple_out, hidden_states, input_ids.shape[0], self.ple_name)
+        if self.ple_placeholder:
+            raise RuntimeError("a placeholder PleOffloadLayer was called before an offload runtime armed it")
+        return self.forward_impl(input_ids)
+
+    def release_offloaded(self) -> None:
+        """Enqueue the reset of this layer's flag (after every reader of its rows)."""
+        if self.ple_name is not None:
+            ops.release(self.ple_out, self.ple_name)
+
+
+__all__ = ["PleOffloadLayer", "building_placeholders", "mark_offload_worker", "role"]

@@ -1,0 +1,213 @@
+"""The PLE operators ``torch.ops.ple_ops.wait / wait_copy / release``: schema, fake, CPU and CUDA.
+
+Registration follows the project's one pattern (see kv_ops/ops.py): ``torch.library.custom_op``
+on the CPU implementation, ``register_fake`` under it, ``register_kernel("cuda")``, then a public
+wrapper. Each op mutates ``out``, the layer's output buffer (a module buffer, so a real graph
+input): that keeps compile from deleting the op, orders ``wait``/``wait_copy`` before every
+reader of ``out`` and ``release`` after every reader. ``dep`` is read only; it orders the wait
+after the work that produced it.
+
+The ops carry a layer name and counts, never an address: the flag and the host slot are looked
+up in :mod:`ple_ops.registry` on every call, in the process that runs the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from kv_ops.host_memory import check_driver
+
+from . import reference, registry
+from .semaphore import DONE
+
+_observation = threading.local()
+
+
+@contextlib.contextmanager
+def observe_copy_geometry() -> Iterator[list[tuple[str, int, int]]]:
+    """Record ``(layer, rows, bytes)`` for every wait_copy that executes on this thread.
+
+    During CUDA-graph capture an op executes once, while it is recorded, so this lists exactly
+    the copies the graph will replay.
+
+    Examples
+    --------
+    >>> with ple_ops.observe_copy_geometry() as copies:
+    ...     model(hidden, input_ids)
+    >>> copies
+    [('layers.0.ple', 7, 114688), ('layers.1.ple', 7, 114688)]
+    """
+    if getattr(_observation, "records", None) is not None:
+        raise RuntimeError("observe_copy_geometry cannot be nested")
+    records: list[tuple[str, int, int]] = []
+    _observation.records = records
+    try:
+        yield records
+    finally:
+        _observation.records = None
+
+
+def _record(name: str, rows: int, row_bytes: int) -> None:
+    records = getattr(_observation, "records", None)
+    if records is not None:
+        records.append((name, rows, rows * row_bytes))
+
+
+def _check_out(op: str, layer: registry.ArmedLayer, out: torch.Tensor, num_tokens: int | None = None) -> None:
+    """``out`` matches the layer's rows; ``num_tokens`` fits both the buffer and the slot."""
+    if out.dim() != 2 or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous 2-D [rows, dim] buffer, got shape {tuple(out.shape)}")
+    row_bytes = out.shape[1] * out.element_size()
+    if row_bytes != layer.row_bytes:
+        raise ValueError(
+            f"{op}: out rows hold {row_bytes} bytes ({out.shape[1]} x {out.dtype}) but layer {layer.name!r} "
+            f"produces rows of {layer.row_bytes} bytes"
+        )
+    if num_tokens is not None and not 0 <= num_tokens <= min(out.shape[0], layer.max_tokens):
+        raise ValueError(
+            f"{op}: num_tokens {num_tokens} for layer {layer.name!r} exceeds the buffer's {out.shape[0]} rows "
+            f"or the slot's {layer.max_tokens}"
+        )
+
+
+# --- wait ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ple_ops::wait", mutates_args=("out",), device_types="cpu")
+def _wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
+    layer = registry.lookup(name)
+    _check_out("ple_ops.wait", layer, out)
+    layer.flag.host_wait(DONE, layer.check)
+    layer.check()  # a failed producer's flags are raised over poisoned rows: report, don't return them
+
+
+@_wait.register_fake
+def _(out, dep, name):
+    torch._check(out.dim() == 2, lambda: "ple_ops.wait: out must be 2-D [rows, dim]")
+
+
+@_wait.register_kernel("cuda")
+def _(out, dep, name):
+    layer = registry.lookup(name)
+    _check_out("ple_ops.wait", layer, out)
+    layer.check()
+    layer.flag.wait_done()
+
+
+def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
+    """Wait until the producer of layer ``name`` has raised its flag; the rows are not copied.
+
+    On CUDA this enqueues ``cuStreamWaitValue32(flag == 1)`` on the current stream; on CPU it
+    spins (with backoff) on the host flag and raises if the producer died.
+
+    Parameters
+    ----------
+    out : Tensor
+        The layer's output buffer ``[max_tokens, dim]`` (declared mutated, to order readers after).
+    dep : Tensor
+        Any tensor the wait must come after (e.g. the hidden states).
+    name : str
+        An armed layer name (:mod:`ple_ops.registry`).
+    """
+    torch.ops.ple_ops.wait(out, dep, name)
+
+
+# --- wait_copy -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ple_ops::wait_copy", mutates_args=("out",), device_types="cpu")
+def _wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) -> None:
+    layer = registry.lookup(name)
+    _check_out("ple_ops.wait_copy", layer, out, num_tokens)
+    _record(name, num_tokens, layer.row_bytes)
+    layer.flag.host_wait(DONE, layer.check)
+    layer.check()
+    reference.pull_rows(out, layer.slot, num_tokens)
+
+
+@_wait_copy.register_fake
+def _(out, dep, num_tokens, name):
+    torch._check(out.dim() == 2, lambda: "ple_ops.wait_copy: out must be 2-D [rows, dim]")
+    torch._check(num_tokens >= 0, lambda: "ple_ops.wait_copy: num_tokens must be >= 0")
+    torch._check(num_tokens <= out.shape[0], lambda: "ple_ops.wait_copy: num_tokens exceeds out's rows")
+
+
+@_wait_copy.register_kernel("cuda")
+def _(out, dep, num_tokens, name):
+    from cuda.bindings import driver as drv
+
+    layer = registry.lookup(name)
+    _check_out("ple_ops.wait_copy", layer, out, num_tokens)
+    layer.check()
+    _record(name, num_tokens, layer.row_bytes)
+    # Stream order does the rest: the copy starts only after the GPU has seen the flag, and the
+    # producer stored the rows before the flag (release fence), so the DMA reads complete rows.
+    layer.flag.wait_done()
+    nbytes = num_tokens * layer.row_bytes
+    if nbytes:
+        stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
+        check_driver(
+            drv.cuMemcpyHtoDAsync(drv.CUdeviceptr(out.data_ptr()), layer.slot.data_ptr(), nbytes, stream),
+            f"cuMemcpyHtoDAsync({nbytes} bytes for {name!r})",
+        )
+
+
+def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) -> torch.Tensor:
+    """Wait for layer ``name``'s rows, then copy the first ``num_tokens`` into ``out``.
+
+    On CUDA: ``cuStreamWaitValue32(flag == 1)`` then ``cuMemcpyHtoDAsync`` from the page-locked
+    shared slot, both on the current stream and both capturable. On CPU: a host spin-wait and a
+    memcpy. The flag stays raised until :func:`release`.
+
+    Parameters
+    ----------
+    out : Tensor
+        ``[max_tokens, dim]`` contiguous; ``dim * itemsize`` must equal the layer's row bytes.
+    dep : Tensor
+        Any tensor the wait must come after.
+    num_tokens : int
+        Rows to copy, ``0 <= num_tokens <= min(out.shape[0], max_tokens)`` (else ``ValueError``).
+    name : str
+        An armed layer name.
+
+    Returns
+    -------
+    Tensor
+        ``out[:num_tokens]``.
+    """
+    torch.ops.ple_ops.wait_copy(out, dep, num_tokens, name)
+    return out[:num_tokens]
+
+
+# --- release -------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ple_ops::release", mutates_args=("out",), device_types="cpu")
+def _release(out: torch.Tensor, name: str) -> None:
+    registry.lookup(name).flag.host_reset()
+
+
+@_release.register_fake
+def _(out, name):
+    torch._check(out.dim() == 2, lambda: "ple_ops.release: out must be 2-D [rows, dim]")
+
+
+@_release.register_kernel("cuda")
+def _(out, name):
+    registry.lookup(name).flag.reset()
+
+
+def release(out: torch.Tensor, name: str) -> None:
+    """Reset layer ``name``'s flag once every reader of ``out`` is done with the rows.
+
+    On CUDA this enqueues ``cuStreamWriteValue32(flag = 0)`` on the current stream; the producer
+    waits for that reset before it overwrites the slot with the next step's rows.
+    """
+    torch.ops.ple_ops.release(out, name)
+
+
+__all__ = ["wait", "wait_copy", "release", "observe_copy_geometry"]

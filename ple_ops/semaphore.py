@@ -1,0 +1,178 @@
+"""CpuGpuSemaphore: a 32-bit flag that GPU streams wait on and write, in device or shared host memory."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kv_ops.host_memory import check_driver, device_pointer
+
+RESET = 0
+DONE = 1
+
+_fence_lock = threading.Lock()
+
+
+def release_fence() -> None:
+    """Order every store this thread made before the next one (the flag), for other agents.
+
+    A lock's acquire/release pair is built on atomic read-modify-write instructions with
+    acquire/release semantics, so taking and dropping one is a full store barrier on every
+    architecture CPython runs on (x86-64 orders stores anyway; Arm needs the barrier).
+    """
+    with _fence_lock:
+        pass
+
+
+class ProducerFailed(RuntimeError):
+    """The process that raises a flag died, failed or missed its deadline."""
+
+
+def spin_wait(
+    read: Callable[[], int],
+    value: int,
+    what: str,
+    check: Callable[[], None] | None = None,
+    timeout: float | None = None,
+    spin: float = 50e-6,
+) -> None:
+    """Wait on the host until ``read() == value``.
+
+    Spins for the first ``spin`` seconds (the other side is usually close), then sleeps with
+    exponential backoff up to 1 ms so that a long wait does not burn a core. ``check`` runs
+    about every 10 ms and raises if the other side is gone; ``timeout`` (seconds) bounds it.
+    """
+    start = time.perf_counter()
+    next_check = start + 0.01
+    delay = 0.0
+    while read() != value:
+        now = time.perf_counter()
+        if timeout is not None and now - start > timeout:
+            raise TimeoutError(f"{what}: flag did not become {value} within {timeout:.3f} s")
+        if now >= next_check:
+            if check is not None:
+                check()
+            next_check = now + 0.01
+        if now - start > spin:
+            delay = min(1e-3, max(delay * 2, 1e-5))
+            time.sleep(delay)
+
+
+class CpuGpuSemaphore:
+    """A 32-bit flag between a GPU stream and a CPU (or GPU) producer.
+
+    Two forms:
+
+    * :meth:`in_device_memory`: an int32 CUDA tensor, shareable with another CUDA process over
+      CUDA IPC (``torch.multiprocessing`` pickles it as an IPC handle).
+    * :meth:`in_host_memory`: an int32 inside page-locked *shared* host memory. The GPU reaches
+      it through its device address; a process with no CUDA context signals it with a plain
+      store after :func:`release_fence` (:meth:`host_signal`).
+
+    Stream operations (:meth:`signal`, :meth:`reset`, :meth:`wait_done`, :meth:`wait_reset`) are
+    enqueued on the caller's current stream at call time (``torch.cuda.graph`` captures on a
+    stream of its own) and are capturable into CUDA graphs. The flag's address is held here, in
+    the process that made or attached it, never in an op argument.
+
+    Examples
+    --------
+    >>> buf = SharedHostBuffer(64)
+    >>> sem = CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32))
+    >>> sem.wait_done()          # the GPU stream waits until the producer stores 1
+    """
+
+    def __init__(self, flag: torch.Tensor, device_address: int | None):
+        if flag.dtype != torch.int32 or flag.numel() != 1:
+            raise ValueError(f"CpuGpuSemaphore: the flag must be one int32, got {flag.dtype} {tuple(flag.shape)}")
+        self.flag = flag
+        self._device_address = device_address
+        self._host_word = ctypes.c_int32.from_address(flag.data_ptr()) if flag.device.type == "cpu" else None
+
+    @classmethod
+    def in_device_memory(cls, device: torch.device | str | None = None) -> "CpuGpuSemaphore":
+        """A flag in device memory (reset), for a producer that has a CUDA context."""
+        flag = torch.zeros(1, dtype=torch.int32, device=device or "cuda")
+        return cls(flag, flag.data_ptr())
+
+    @classmethod
+    def from_ipc_tensor(cls, flag: torch.Tensor) -> "CpuGpuSemaphore":
+        """The same device flag, received in another process through CUDA IPC."""
+        return cls(flag, flag.data_ptr())
+
+    @classmethod
+    def in_host_memory(cls, flag: torch.Tensor, map_for_gpu: bool | None = None) -> "CpuGpuSemaphore":
+        """A flag in shared host memory. ``flag`` is a one-element int32 view of it.
+
+        In the GPU process (``map_for_gpu``, default: CUDA available) the memory must be
+        page-locked (``SharedHostBuffer`` registers it) and the device address is resolved
+        here; the CUDA-free producer attaches the same bytes and only uses the host methods.
+        """
+        map_for_gpu = torch.cuda.is_available() if map_for_gpu is None else map_for_gpu
+        return cls(flag, device_pointer(flag) if map_for_gpu else None)
+
+    # --- GPU stream operations ---------------------------------------------------------------
+
+    @property
+    def device_address(self) -> int:
+        if self._device_address is None:
+            raise RuntimeError("this semaphore has no device address in this process (attached without CUDA)")
+        return self._device_address
+
+    def _stream_op(self, op: str, value: int) -> None:
+        from cuda.bindings import driver as drv
+
+        stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
+        address = drv.CUdeviceptr(self.device_address)
+        if op == "write":
+            check_driver(drv.cuStreamWriteValue32(stream, address, value, 0), f"cuStreamWriteValue32({value})")
+        else:
+            flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+            check_driver(drv.cuStreamWaitValue32(stream, address, value, flags), f"cuStreamWaitValue32(== {value})")
+
+    def signal(self) -> None:
+        """Enqueue ``flag = DONE`` on the current stream."""
+        self._stream_op("write", DONE)
+
+    def reset(self) -> None:
+        """Enqueue ``flag = RESET`` on the current stream."""
+        self._stream_op("write", RESET)
+
+    def wait_done(self) -> None:
+        """Enqueue a wait until ``flag == DONE`` on the current stream."""
+        self._stream_op("wait", DONE)
+
+    def wait_reset(self) -> None:
+        """Enqueue a wait until ``flag == RESET`` on the current stream."""
+        self._stream_op("wait", RESET)
+
+    # --- host operations (host form only; no CUDA) --------------------------------------------
+
+    def _word(self) -> ctypes.c_int32:
+        if self._host_word is None:
+            raise RuntimeError("host operations need the flag in host memory")
+        return self._host_word
+
+    def host_value(self) -> int:
+        return self._word().value
+
+    def host_signal(self) -> None:
+        """Publish: every store made before this call is visible before the flag reads DONE."""
+        release_fence()
+        self._word().value = DONE
+
+    def host_reset(self) -> None:
+        self._word().value = RESET
+
+    def host_wait(
+        self, value: int, check: Callable[[], None] | None = None, timeout: float | None = None, spin: float = 50e-6
+    ) -> None:
+        """Wait on the host until the flag equals ``value`` (see :func:`spin_wait`)."""
+        word = self._word()
+        spin_wait(lambda: word.value, value, "CpuGpuSemaphore.host_wait", check, timeout, spin)
+
+
+__all__ = ["CpuGpuSemaphore", "ProducerFailed", "release_fence", "spin_wait", "DONE", "RESET"]

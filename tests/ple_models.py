@@ -1,0 +1,87 @@
+"""Small models with PLE layers, importable by the spawned offload process (tests/ is on the path)."""
+
+import torch
+from torch import nn
+
+import ple_ops
+
+VOCAB, DIM, LAYERS = 1000, 64, 3
+
+
+class TablePle(ple_ops.PleOffloadLayer):
+    """A per-layer embedding table: rows are table[input_ids]."""
+
+    def __init__(self, layer: int, dim: int = DIM, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1000 + layer)
+        self.table = nn.Parameter(torch.randn(VOCAB, dim, generator=gen).to(dtype), requires_grad=False)
+
+    def forward_impl(self, input_ids):
+        return self.table[input_ids.to(self.table.device)]
+
+
+class Block(nn.Module):
+    def __init__(self, layer: int, dtype: torch.dtype):
+        super().__init__()
+        gen = torch.Generator().manual_seed(layer)
+        self.proj = nn.Linear(DIM, DIM, dtype=dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(DIM, DIM, generator=gen) / DIM**0.5)
+            self.proj.bias.zero_()
+        self.ple = TablePle(layer, dtype=dtype)
+
+    def forward(self, hidden, input_ids):
+        return torch.tanh(self.proj(hidden) + self.ple(hidden, input_ids))
+
+
+class TinyModel(nn.Module):
+    """Three blocks, each adding its layer's PLE rows to the hidden state."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(i, dtype) for i in range(LAYERS))
+
+    def forward(self, hidden, input_ids):
+        for block in self.blocks:
+            hidden = block(hidden, input_ids)
+        return hidden
+
+    def release_offloaded(self):
+        for block in self.blocks:
+            block.ple.release_offloaded()
+
+
+def make_model():
+    return TinyModel()
+
+
+def make_bf16_model():
+    return TinyModel(torch.bfloat16)
+
+
+def make_failing_model():
+    """Builds, then fails on the first step with more than 5 tokens (forward_impl raises)."""
+    model = TinyModel()
+
+    def bad(input_ids, original=model.blocks[1].ple.forward_impl):
+        if input_ids.shape[0] > 5:
+            raise RuntimeError("table shard unavailable")
+        return original(input_ids)
+
+    model.blocks[1].ple.forward_impl = bad
+    return model
+
+
+def make_slow_model():
+    """Layer 1 takes 3 s on steps of more than 5 tokens: a window in which to kill the process."""
+    import time
+
+    model = TinyModel()
+
+    def slow(input_ids, original=model.blocks[1].ple.forward_impl):
+        if input_ids.shape[0] > 5:
+            time.sleep(3)
+        return original(input_ids)
+
+    model.blocks[1].ple.forward_impl = slow
+    return model

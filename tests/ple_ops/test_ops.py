@@ -1,0 +1,95 @@
+"""The PLE ops on the CPU path: the registry, bounds, the copy itself, release, observation."""
+
+import threading
+
+import pytest
+import torch
+
+import ple_ops
+from ple_ops.semaphore import DONE, RESET
+
+
+@pytest.fixture
+def armed():
+    """One armed layer ``test.ple`` with a 16 x 32 float32 slot, flag reset, slot random."""
+    buf = ple_ops.SharedHostBuffer(64 + 16 * 128)
+    flag = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32), map_for_gpu=False)
+    flag.host_reset()
+    slot = buf.view(64, (16, 128), torch.uint8)
+    slot.copy_(torch.randint(0, 256, slot.shape, dtype=torch.uint8))
+    layer = ple_ops.ArmedLayer("test.ple", flag, slot)
+    ple_ops.arm(layer)
+    yield layer
+    ple_ops.disarm("test.ple")
+    buf.unlink()
+
+
+def poisoned(rows=16, dim=32):
+    return torch.full((rows, dim), float("nan"))
+
+
+def test_wait_copy_waits_for_the_flag_then_copies_exactly_num_tokens_rows(armed):
+    out = poisoned()
+    producer = threading.Timer(0.05, armed.flag.host_signal)
+    producer.start()
+    rows = ple_ops.wait_copy(out, torch.zeros(1), 5, "test.ple")
+    assert torch.equal(rows.view(torch.uint8), armed.slot[:5])
+    assert out[5:].isnan().all()  # rows past num_tokens untouched
+    assert armed.flag.host_value() == DONE  # the pull does not reset
+    ple_ops.release(out, "test.ple")
+    assert armed.flag.host_value() == RESET
+
+
+def test_unknown_name_lists_the_armed_names(armed):
+    with pytest.raises(RuntimeError, match=r"no layer named 'nope' is armed in this process \(armed: \['test.ple'\]\)"):
+        ple_ops.wait_copy(poisoned(), torch.zeros(1), 1, "nope")
+
+
+@pytest.mark.parametrize(
+    "out, num_tokens, message",
+    [
+        (poisoned(16, 32), 17, r"num_tokens 17 for layer 'test.ple' exceeds the buffer's 16 rows or the slot's 16"),
+        (poisoned(8, 32), 9, r"num_tokens 9 .* exceeds the buffer's 8 rows"),
+        (poisoned(16, 32), -1, r"num_tokens -1"),
+        (poisoned(16, 16), 1, r"out rows hold 64 bytes \(16 x torch.float32\) but layer 'test.ple' produces rows of 128"),
+        (poisoned(16, 32)[:, :16], 1, r"must be a contiguous 2-D"),
+    ],
+    ids=["more-than-slot", "more-than-buffer", "negative", "row-size", "not-contiguous"],
+)
+def test_bad_pull_is_rejected_before_waiting_or_copying(armed, out, num_tokens, message):
+    armed.flag.host_signal()
+    before = out.clone()
+    with pytest.raises(ValueError, match=message):
+        ple_ops.wait_copy(out, torch.zeros(1), num_tokens, "test.ple")
+    assert torch.equal(out.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_wait_returns_once_signalled_and_raises_when_the_producer_fails(armed):
+    armed.flag.host_signal()
+    ple_ops.wait(poisoned(), torch.zeros(1), "test.ple")
+    armed.flag.host_reset()
+
+    def failed():
+        raise ple_ops.ProducerFailed("the offload process died")
+
+    armed.check = failed
+    with pytest.raises(ple_ops.ProducerFailed, match="died"):
+        ple_ops.wait(poisoned(), torch.zeros(1), "test.ple")
+
+
+def test_observe_copy_geometry_records_executed_pulls(armed):
+    armed.flag.host_signal()
+    out = poisoned()
+    with ple_ops.observe_copy_geometry() as copies:
+        ple_ops.wait_copy(out, torch.zeros(1), 3, "test.ple")
+        ple_ops.wait_copy(out, torch.zeros(1), 0, "test.ple")
+    assert copies == [("test.ple", 3, 384), ("test.ple", 0, 0)]
+    with ple_ops.observe_copy_geometry():
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with ple_ops.observe_copy_geometry():
+                pass
+
+
+def test_arming_a_name_twice_is_an_error(armed):
+    with pytest.raises(ValueError, match="already armed"):
+        ple_ops.arm(armed)
