@@ -14,7 +14,7 @@ from torch import nn
 
 from . import layer as layer_mod
 from . import reference, registry
-from .semaphore import DONE, RESET, CpuGpuSemaphore, ProducerFailed, release_fence, spin_wait
+from .semaphore import RESET, CpuGpuSemaphore, ProducerFailed, release_fence, spin_wait
 from .shared_memory import SharedHandle, SharedHostBuffer
 
 # Control block in shared memory, int64 words: the GPU process writes REQUEST (a step counter,

@@ -1,0 +1,205 @@
+"""PLE offload on the GPU: wait+pull latency, pull bandwidth, and the decode-step overhead.
+
+* latency: the host-flag ping-pong (CPU stores flag A; the stream, already waiting on A, writes
+  flag B; the CPU sees B) is the floor. One wait+pull of k rows of 16 KiB (``ple_ops.wait_copy``
+  between the same wait and write) is reported as a ratio to it. Medians of 300 round trips.
+* bandwidth: ``wait_copy`` of 1..8192 rows of 16 KiB with the flag already raised, against a
+  contiguous pinned memcpy of the same bytes, both captured in a CUDA graph and timed by replay.
+* decode step: a 3-layer model whose PLE tables sit on the GPU, against the same model served
+  by ``OffloadRuntime``; both captured in a CUDA graph, one replay + sync per step (the offload
+  step adds prepare and the waits on the offload process).
+
+Usage: python benchmarks/ple_latency.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import ple_ops  # noqa: E402
+from block_copy import time_graph  # noqa: E402
+from ple_models import make_model  # noqa: E402
+
+ROW_BYTES = 16384
+
+
+def round_trips(enqueue, a: ple_ops.CpuGpuSemaphore, b: ple_ops.CpuGpuSemaphore, reps: int = 300) -> list[float]:
+    """Seconds from the CPU raising ``a`` to the CPU seeing ``b`` raised by the stream."""
+    times = []
+    stream = torch.cuda.Stream()
+    for _ in range(reps + 20):
+        a.host_reset()
+        b.host_reset()
+        with torch.cuda.stream(stream):
+            enqueue()  # waits on a, ..., then b.signal()
+        time.sleep(50e-6)  # let the stream reach the wait
+        start = time.perf_counter()
+        a.host_signal()
+        while b.host_value() != ple_ops.semaphore.DONE:
+            pass
+        times.append(time.perf_counter() - start)
+        stream.synchronize()
+    return times[20:]
+
+
+def latency(rows_list) -> list[dict]:
+    buf = ple_ops.SharedHostBuffer(128 + max(rows_list) * ROW_BYTES)
+    a = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32))
+    b = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(64, (1,), torch.int32))
+    slot = buf.view(128, (max(rows_list), ROW_BYTES), torch.uint8)
+    ple_ops.arm(ple_ops.ArmedLayer("bench.ple", a, slot))
+    out = torch.empty(max(rows_list), ROW_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    dep = torch.empty(1, device="cuda")
+
+    def ping():
+        a.wait_done()
+        b.signal()
+
+    floor = round_trips(ping, a, b)
+    rows = [dict(kind="latency", what="ping_pong", rows=0, bytes=0, p50_us=statistics.median(floor) * 1e6,
+                 p99_us=statistics.quantiles(floor, n=100)[98] * 1e6, ratio=1.0)]
+    for k in rows_list:
+        def pull(k=k):
+            ple_ops.wait_copy(out, dep, k, "bench.ple")
+            b.signal()
+
+        t = round_trips(pull, a, b)
+        rows.append(dict(kind="latency", what="wait_copy", rows=k, bytes=k * ROW_BYTES, p50_us=statistics.median(t) * 1e6,
+                         p99_us=statistics.quantiles(t, n=100)[98] * 1e6, ratio=statistics.median(t) / statistics.median(floor)))
+    ple_ops.disarm("bench.ple")
+    buf.unlink()
+    return rows
+
+
+def bandwidth(rows_list) -> list[dict]:
+    n_max = max(rows_list)
+    buf = ple_ops.SharedHostBuffer(64 + n_max * ROW_BYTES)
+    flag = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32))
+    flag.host_signal()  # raised: measure the pull alone
+    slot = buf.view(64, (n_max, ROW_BYTES), torch.uint8)
+    slot.copy_(torch.randint(0, 256, slot.shape, dtype=torch.uint8))
+    ple_ops.arm(ple_ops.ArmedLayer("bench.bw", flag, slot))
+    out = torch.empty(n_max, ROW_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    flat_gpu = torch.empty(n_max * ROW_BYTES, dtype=torch.uint8, device="cuda")
+    flat_host = torch.empty(n_max * ROW_BYTES, dtype=torch.uint8, pin_memory=True)
+    dep = torch.empty(1, device="cuda")
+    rows = []
+    for k in rows_list:
+        nbytes = k * ROW_BYTES
+        base = time_graph(lambda: flat_gpu[:nbytes].copy_(flat_host[:nbytes], non_blocking=True))
+        pull = time_graph(lambda: ple_ops.wait_copy(out, dep, k, "bench.bw"))
+        rows.append(dict(kind="bandwidth", what="wait_copy", rows=k, bytes=nbytes, memcpy_gbps=nbytes / base / 1e9,
+                         pull_gbps=nbytes / pull / 1e9, ratio=base / pull))
+    ple_ops.disarm("bench.bw")
+    buf.unlink()
+    return rows
+
+
+def decode_step(tokens: int = 4, steps: int = 300) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    all_ids = torch.randint(0, 1000, (steps, tokens), generator=gen)
+    hidden = torch.randn(tokens, 64, device="cuda")
+    ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
+
+    def capture(model, release):
+        model(hidden, ids)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(hidden, ids)
+            release()
+        return graph
+
+    local = make_model().cuda()
+    graph = capture(local, lambda: None)
+    t_local = []
+    for i in range(steps):
+        start = time.perf_counter()
+        ids.copy_(all_ids[i], non_blocking=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        t_local.append(time.perf_counter() - start)
+
+    with ple_ops.OffloadRuntime(make_model, max_tokens=tokens, device="cuda") as rt:
+        rt.prepare(all_ids[0])
+        graph = capture(rt.model, rt.model.release_offloaded)  # warm-up run is this step's forward
+        rt.model.release_offloaded()
+        rt.release(enqueue=False)
+        torch.cuda.synchronize()
+        t_off = []
+        for i in range(steps):
+            start = time.perf_counter()
+            rt.prepare(all_ids[i])
+            ids.copy_(all_ids[i], non_blocking=True)
+            graph.replay()
+            rt.release(enqueue=False)
+            torch.cuda.synchronize()
+            t_off.append(time.perf_counter() - start)
+    a, b = statistics.median(t_local[20:]), statistics.median(t_off[20:])
+    return [dict(kind="decode_step", what="tables_on_gpu", rows=tokens, p50_us=a * 1e6, ratio=1.0),
+            dict(kind="decode_step", what="offloaded", rows=tokens, p50_us=b * 1e6, ratio=b / a)]
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    lat = [r for r in rows if r["kind"] == "latency" and r["what"] == "wait_copy"]
+    floor = next(r for r in rows if r["what"] == "ping_pong")
+    left.plot([r["rows"] for r in lat], [r["p50_us"] for r in lat], "o-", label="wait + pull (p50)")
+    left.axhline(floor["p50_us"], color="k", ls="--", label=f"ping-pong floor {floor['p50_us']:.1f} us")
+    left.axhline(2 * floor["p50_us"], color="r", ls=":", label="target: 2x floor")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("rows of 16 KiB")
+    left.set_ylabel("us")
+    left.legend(fontsize=8)
+    bw = [r for r in rows if r["kind"] == "bandwidth"]
+    right.plot([r["rows"] for r in bw], [r["ratio"] for r in bw], "o-", label="wait_copy / pinned memcpy")
+    right.axhline(0.9, color="r", ls=":", label="target 0.90")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("rows of 16 KiB")
+    right.set_ylabel("ratio")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ple_latency.py needs a CUDA device")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = latency([1, 2, 4, 8, 32]) + bandwidth([1, 4, 16, 64, 256, 1024, 4096, 8192]) + decode_step()
+    keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+    with open(args.out / "ple_latency.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, args.out / "ple_latency.png")
+    print("| measure | rows of 16 KiB | value | ratio to baseline |\n| --- | ---: | ---: | ---: |")
+    for r in rows:
+        if r["kind"] == "latency":
+            print(f"| {r['what']} latency p50 (p99) | {r['rows']} | {r['p50_us']:.1f} ({r['p99_us']:.1f}) us | {r['ratio']:.2f} |")
+        elif r["kind"] == "bandwidth":
+            print(f"| pull bandwidth | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}) | {r['ratio']:.2f} |")
+        else:
+            print(f"| decode step, {r['what']} (4 tokens) | - | {r['p50_us']:.1f} us | {r['ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

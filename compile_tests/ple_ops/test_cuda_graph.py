@@ -1,0 +1,156 @@
+"""The GPU path of ple_ops: flags in device and host memory, a whole decode step captured into a
+CUDA graph and under mode="reduce-overhead" with a real offload process, and a dead process."""
+
+import os
+import time
+
+import pytest
+import torch
+from ple_models import make_model, make_slow_model
+
+import ple_ops
+from ple_ops.semaphore import DONE, RESET
+
+pytestmark = pytest.mark.gpu
+
+
+def _signal_over_ipc(queue):
+    flag = queue.get()
+    sem = ple_ops.CpuGpuSemaphore.from_ipc_tensor(flag)
+    time.sleep(0.3)
+    sem.signal()
+    torch.cuda.synchronize()
+    queue.put("signalled")
+    queue.get()  # keep the CUDA IPC mapping until the parent is done
+
+
+def test_device_flag_shared_over_cuda_ipc_releases_a_waiting_stream():
+    sem = ple_ops.CpuGpuSemaphore.in_device_memory()
+    marker = torch.zeros(1, device="cuda")
+    stream = torch.cuda.Stream()
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_signal_over_ipc, args=(queue,))
+    child.start()
+    queue.put(sem.flag)
+    with torch.cuda.stream(stream):
+        sem.wait_done()
+        marker.fill_(1.0)
+    time.sleep(0.1)
+    assert not stream.query() and marker.item() == 0.0  # still waiting for the other process
+    assert queue.get(timeout=60) == "signalled"
+    stream.synchronize()
+    assert marker.item() == 1.0
+    queue.put("done")
+    child.join(30)
+    assert child.exitcode == 0
+
+
+def test_host_flag_stream_operations_and_host_signal():
+    buf = ple_ops.SharedHostBuffer(128)
+    sem = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32))
+    sem.host_reset()
+    marker = torch.zeros(1, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        sem.wait_done()
+        marker.fill_(1.0)
+        sem.reset()  # the GPU writes host memory
+    time.sleep(0.05)
+    assert not stream.query()
+    sem.host_signal()
+    stream.synchronize()
+    assert marker.item() == 1.0 and sem.host_value() == RESET
+    with torch.cuda.stream(stream):
+        sem.signal()
+        sem.wait_done()
+    stream.synchronize()
+    assert sem.host_value() == DONE
+    buf.unlink()
+
+
+def check_steps(rt, run_step, n=4, steps=40):
+    local = make_model().cuda()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        ids = torch.randint(0, 1000, (n,), generator=gen)
+        hidden = torch.randn(n, 64, generator=gen)
+        rt.prepare(ids)
+        out = run_step(hidden.cuda(), ids.cuda())
+        rt.release(enqueue=False)
+        torch.testing.assert_close(out, local(hidden.cuda(), ids.cuda()), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_step_captured_in_a_cuda_graph_replays_with_new_ids():
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda") as rt:
+        hidden = torch.zeros(4, 64, device="cuda")
+        ids = torch.zeros(4, dtype=torch.long, device="cuda")
+        rt.prepare(ids.cpu())  # warm-up step, eager
+        rt.model(hidden, ids)
+        rt.release()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with ple_ops.observe_copy_geometry() as copies:
+            with torch.cuda.graph(graph):
+                out = rt.model(hidden, ids)
+                rt.model.release_offloaded()
+        assert copies == [(f"blocks.{i}.ple", 4, 4 * 256) for i in range(3)]
+
+        def replay(h, i):
+            hidden.copy_(h)
+            ids.copy_(i)
+            graph.replay()
+            torch.cuda.synchronize()
+            return out.clone()
+
+        check_steps(rt, replay)
+        assert [ple_ops.lookup(n).flag.host_value() for n in ple_ops.armed_names()] == [RESET] * 3
+
+
+class Step(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden, input_ids):
+        out = self.model(hidden, input_ids)
+        self.model.release_offloaded()
+        return out
+
+
+def test_decode_step_under_reduce_overhead():
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    torch._dynamo.reset()
+    counters.clear()
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda") as rt:
+        compiled = torch.compile(Step(rt.model), mode="reduce-overhead", fullgraph=True)
+
+        def step(h, i):
+            out = compiled(h, i).clone()
+            torch.cuda.synchronize()
+            return out
+
+        check_steps(rt, step, steps=20)
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        assert manager is not None and sum(len(v) for v in manager.roots.values()) >= 1
+
+
+def test_killing_the_offload_process_unblocks_the_gpu_within_a_second():
+    with ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cuda") as rt:
+        ids = torch.arange(8)
+        rt.prepare(ids)
+        out = rt.model(torch.zeros(8, 64, device="cuda"), ids.cuda())  # the stream waits on layer 1
+        time.sleep(0.3)
+        assert not torch.cuda.current_stream().query()
+        killed = time.perf_counter()
+        os.kill(rt.process.pid, 9)
+        torch.cuda.synchronize()  # returns: the watchdog raised the flags over poisoned rows
+        assert time.perf_counter() - killed < 1.0
+        assert torch.isnan(out).all()
+        with pytest.raises(ple_ops.OffloadError, match="died"):
+            rt.release()
+        with pytest.raises(ple_ops.OffloadError):
+            rt.prepare(ids)
