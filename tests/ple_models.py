@@ -1,4 +1,4 @@
-"""Small models with PLE layers, importable by the spawned offload process (tests/ is on the path)."""
+"""Small PLE models and child-process targets, importable by spawned processes (tests/ is on the path)."""
 
 import torch
 from torch import nn
@@ -85,3 +85,16 @@ def make_slow_model():
 
     model.blocks[1].ple.forward_impl = slow
     return model
+
+
+def signal_over_ipc(queue):
+    """Child of the CUDA-IPC test: receive a device flag, raise it from this process's stream."""
+    flag = queue.get()
+    sem = ple_ops.CpuGpuSemaphore.from_ipc_tensor(flag)
+    import time
+
+    time.sleep(0.3)
+    sem.signal()
+    torch.cuda.synchronize()
+    queue.put("signalled")
+    queue.get()  # keep the CUDA IPC mapping until the parent is done

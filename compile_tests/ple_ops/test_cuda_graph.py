@@ -6,22 +6,12 @@ import time
 
 import pytest
 import torch
-from ple_models import make_model, make_slow_model
+from ple_models import make_model, make_slow_model, signal_over_ipc
 
 import ple_ops
 from ple_ops.semaphore import DONE, RESET
 
 pytestmark = pytest.mark.gpu
-
-
-def _signal_over_ipc(queue):
-    flag = queue.get()
-    sem = ple_ops.CpuGpuSemaphore.from_ipc_tensor(flag)
-    time.sleep(0.3)
-    sem.signal()
-    torch.cuda.synchronize()
-    queue.put("signalled")
-    queue.get()  # keep the CUDA IPC mapping until the parent is done
 
 
 def test_device_flag_shared_over_cuda_ipc_releases_a_waiting_stream():
@@ -30,19 +20,25 @@ def test_device_flag_shared_over_cuda_ipc_releases_a_waiting_stream():
     stream = torch.cuda.Stream()
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_signal_over_ipc, args=(queue,))
+    child = ctx.Process(target=signal_over_ipc, args=(queue,))
     child.start()
     queue.put(sem.flag)
     with torch.cuda.stream(stream):
         sem.wait_done()
         marker.fill_(1.0)
-    time.sleep(0.1)
-    assert not stream.query() and marker.item() == 0.0  # still waiting for the other process
-    assert queue.get(timeout=60) == "signalled"
-    stream.synchronize()
-    assert marker.item() == 1.0
-    queue.put("done")
-    child.join(30)
+    try:
+        time.sleep(0.1)
+        assert not stream.query()  # still waiting for the other process
+        assert queue.get(timeout=60) == "signalled"
+        stream.synchronize()
+        assert marker.item() == 1.0
+    finally:
+        # Never leave a stream blocked behind a flag nobody will raise: a stuck stream can stall
+        # others that share its hardware queue, and the whole suite with them.
+        sem.signal()
+        torch.cuda.synchronize()
+        queue.put("done")
+        child.join(30)
     assert child.exitcode == 0
 
 
@@ -56,9 +52,11 @@ def test_host_flag_stream_operations_and_host_signal():
         sem.wait_done()
         marker.fill_(1.0)
         sem.reset()  # the GPU writes host memory
-    time.sleep(0.05)
-    assert not stream.query()
-    sem.host_signal()
+    try:
+        time.sleep(0.05)
+        assert not stream.query()
+    finally:
+        sem.host_signal()  # raise it whatever happened above: never leave the stream blocked
     stream.synchronize()
     assert marker.item() == 1.0 and sem.host_value() == RESET
     with torch.cuda.stream(stream):
