@@ -51,6 +51,19 @@ class TinyModel(nn.Module):
             block.ple.release_offloaded()
 
 
+class DecodeStep(nn.Module):
+    """A decode step whose graph also holds the flag resets (what a captured step looks like)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden, input_ids):
+        out = self.model(hidden, input_ids)
+        self.model.release_offloaded()
+        return out
+
+
 def make_model():
     return TinyModel()
 

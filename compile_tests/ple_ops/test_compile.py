@@ -3,23 +3,10 @@ the rows arrive (the result equals the local model's), and the flags are reset a
 
 import pytest
 import torch
-from ple_models import make_model
+from ple_models import DecodeStep, make_model
 
 import ple_ops
 from ple_ops.semaphore import DONE, RESET
-
-
-class Step(torch.nn.Module):
-    """A decode step whose graph also holds the releases (what a captured step looks like)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, hidden, input_ids):
-        out = self.model(hidden, input_ids)
-        self.model.release_offloaded()
-        return out
 
 
 def flags(rt):
@@ -32,7 +19,7 @@ def test_compiled_steps_pull_the_rows_and_reset_the_flags(backend, release_in_gr
     torch._dynamo.reset()
     local = make_model()
     with ple_ops.OffloadRuntime(make_model, max_tokens=32, device="cpu") as rt:
-        fn = Step(rt.model) if release_in_graph else rt.model
+        fn = DecodeStep(rt.model) if release_in_graph else rt.model
         compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
         gen = torch.Generator().manual_seed(1)
         for n in (5, 9, 2, 17):

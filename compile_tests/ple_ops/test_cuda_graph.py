@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from ple_models import make_model, make_slow_model, signal_over_ipc
+from ple_models import DecodeStep, make_model, make_slow_model, signal_over_ipc
 
 import ple_ops
 from ple_ops.semaphore import DONE, RESET
@@ -105,17 +105,6 @@ def test_decode_step_captured_in_a_cuda_graph_replays_with_new_ids():
         assert [ple_ops.lookup(n).flag.host_value() for n in ple_ops.armed_names()] == [RESET] * 3
 
 
-class Step(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, hidden, input_ids):
-        out = self.model(hidden, input_ids)
-        self.model.release_offloaded()
-        return out
-
-
 def test_decode_step_under_reduce_overhead():
     from torch._dynamo.utils import counters
     from torch._inductor import cudagraph_trees
@@ -123,7 +112,7 @@ def test_decode_step_under_reduce_overhead():
     torch._dynamo.reset()
     counters.clear()
     with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda") as rt:
-        compiled = torch.compile(Step(rt.model), mode="reduce-overhead", fullgraph=True)
+        compiled = torch.compile(DecodeStep(rt.model), mode="reduce-overhead", fullgraph=True)
 
         def step(h, i):
             out = compiled(h, i).clone()
