@@ -158,6 +158,7 @@ class OffloadRuntime:
         self.process = ctx.Process(target=_worker_main, args=(model_factory, child, os.getpid()), daemon=True)
         self.process.start()
         child.close()
+        self._shared: list[SharedHostBuffer] = []
         try:
             _, specs = self._receive("layers", start_timeout)
             self._build(model_factory, specs)
@@ -165,6 +166,11 @@ class OffloadRuntime:
         except BaseException:
             self._stop_process()
             raise
+        finally:
+            # Both processes have mapped the files (or never will): remove the names now, so that
+            # nothing is left in /dev/shm however either process ends. The mappings stay valid.
+            for buf in self._shared:
+                buf.unlink()
         self._watchdog = threading.Thread(target=self._watch, name="ple-offload-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -197,6 +203,7 @@ class OffloadRuntime:
         self._flags_buf = SharedHostBuffer(_FLAG_SPACING * max(1, len(layers)))
         self._flags_buf.bytes.zero_()
         self._slot_bufs, self._armed = [], []
+        self._shared += [self._control, self._flags_buf]
         for i, ((name, module), (_, dim, dtype)) in enumerate(zip(layers, specs)):
             row_bytes = dim * dtype.itemsize
             slot_buf = SharedHostBuffer(self.max_tokens * row_bytes)
@@ -208,6 +215,7 @@ class OffloadRuntime:
             self._names.append(name)
             module.attach_offload(name, torch.zeros(self.max_tokens, dim, dtype=dtype, device=self.device))
             self._slot_bufs.append(slot_buf)
+            self._shared.append(slot_buf)
             self._armed.append((module, armed))
         self._conn.send(
             ("attach", self._control.handle, self._flags_buf.handle, [b.handle for b in self._slot_bufs], self.max_tokens)
@@ -309,7 +317,7 @@ class OffloadRuntime:
             self.process.join(5.0)
 
     def close(self) -> None:
-        """Stop the offload process, unblock any pending step, disarm and unlink everything."""
+        """Stop the offload process, unblock any pending step, disarm the layers."""
         if self._closed:
             return
         if self._open and self._failure is None:
@@ -319,8 +327,6 @@ class OffloadRuntime:
         self._stop_process()
         for name in self._names:
             registry.disarm(name)
-        for buf in [self._control, self._flags_buf, *self._slot_bufs]:
-            buf.unlink()
 
     def __enter__(self) -> "OffloadRuntime":
         return self
