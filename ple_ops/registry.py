@@ -29,12 +29,15 @@ class ArmedLayer:
         uint8 ``[max_tokens, row_bytes]`` in shared page-locked host memory.
     check : callable
         Raises if the producer has failed; host-side waits call it while they spin.
+    out : Tensor or None
+        The consumer's output buffer ``[max_tokens, dim]`` (on the GPU in the GPU process).
     """
 
     name: str
     flag: CpuGpuSemaphore
     slot: torch.Tensor
     check: Callable[[], None] = field(default=lambda: None)
+    out: torch.Tensor | None = None
 
     @property
     def max_tokens(self) -> int:

@@ -210,10 +210,12 @@ class OffloadRuntime:
             flag = CpuGpuSemaphore.in_host_memory(
                 self._flags_buf.view(i * _FLAG_SPACING, (1,), torch.int32), map_for_gpu=self.device.type == "cuda"
             )
-            armed = registry.ArmedLayer(name, flag, slot_buf.view(0, (self.max_tokens, row_bytes), torch.uint8), self.check)
+            out = torch.zeros(self.max_tokens, dim, dtype=dtype, device=self.device)
+            slot = slot_buf.view(0, (self.max_tokens, row_bytes), torch.uint8)
+            armed = registry.ArmedLayer(name, flag, slot, self.check, out)
             registry.arm(armed)
             self._names.append(name)
-            module.attach_offload(name, torch.zeros(self.max_tokens, dim, dtype=dtype, device=self.device))
+            module.attach_offload(name, out)
             self._slot_bufs.append(slot_buf)
             self._shared.append(slot_buf)
             self._armed.append((module, armed))

@@ -25,6 +25,7 @@ def test_gpu_side_layers_allocate_no_tables(runtime):
     for block in runtime.model.blocks:
         assert not any(True for _ in block.ple.parameters())
         assert block.ple.ple_out.shape == (32, 64)
+        assert ple_ops.lookup(block.ple.ple_name).out is block.ple.ple_out
     assert ple_ops.armed_names() == [f"blocks.{i}.ple" for i in range(LAYERS)]
 
 
