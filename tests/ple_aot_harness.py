@@ -74,6 +74,9 @@ def main(mode: str, path: str, design: str, device: str) -> None:
     if hasattr(torch._dynamo.config, "enable_aot_compile"):
         torch._dynamo.config.enable_aot_compile = True  # needed on torch <= 2.11
     step = step_by_name if design == "name" else step_by_address
+    if mode == "load":
+        shift = ple_ops.SharedHostBuffer(1 << 22)  # B's slots must not land where A's were, ASLR or not
+        shift.unlink()
     with ple_ops.OffloadRuntime(make_model, max_tokens=16, device=device) as rt:
         hidden, ids = inputs(device)
         outs = [block.ple.ple_out for block in rt.model.blocks]
