@@ -8,11 +8,13 @@ Where each piece lives:
 * ``kernels``     -- the Triton block-copy kernel and its launcher.
 * ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
 * ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
+* ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to an exact-size mirror.
 * ``disk``        -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 """
 
 from .disk import BlockFile
+from .engine import Completed, OffloadEngine
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import device_view, pinned_empty
 from .ops import copy_blocks, gather_blocks, scatter_blocks
@@ -34,4 +36,6 @@ __all__ = [
     "error_counter",
     "reset_error_count",
     "BlockFile",
+    "OffloadEngine",
+    "Completed",
 ]

@@ -1,0 +1,184 @@
+"""OffloadEngine: stores and loads KV blocks between the GPU cache and an exact-size host mirror.
+
+The engine owns one low-priority stream per direction. Each call records an event on the
+caller's current stream and makes its copy wait on it, so a store reads blocks only after the
+compute enqueued before the call has written them, and a load overwrites blocks only after the
+readers enqueued before the call are done with them (the two races vLLM shipped). Completion is
+tracked per direction by events in issue order, so a transfer id is reported done only after its
+copy finished, and every earlier one of that direction too (a high-water mark).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from . import reference
+from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+from .host_memory import pinned_empty
+from .ops import copy_blocks
+from .validation import id_checks
+
+
+@dataclass
+class Completed:
+    """What :meth:`OffloadEngine.poll` found finished since the last poll, in issue order."""
+
+    stores: list[int] = field(default_factory=list)
+    loads: list[int] = field(default_factory=list)
+
+
+class _Lane:
+    """One direction: transfers in issue order on one stream, each with its completion event.
+
+    An entry also keeps alive what its copy reads on the side stream (the id tensors), so the
+    caching allocator cannot hand that memory to someone else before the copy ran.
+    """
+
+    def __init__(self):
+        self.pending: deque[tuple[int, torch.cuda.Event | None, tuple]] = deque()
+
+    def add(self, tid: int, event: torch.cuda.Event | None, keep: tuple) -> None:
+        self.pending.append((tid, event, keep))
+
+    def poll(self) -> list[int]:
+        done = []
+        while self.pending and (self.pending[0][1] is None or self.pending[0][1].query()):
+            done.append(self.pending.popleft()[0])
+        return done
+
+    def flush(self) -> list[int]:
+        done = []
+        while self.pending:
+            tid, event, _ = self.pending.popleft()
+            if event is not None:
+                event.synchronize()
+            done.append(tid)
+        return done
+
+
+class OffloadEngine:
+    """Offload KV-cache blocks of one device to page-locked host memory and back.
+
+    Parameters
+    ----------
+    kv_caches : mapping of str to Tensor
+        The cache tensors, all on one device.
+    num_blocks : int
+        Blocks per region on the GPU side.
+    capacity_bytes : int
+        Host memory for the mirror. It holds ``capacity_bytes // block_bytes`` blocks, where
+        ``block_bytes`` sums every region's block: no power-of-two rounding, and regions of
+        different block sizes share the same block ids.
+    specs : sequence of KVCacheTensorSpec, optional
+        The layout; without it the layout is inferred (:func:`kv_ops.infer_regions`).
+
+    Examples
+    --------
+    >>> engine = OffloadEngine(kv_caches, num_blocks, capacity_bytes=64 << 30)
+    >>> tid = engine.store(gpu_ids=[3, 4, 9], host_ids=[0, 1, 2])
+    >>> engine.poll().stores          # [tid] once the copy has finished
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        capacity_bytes: int,
+        specs: Sequence[KVCacheTensorSpec] | None = None,
+    ):
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) != 1:
+            raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
+        (self.device,) = devices
+        self.regions = resolve_regions(kv_caches, specs, num_blocks) if specs else infer_regions(kv_caches, num_blocks)
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes(self.regions)
+        self.num_host_blocks = capacity_bytes // self.block_bytes
+        if self.num_host_blocks < 1:
+            raise ValueError(
+                f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {self.block_bytes} bytes"
+            )
+        # One exact-size page-locked tensor per region, same names as the regions.
+        self.mirror = {name: pinned_empty((self.num_host_blocks, r.shape[1])) for name, r in self.regions.items()}
+        if self.device.type == "cuda":
+            lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
+            self._streams = {kind: torch.cuda.Stream(self.device, priority=lowest) for kind in ("store", "load")}
+        self._lanes = {"store": _Lane(), "load": _Lane()}
+        self._ids = itertools.count()
+
+    # --- transfers ---------------------------------------------------------------------------
+
+    def _ids_tensor(self, ids, limit: int, what: str, unique: bool) -> torch.Tensor:
+        t = torch.as_tensor(ids, dtype=torch.int64).flatten().cpu()
+        bad = (t < 0) | (t >= limit)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"OffloadEngine: {what}[{i}] = {int(t[i])} is outside [0, {limit})")
+        if unique and t.unique().numel() != t.numel():
+            raise ValueError(f"OffloadEngine: {what} names a block more than once")
+        return t
+
+    def _transfer(self, kind: str, gpu_ids, host_ids) -> int:
+        gpu = self._ids_tensor(gpu_ids, self.num_blocks, "gpu_ids", unique=kind == "load")
+        host = self._ids_tensor(host_ids, self.num_host_blocks, "host_ids", unique=kind == "store")
+        if gpu.numel() != host.numel():
+            raise ValueError(f"OffloadEngine: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
+        tid = next(self._ids)
+        src, dst = (self.regions, self.mirror) if kind == "store" else (self.mirror, self.regions)
+        src_ids, dst_ids = (gpu, host) if kind == "store" else (host, gpu)
+        if self.device.type != "cuda":
+            reference.copy_blocks(list(src.values()), list(dst.values()), src_ids, dst_ids)
+            self._lanes[kind].add(tid, None, ())
+            return tid
+        # Order after everything the caller enqueued so far (writers for a store, readers for a
+        # load), without blocking the caller's thread.
+        caller = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(caller)
+        stream = self._streams[kind]
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            src_dev = src_ids.pin_memory().to(self.device, non_blocking=True)
+            dst_dev = dst_ids.pin_memory().to(self.device, non_blocking=True)
+            # The ids were checked on the host above; the op's own id check would sync the GPU.
+            with id_checks(False):
+                copy_blocks(src, dst, src_dev, dst_dev)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._lanes[kind].add(tid, done, (src_dev, dst_dev))
+        return tid
+
+    def store(self, gpu_ids, host_ids) -> int:
+        """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``; returns a transfer id.
+
+        The copy is ordered after the work enqueued on the caller's current stream before the
+        call (the compute that wrote those blocks). Nothing blocks the caller's thread.
+        """
+        return self._transfer("store", gpu_ids, host_ids)
+
+    def load(self, host_ids, gpu_ids) -> int:
+        """Copy host blocks ``host_ids[i]`` to GPU blocks ``gpu_ids[i]``; returns a transfer id.
+
+        The copy is ordered after the work enqueued on the caller's current stream before the
+        call (every reader of the destination blocks). Make the consumer wait for it with
+        :meth:`poll` before it reads the loaded blocks.
+        """
+        return self._transfer("load", gpu_ids, host_ids)
+
+    # --- completion --------------------------------------------------------------------------
+
+    def poll(self) -> Completed:
+        """Transfers finished since the last poll or flush; never blocks, never reports early."""
+        return Completed(self._lanes["store"].poll(), self._lanes["load"].poll())
+
+    def flush(self) -> Completed:
+        """Wait for every transfer in flight (before reusing GPU blocks after a preemption)."""
+        return Completed(self._lanes["store"].flush(), self._lanes["load"].flush())
+
+
+__all__ = ["OffloadEngine", "Completed"]

@@ -1,0 +1,139 @@
+"""OffloadEngine: exact sizing, round trips byte for byte, completion never early, ordering.
+
+The CPU tests run the engine's CPU path everywhere; the tests marked gpu force the two races
+with torch.cuda._sleep on the caller's stream and must come out right every time.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import kv_ops
+
+gpu = pytest.mark.gpu
+
+
+def make_engine(device="cpu", capacity_blocks=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = {
+        "attn0": torch.randint(-99, 99, (2, 32, 4, 2, 16), generator=gen).to(device, torch.bfloat16),  # 2 x 256 B
+        "mla1": torch.randint(-99, 99, (32, 4, 24), generator=gen).to(device, torch.float16),  # 192 B
+    }
+    per_block = 2 * 256 + 192
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity_blocks * per_block + per_block - 1)
+    return engine, kv
+
+
+def test_mirror_is_sized_exactly_from_the_capacity():
+    engine, _ = make_engine(capacity_blocks=40)
+    assert engine.block_bytes == 2 * 256 + 192
+    assert engine.num_host_blocks == 40  # floor(capacity / block_bytes), no power-of-two rounding
+    assert {n: tuple(m.shape) for n, m in engine.mirror.items()} == {
+        "attn0.0": (40, 256),
+        "attn0.1": (40, 256),
+        "mla1": (40, 192),
+    }
+    with pytest.raises(ValueError, match="holds no block of 704 bytes"):
+        kv_ops.OffloadEngine({"l": torch.zeros(32, 352, dtype=torch.float16)}, 32, capacity_bytes=703)
+
+
+def round_trip(engine, device):
+    gen = torch.Generator().manual_seed(5)
+    gpu_ids = torch.randperm(32, generator=gen)[:12]
+    host_ids = torch.randperm(engine.num_host_blocks, generator=gen)[:12]
+    before = {n: r[gpu_ids.to(device)].clone() for n, r in engine.regions.items()}
+    t_store = engine.store(gpu_ids, host_ids)
+    for r in engine.regions.values():  # the GPU blocks get reused for something else
+        r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen).to(device))
+    new_ids = torch.randperm(32, generator=gen)[:12]
+    t_load = engine.load(host_ids, new_ids)
+    done = engine.flush()
+    assert done.stores == [t_store] and done.loads == [t_load]
+    for n, r in engine.regions.items():
+        assert torch.equal(r[new_ids.to(device)], before[n])
+
+
+def test_store_then_load_round_trips_on_cpu():
+    engine, _ = make_engine()
+    round_trip(engine, "cpu")
+
+
+def test_poll_reports_each_transfer_once_in_issue_order():
+    engine, _ = make_engine()
+    ids = [engine.store([i], [i]) for i in range(5)] + [engine.load([7], [3])]
+    done = engine.poll()
+    assert done.stores == ids[:5] and done.loads == ids[5:]
+    assert engine.poll() == kv_ops.Completed()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda e: e.store([0, 32], [0, 1]), r"gpu_ids\[1\] = 32 is outside \[0, 32\)"),
+        (lambda e: e.store([0, 1], [0, 40]), r"host_ids\[1\] = 40 is outside \[0, 40\)"),
+        (lambda e: e.store([0, 1], [5, 5]), "host_ids names a block more than once"),
+        (lambda e: e.load([0, 1], [3, 3]), "gpu_ids names a block more than once"),
+        (lambda e: e.load([0, 1], [3]), "1 gpu_ids but 2 host_ids"),
+    ],
+    ids=["gpu-id-range", "host-id-range", "store-repeats-host", "load-repeats-gpu", "lengths"],
+)
+def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
+    engine, _ = make_engine()
+    before = {n: m.clone() for n, m in engine.mirror.items()}
+    with pytest.raises(ValueError, match=message):
+        call(engine)
+    assert all(torch.equal(m, before[n]) for n, m in engine.mirror.items())
+    assert engine.poll() == kv_ops.Completed()
+
+
+@gpu
+def test_store_then_load_round_trips_on_gpu():
+    engine, _ = make_engine("cuda")
+    round_trip(engine, "cuda")
+
+
+@gpu
+def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_early():
+    engine, kv = make_engine("cuda")
+    region = engine.regions["mla1"]
+    for _ in range(5):
+        fresh = torch.randint(0, 256, (4, 192), dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(50_000_000)  # the "forward pass" is still running...
+        region[:4].copy_(fresh)  # ...and writes the blocks only at its end
+        tid = engine.store([0, 1, 2, 3], [10, 11, 12, 13])
+        assert engine.poll().stores == []  # cannot be done: the copy waits behind the compute
+        done = engine.flush()
+        assert done.stores == [tid]
+        assert torch.equal(engine.mirror["mla1"][10:14], fresh.cpu())
+
+
+@gpu
+def test_load_waits_for_readers_of_the_destination_blocks():
+    engine, _ = make_engine("cuda")
+    region = engine.regions["mla1"]
+    for _ in range(5):
+        engine.mirror["mla1"][20:24] = torch.randint(0, 256, (4, 192), dtype=torch.uint8)
+        old = region[4:8].clone()
+        torch.cuda._sleep(50_000_000)  # a reader of blocks 4..7 is still queued...
+        seen = region[4:8].clone()  # ...and reads them only after the sleep
+        engine.load([20, 21, 22, 23], [4, 5, 6, 7])
+        engine.flush()
+        torch.cuda.synchronize()
+        assert torch.equal(seen, old)  # the reader saw the old blocks, not the loaded ones
+        assert torch.equal(region[4:8].cpu(), engine.mirror["mla1"][20:24])
+
+
+@gpu
+def test_flush_under_load_returns_everything_in_flight():
+    engine, _ = make_engine("cuda", capacity_blocks=32)
+    torch.cuda._sleep(20_000_000)
+    tids = []
+    for i in range(50):
+        tids.append(engine.store([i % 32], [(i * 7) % 32]))
+        tids.append(engine.load([(i * 3) % 32], [(i * 5) % 32]))
+    done = engine.flush()
+    assert done.stores + done.loads == sorted(tids[0::2]) + sorted(tids[1::2])
+    assert engine.poll() == kv_ops.Completed()
