@@ -14,7 +14,7 @@ Where each piece lives:
 """
 
 from .disk import BlockFile
-from .engine import Completed, OffloadEngine
+from .engine import AllRanks, Completed, OffloadEngine
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import device_view, pinned_empty
 from .ops import copy_blocks, gather_blocks, scatter_blocks
@@ -38,4 +38,5 @@ __all__ = [
     "BlockFile",
     "OffloadEngine",
     "Completed",
+    "AllRanks",
 ]

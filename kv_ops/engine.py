@@ -181,4 +181,50 @@ class OffloadEngine:
         return Completed(self._lanes["store"].flush(), self._lanes["load"].flush())
 
 
-__all__ = ["OffloadEngine", "Completed"]
+class AllRanks:
+    """Combines per-rank completion reports: a transfer counts as done once every rank reported it.
+
+    With one engine per rank (tensor parallelism), transfer ``t`` of a step is the same logical
+    store on every rank, but each rank finishes its own part at its own time. Feed each poll's
+    reports of all ranks to :meth:`add` (or let :meth:`gather` all-gather them through
+    ``torch.distributed``); what comes back is done everywhere, so the scheduler may free the
+    GPU blocks or count the host copy as complete.
+
+    Examples
+    --------
+    >>> combined = AllRanks(dist.get_world_size())
+    >>> done = combined.gather(engine.poll())   # the same answer on every rank
+    """
+
+    def __init__(self, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"AllRanks: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._seen: dict[tuple[str, int], int] = {}
+
+    def add(self, reports: Sequence[Completed]) -> Completed:
+        """Count reports (each rank reports a transfer once, as ``poll`` does); return what is now
+        done on every rank, sorted."""
+        out = Completed()
+        for report in reports:
+            for kind, ids in (("store", report.stores), ("load", report.loads)):
+                for tid in ids:
+                    key = (kind, tid)
+                    self._seen[key] = self._seen.get(key, 0) + 1
+                    if self._seen[key] == self.world_size:
+                        del self._seen[key]
+                        (out.stores if kind == "store" else out.loads).append(tid)
+        out.stores.sort()
+        out.loads.sort()
+        return out
+
+    def gather(self, local: Completed, group=None) -> Completed:
+        """All-gather this rank's report with every other rank's, then :meth:`add` them all."""
+        import torch.distributed as dist
+
+        reports: list[Completed | None] = [None] * self.world_size
+        dist.all_gather_object(reports, local, group=group)
+        return self.add(reports)
+
+
+__all__ = ["OffloadEngine", "Completed", "AllRanks"]

@@ -137,3 +137,39 @@ def test_flush_under_load_returns_everything_in_flight():
     done = engine.flush()
     assert done.stores + done.loads == sorted(tids[0::2]) + sorted(tids[1::2])
     assert engine.poll() == kv_ops.Completed()
+
+
+def test_all_ranks_reports_a_transfer_once_every_rank_has_finished_it():
+    combined = kv_ops.AllRanks(3)
+    C = kv_ops.Completed
+    assert combined.add([C([0, 1], [5]), C([0], []), C([], [5])]) == C([], [])
+    assert combined.add([C([], []), C([1], [5]), C([0], [])]) == C([0], [5])
+    assert combined.add([C([], []), C([], []), C([1], [])]) == C([1], [])
+    assert combined.add([C([2], [2]), C([2], [2]), C([2], [])]) == C([2], [])  # load 2: one rank short
+
+
+def _rank_main(rank, world, init_file, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    combined = kv_ops.AllRanks(world)
+    # Rank 0 finishes stores 0 and 1 at step 0; rank 1 finishes 0 at step 0 and 1 at step 1.
+    steps = [kv_ops.Completed([0, 1], []), kv_ops.Completed([], [])] if rank == 0 else [
+        kv_ops.Completed([0], []),
+        kv_ops.Completed([1], []),
+    ]
+    results.put((rank, [combined.gather(report).stores for report in steps]))
+    dist.destroy_process_group()
+
+
+def test_all_ranks_over_torch_distributed_gives_every_rank_the_same_answer(tmp_path):
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "init"), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert got == {0: [[0], [1]], 1: [[0], [1]]}
