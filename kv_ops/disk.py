@@ -1,13 +1,22 @@
-"""The disk tier's file: fixed-size block slots in a private file, moved with aligned I/O."""
+"""The disk tier: a private file of block slots, and the staged, double-buffered I/O to it."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
-from collections.abc import Sequence
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from . import reference
+from .host_memory import pinned_empty
+from .ops import gather_blocks, scatter_blocks
+from .validation import id_checks
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block size; 4 KiB covers every common device, and pages are 4 KiB anyway.
@@ -150,4 +159,148 @@ class BlockFile:
         self.close()
 
 
-__all__ = ["BlockFile", "ALIGN"]
+@dataclass
+class DiskJob:
+    """One store (regions -> file) or load (file -> regions) of the disk tier."""
+
+    tid: int
+    kind: str  # "store" or "load"
+    gpu_ids: torch.Tensor  # int64, on the host
+    disk_ids: torch.Tensor  # int64, on the host
+    ready: torch.cuda.Event | None  # recorded on the caller's stream at the call
+
+
+@dataclass
+class DiskResult:
+    """A finished job: ``event`` (loads on CUDA) completes when the last scatter has run."""
+
+    tid: int
+    kind: str
+    error: BaseException | None
+    event: torch.cuda.Event | None
+
+
+class DiskTier:
+    """Moves blocks between the regions and a :class:`BlockFile` through page-locked staging slots.
+
+    Every job runs on one background I/O thread, so neither direction blocks the caller. A job
+    is cut into chunks of ``staging_blocks`` blocks, and the chunks alternate between
+    ``staging_slots`` staging buffers (double buffering with the default of two): a store
+    gathers chunk i+1 on the GPU while chunk i is written to the file; a load reads chunk i+1
+    from the file while the GPU scatters chunk i. A slot is reused only after the file write that
+    read it returned (store) or the scatter that read it completed (load). Any exception ends the
+    job as failed, carrying the OS error; a job is never reported done after an error.
+    """
+
+    def __init__(
+        self,
+        regions: Mapping[str, torch.Tensor],
+        file: BlockFile,
+        streams: Mapping[str, torch.cuda.Stream] | None,
+        staging_slots: int = 2,
+        staging_blocks: int = 64,
+    ):
+        self.regions = dict(regions)
+        self.file = file
+        self.streams = streams
+        self.device = next(iter(regions.values())).device
+        self.width = sum(r.shape[1] for r in regions.values())
+        self.chunk = staging_blocks
+        self.staging = [pinned_empty((staging_blocks, file.slot_stride)) for _ in range(staging_slots)]
+        self.jobs: queue.SimpleQueue[DiskJob | threading.Event | None] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[DiskResult] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="kv-offload-disk-io", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: DiskJob) -> None:
+        self.jobs.put(job)
+
+    def barrier(self) -> None:
+        """Return once every job submitted before the call has left the I/O thread."""
+        reached = threading.Event()
+        self.jobs.put(reached)
+        reached.wait()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+    # --- the I/O thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
+            try:
+                event = self._store(job) if job.kind == "store" else self._load(job)
+                self.results.put(DiskResult(job.tid, job.kind, None, event))
+            except BaseException as error:  # reported as a failed transfer, never as done
+                self.results.put(DiskResult(job.tid, job.kind, error, None))
+
+    def _chunks(self, job: DiskJob):
+        for i, start in enumerate(range(0, job.gpu_ids.numel(), self.chunk)):
+            stop = start + self.chunk
+            yield i % len(self.staging), job.gpu_ids[start:stop], job.disk_ids[start:stop].tolist()
+
+    def _on_gpu(self, kind: str, job: DiskJob, first: bool):
+        """Context for GPU work of ``job``: its stream, ordered after the caller's event once."""
+        stream = self.streams[kind]
+        if first and job.ready is not None:
+            stream.wait_event(job.ready)
+        return torch.cuda.stream(stream)
+
+    def _store(self, job: DiskJob) -> None:
+        gathered: deque[tuple[int, int, list[int], torch.cuda.Event | None]] = deque()
+
+        def write_oldest() -> None:
+            slot, rows, disk_ids, event = gathered.popleft()
+            if event is not None:
+                event.synchronize()
+            self.file.write(disk_ids, self.staging[slot][:rows])
+
+        for i, (slot, gpu_ids, disk_ids) in enumerate(self._chunks(job)):
+            if len(gathered) == len(self.staging):
+                write_oldest()  # frees the slot this chunk is about to use
+            packed = self.staging[slot][: len(disk_ids), : self.width]
+            event = None
+            if self.device.type == "cuda":
+                with self._on_gpu("store", job, first=i == 0), id_checks(False):
+                    gather_blocks(self.regions, gpu_ids.to(self.device, non_blocking=True), packed)
+                    event = torch.cuda.Event()
+                    event.record()
+            else:
+                reference.gather_blocks(list(self.regions.values()), gpu_ids, packed)
+            gathered.append((slot, len(disk_ids), disk_ids, event))
+        while gathered:
+            write_oldest()
+        return None
+
+    def _load(self, job: DiskJob) -> torch.cuda.Event | None:
+        busy: list[torch.cuda.Event | None] = [None] * len(self.staging)  # last scatter reading each slot
+        for i, (slot, gpu_ids, disk_ids) in enumerate(self._chunks(job)):
+            if busy[slot] is not None:
+                busy[slot].synchronize()  # the GPU may still be reading this slot
+            rows = self.staging[slot][: len(disk_ids)]
+            self.file.read(disk_ids, rows)
+            packed = rows[:, : self.width]
+            if self.device.type == "cuda":
+                with self._on_gpu("load", job, first=i == 0), id_checks(False):
+                    scatter_blocks(packed, gpu_ids.to(self.device, non_blocking=True), self.regions)
+                    busy[slot] = torch.cuda.Event()
+                    busy[slot].record()
+            else:
+                reference.scatter_blocks(packed, gpu_ids, list(self.regions.values()))
+        if self.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record(self.streams["load"])
+        return done
+
+
+__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN"]

@@ -19,6 +19,7 @@ import torch
 
 from . import reference
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+from .disk import BlockFile, DiskJob, DiskTier, _round_up
 from .host_memory import pinned_empty
 from .ops import copy_blocks
 from .validation import id_checks
@@ -26,39 +27,39 @@ from .validation import id_checks
 
 @dataclass
 class Completed:
-    """What :meth:`OffloadEngine.poll` found finished since the last poll, in issue order."""
+    """What :meth:`OffloadEngine.poll` found finished since the last poll, in issue order.
+
+    ``failed`` maps the id of a transfer that did not complete (a disk-tier I/O error) to its
+    error; such an id never appears in ``stores`` or ``loads``.
+    """
 
     stores: list[int] = field(default_factory=list)
     loads: list[int] = field(default_factory=list)
+    failed: dict[int, BaseException] = field(default_factory=dict)
 
 
 class _Lane:
-    """One direction: transfers in issue order on one stream, each with its completion event.
-
-    An entry also keeps alive what its copy reads on the side stream (the id tensors), so the
-    caching allocator cannot hand that memory to someone else before the copy ran.
-    """
+    """One direction: transfers in issue order, each with its completion event (None: already
+    complete) or the error that ended it. The head is reported first, so nothing overtakes."""
 
     def __init__(self):
-        self.pending: deque[tuple[int, torch.cuda.Event | None, tuple]] = deque()
+        self.pending: deque[tuple[int, torch.cuda.Event | None, BaseException | None]] = deque()
 
-    def add(self, tid: int, event: torch.cuda.Event | None, keep: tuple) -> None:
-        self.pending.append((tid, event, keep))
+    def add(self, tid: int, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
+        self.pending.append((tid, event, error))
 
-    def poll(self) -> list[int]:
-        done = []
-        while self.pending and (self.pending[0][1] is None or self.pending[0][1].query()):
-            done.append(self.pending.popleft()[0])
-        return done
-
-    def flush(self) -> list[int]:
-        done = []
+    def poll(self, out: Completed, done: list[int], wait: bool = False) -> None:
         while self.pending:
-            tid, event, _ = self.pending.popleft()
-            if event is not None:
+            tid, event, error = self.pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
                 event.synchronize()
-            done.append(tid)
-        return done
+            self.pending.popleft()
+            if error is None:
+                done.append(tid)
+            else:
+                out.failed[tid] = error
 
 
 class OffloadEngine:
@@ -76,6 +77,16 @@ class OffloadEngine:
         different block sizes share the same block ids.
     specs : sequence of KVCacheTensorSpec, optional
         The layout; without it the layout is inferred (:func:`kv_ops.infer_regions`).
+    disk_dir : str, optional
+        Put the offloaded blocks in a file in this directory instead of host memory; then
+        ``capacity_bytes`` sizes the file (slots of ``block_bytes`` rounded up to 4 KiB) and
+        host ids are file slots. See :class:`kv_ops.disk.BlockFile` and :class:`DiskTier`.
+    disk_tag : str, optional
+        Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default.
+    page_cache : bool
+        Buffered file I/O instead of ``O_DIRECT``.
+    staging_slots, staging_blocks : int
+        Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each.
 
     Examples
     --------
@@ -90,6 +101,11 @@ class OffloadEngine:
         num_blocks: int,
         capacity_bytes: int,
         specs: Sequence[KVCacheTensorSpec] | None = None,
+        disk_dir: str | None = None,
+        disk_tag: str | None = None,
+        page_cache: bool = False,
+        staging_slots: int = 2,
+        staging_blocks: int = 64,
     ):
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
@@ -98,18 +114,25 @@ class OffloadEngine:
         self.regions = resolve_regions(kv_caches, specs, num_blocks) if specs else infer_regions(kv_caches, num_blocks)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes(self.regions)
-        self.num_host_blocks = capacity_bytes // self.block_bytes
+        slot_bytes = _round_up(self.block_bytes) if disk_dir is not None else self.block_bytes
+        self.num_host_blocks = capacity_bytes // slot_bytes
         if self.num_host_blocks < 1:
-            raise ValueError(
-                f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {self.block_bytes} bytes"
-            )
-        # One exact-size page-locked tensor per region, same names as the regions.
-        self.mirror = {name: pinned_empty((self.num_host_blocks, r.shape[1])) for name, r in self.regions.items()}
+            raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
+        self._streams = None
         if self.device.type == "cuda":
             lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
             self._streams = {kind: torch.cuda.Stream(self.device, priority=lowest) for kind in ("store", "load")}
         self._lanes = {"store": _Lane(), "load": _Lane()}
         self._ids = itertools.count()
+        self.mirror: dict[str, torch.Tensor] | None = None
+        self.disk: DiskTier | None = None
+        if disk_dir is None:
+            # One exact-size page-locked tensor per region, same names as the regions.
+            self.mirror = {name: pinned_empty((self.num_host_blocks, r.shape[1])) for name, r in self.regions.items()}
+        else:
+            tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
+            file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
+            self.disk = DiskTier(self.regions, file, self._streams, staging_slots, staging_blocks)
 
     # --- transfers ---------------------------------------------------------------------------
 
@@ -129,20 +152,25 @@ class OffloadEngine:
         if gpu.numel() != host.numel():
             raise ValueError(f"OffloadEngine: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
         tid = next(self._ids)
+        ready = None
+        if self.device.type == "cuda":
+            # Order after everything the caller enqueued so far (writers for a store, readers
+            # for a load), without blocking the caller's thread.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        if self.disk is not None:
+            self.disk.submit(DiskJob(tid, kind, gpu, host, ready))
+            return tid
         src, dst = (self.regions, self.mirror) if kind == "store" else (self.mirror, self.regions)
         src_ids, dst_ids = (gpu, host) if kind == "store" else (host, gpu)
-        if self.device.type != "cuda":
+        if ready is None:
             reference.copy_blocks(list(src.values()), list(dst.values()), src_ids, dst_ids)
-            self._lanes[kind].add(tid, None, ())
+            self._lanes[kind].add(tid, None)
             return tid
-        # Order after everything the caller enqueued so far (writers for a store, readers for a
-        # load), without blocking the caller's thread.
-        caller = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(caller)
         stream = self._streams[kind]
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
+            # Allocated on this stream, so the allocator reuses them only after the copy ran.
             src_dev = src_ids.pin_memory().to(self.device, non_blocking=True)
             dst_dev = dst_ids.pin_memory().to(self.device, non_blocking=True)
             # The ids were checked on the host above; the op's own id check would sync the GPU.
@@ -150,7 +178,7 @@ class OffloadEngine:
                 copy_blocks(src, dst, src_dev, dst_dev)
             done = torch.cuda.Event()
             done.record(stream)
-        self._lanes[kind].add(tid, done, (src_dev, dst_dev))
+        self._lanes[kind].add(tid, done)
         return tid
 
     def store(self, gpu_ids, host_ids) -> int:
@@ -172,13 +200,32 @@ class OffloadEngine:
 
     # --- completion --------------------------------------------------------------------------
 
+    def _collect(self, wait: bool) -> Completed:
+        if self.disk is not None:
+            while not self.disk.results.empty():
+                r = self.disk.results.get()
+                self._lanes[r.kind].add(r.tid, r.event, r.error)
+        out = Completed()
+        self._lanes["store"].poll(out, out.stores, wait)
+        self._lanes["load"].poll(out, out.loads, wait)
+        return out
+
     def poll(self) -> Completed:
-        """Transfers finished since the last poll or flush; never blocks, never reports early."""
-        return Completed(self._lanes["store"].poll(), self._lanes["load"].poll())
+        """Transfers finished (or failed) since the last poll or flush; never blocks, never early."""
+        return self._collect(wait=False)
 
     def flush(self) -> Completed:
         """Wait for every transfer in flight (before reusing GPU blocks after a preemption)."""
-        return Completed(self._lanes["store"].flush(), self._lanes["load"].flush())
+        if self.disk is not None:
+            self.disk.barrier()
+        return self._collect(wait=True)
+
+    def close(self) -> None:
+        """Finish in-flight transfers, stop the disk I/O thread and remove the disk file."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk.file.close()
+            self.disk = None
 
 
 class AllRanks:
@@ -207,6 +254,7 @@ class AllRanks:
         done on every rank, sorted."""
         out = Completed()
         for report in reports:
+            out.failed.update(report.failed)  # failed on any rank: failed
             for kind, ids in (("store", report.stores), ("load", report.loads)):
                 for tid in ids:
                     key = (kind, tid)

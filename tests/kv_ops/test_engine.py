@@ -4,6 +4,8 @@ The CPU tests run the engine's CPU path everywhere; the tests marked gpu force t
 with torch.cuda._sleep on the caller's stream and must come out right every time.
 """
 
+import os
+import stat
 import warnings
 
 import pytest
@@ -173,3 +175,61 @@ def test_all_ranks_over_torch_distributed_gives_every_rank_the_same_answer(tmp_p
         p.join(60)
         assert p.exitcode == 0
     assert got == {0: [[0], [1]], 1: [[0], [1]]}
+
+
+def make_disk_engine(tmp_path, device="cpu", staging_blocks=3):
+    gen = torch.Generator().manual_seed(9)
+    kv = {"attn0": torch.randint(-99, 99, (2, 32, 4, 2, 16), generator=gen).to(device, torch.bfloat16)}
+    return kv_ops.OffloadEngine(
+        kv, 32, capacity_bytes=20 * 4096 + 100, disk_dir=str(tmp_path), page_cache=True, staging_blocks=staging_blocks
+    )
+
+
+def disk_round_trip(engine, device):
+    gen = torch.Generator().manual_seed(2)
+    gpu_ids = torch.randperm(32, generator=gen)[:11]  # 4 chunks of 3 over 2 staging slots
+    disk_ids = torch.randperm(engine.num_host_blocks, generator=gen)[:11]
+    before = {n: r[gpu_ids.to(device)].clone() for n, r in engine.regions.items()}
+    t_store = engine.store(gpu_ids, disk_ids)
+    assert engine.flush().stores == [t_store]  # written to the file before the blocks are reused
+    for r in engine.regions.values():
+        r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen).to(device))
+    new_ids = torch.randperm(32, generator=gen)[:11]
+    t_load = engine.load(disk_ids, new_ids)
+    assert engine.flush() == kv_ops.Completed([], [t_load])
+    for n, r in engine.regions.items():
+        assert torch.equal(r[new_ids.to(device)], before[n])
+
+
+def test_disk_tier_round_trips_through_a_real_file(tmp_path):
+    engine = make_disk_engine(tmp_path)
+    path = engine.disk.file.path
+    assert engine.num_host_blocks == 20  # 512-byte blocks take a 4 KiB slot each
+    assert os.path.getsize(path) == 20 * 4096 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    disk_round_trip(engine, "cpu")
+    engine.close()
+    assert not os.path.exists(path)
+
+
+def test_an_io_error_fails_the_transfer_with_the_os_error_and_never_reports_it_done(tmp_path):
+    engine = make_disk_engine(tmp_path)
+    ok = engine.store([0, 1], [0, 1])
+    assert engine.flush().stores == [ok]
+    # The engine's descriptor turns read-only under it (dup2 keeps the number, so nothing else
+    # can be written by mistake): the next write fails in the kernel with EBADF.
+    read_only = os.open(engine.disk.file.path, os.O_RDONLY)
+    os.dup2(read_only, engine.disk.file.fd)
+    os.close(read_only)
+    bad = engine.store([2, 3], [2, 3])
+    done = engine.flush()
+    assert done.stores == [] and list(done.failed) == [bad]
+    assert isinstance(done.failed[bad], OSError) and "disk tier write of slots 2..3" in str(done.failed[bad])
+    assert "Bad file descriptor" in str(done.failed[bad])
+    engine.close()
+
+
+@gpu
+def test_disk_tier_round_trips_on_gpu(tmp_path):
+    engine = make_disk_engine(tmp_path, "cuda")
+    disk_round_trip(engine, "cuda")
+    engine.close()
