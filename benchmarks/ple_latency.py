@@ -33,23 +33,30 @@ from ple_models import make_model  # noqa: E402
 ROW_BYTES = 16384
 
 
-def round_trips(enqueue, a: ple_ops.CpuGpuSemaphore, b: ple_ops.CpuGpuSemaphore, reps: int = 300) -> list[float]:
-    """Seconds from the CPU raising ``a`` to the CPU seeing ``b`` raised by the stream."""
-    times = []
+def round_trips(variants: dict, a: ple_ops.CpuGpuSemaphore, b: ple_ops.CpuGpuSemaphore, reps: int = 300) -> dict:
+    """Seconds from the CPU raising ``a`` to the CPU seeing ``b`` raised by the stream.
+
+    Each ``variants`` entry enqueues a wait on ``a``, its work, then ``b.signal()``. The variants
+    take turns within every repetition, so clock and power-state drift hits them all alike.
+    """
+    times = {name: [] for name in variants}
     stream = torch.cuda.Stream()
-    for _ in range(reps + 20):
-        a.host_reset()
-        b.host_reset()
-        with torch.cuda.stream(stream):
-            enqueue()  # waits on a, ..., then b.signal()
-        time.sleep(50e-6)  # let the stream reach the wait
-        start = time.perf_counter()
-        a.host_signal()
-        while b.host_value() != ple_ops.semaphore.DONE:
-            pass
-        times.append(time.perf_counter() - start)
-        stream.synchronize()
-    return times[20:]
+    for rep in range(reps + 20):
+        for name, enqueue in variants.items():
+            a.host_reset()
+            b.host_reset()
+            with torch.cuda.stream(stream):
+                enqueue()
+            time.sleep(200e-6)  # let the stream park on the wait before the flag goes up
+            start = time.perf_counter()
+            a.host_signal()
+            while b.host_value() != ple_ops.semaphore.DONE:
+                if time.perf_counter() - start > 5.0:  # a benchmark must not hang the lease either
+                    raise RuntimeError("the stream never raised flag b")
+            if rep >= 20:
+                times[name].append(time.perf_counter() - start)
+            stream.synchronize()
+    return times
 
 
 def latency(rows_list) -> list[dict]:
@@ -65,17 +72,18 @@ def latency(rows_list) -> list[dict]:
         a.wait_done()
         b.signal()
 
-    floor = round_trips(ping, a, b)
-    rows = [dict(kind="latency", what="ping_pong", rows=0, bytes=0, p50_us=statistics.median(floor) * 1e6,
-                 p99_us=statistics.quantiles(floor, n=100)[98] * 1e6, ratio=1.0)]
-    for k in rows_list:
-        def pull(k=k):
-            ple_ops.wait_copy(out, dep, k, "bench.ple")
-            b.signal()
+    def pull(k):
+        ple_ops.wait_copy(out, dep, k, "bench.ple")  # the same wait on a, then the copy
+        b.signal()
 
-        t = round_trips(pull, a, b)
-        rows.append(dict(kind="latency", what="wait_copy", rows=k, bytes=k * ROW_BYTES, p50_us=statistics.median(t) * 1e6,
-                         p99_us=statistics.quantiles(t, n=100)[98] * 1e6, ratio=statistics.median(t) / statistics.median(floor)))
+    variants = {0: ping} | {k: (lambda k=k: pull(k)) for k in rows_list}
+    times = round_trips(variants, a, b)
+    floor = statistics.median(times[0])
+    rows = []
+    for k, t in times.items():
+        rows.append(dict(kind="latency", what="wait_copy" if k else "ping_pong", rows=k, bytes=k * ROW_BYTES,
+                         p50_us=statistics.median(t) * 1e6, p99_us=statistics.quantiles(t, n=100)[98] * 1e6,
+                         ratio=statistics.median(t) / floor))
     ple_ops.disarm("bench.ple")
     buf.unlink()
     return rows

@@ -100,14 +100,14 @@ def make_slow_model():
     return model
 
 
-def signal_over_ipc(queue):
+def signal_over_ipc(inbox, outbox):
     """Child of the CUDA-IPC test: receive a device flag, raise it from this process's stream."""
-    flag = queue.get()
+    flag = inbox.get()
     sem = ple_ops.CpuGpuSemaphore.from_ipc_tensor(flag)
     import time
 
     time.sleep(0.3)
     sem.signal()
     torch.cuda.synchronize()
-    queue.put("signalled")
-    queue.get()  # keep the CUDA IPC mapping until the parent is done
+    outbox.put("signalled")
+    inbox.get()  # keep the CUDA IPC mapping until the parent is done

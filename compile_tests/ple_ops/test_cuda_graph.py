@@ -19,17 +19,18 @@ def test_device_flag_shared_over_cuda_ipc_releases_a_waiting_stream():
     marker = torch.zeros(1, device="cuda")
     stream = torch.cuda.Stream()
     ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=signal_over_ipc, args=(queue,))
+    # One queue per direction: with a single queue the parent could take back its own message.
+    to_child, from_child = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=signal_over_ipc, args=(to_child, from_child))
     child.start()
-    queue.put(sem.flag)
+    to_child.put(sem.flag)
     with torch.cuda.stream(stream):
         sem.wait_done()
         marker.fill_(1.0)
     try:
         time.sleep(0.1)
         assert not stream.query()  # still waiting for the other process
-        assert queue.get(timeout=60) == "signalled"
+        assert from_child.get(timeout=60) == "signalled"
         stream.synchronize()
         assert marker.item() == 1.0
     finally:
@@ -37,7 +38,7 @@ def test_device_flag_shared_over_cuda_ipc_releases_a_waiting_stream():
         # others that share its hardware queue, and the whole suite with them.
         sem.signal()
         torch.cuda.synchronize()
-        queue.put("done")
+        to_child.put("done")
         child.join(30)
     assert child.exitcode == 0
 
@@ -111,7 +112,9 @@ def test_decode_step_under_reduce_overhead():
 
     torch._dynamo.reset()
     counters.clear()
-    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda") as rt:
+    # Inference, as in a serving engine: with autograd on, cudagraph trees waits for a backward
+    # that never comes and re-records instead of replaying.
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda") as rt, torch.no_grad():
         compiled = torch.compile(DecodeStep(rt.model), mode="reduce-overhead", fullgraph=True)
 
         def step(h, i):
