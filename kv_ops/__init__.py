@@ -8,11 +8,13 @@ Where each piece lives:
 * ``kernels``     -- the Triton block-copy kernel and its launcher.
 * ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
 * ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
+* ``dma``         -- the DMA path: batched copy-engine calls, and the crossover with the kernel.
 * ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to an exact-size mirror.
 * ``disk``        -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 """
 
+from . import dma
 from .disk import BlockFile
 from .engine import AllRanks, Completed, OffloadEngine
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
@@ -39,4 +41,5 @@ __all__ = [
     "OffloadEngine",
     "Completed",
     "AllRanks",
+    "dma",
 ]

@@ -6,6 +6,11 @@ compute enqueued before the call has written them, and a load overwrites blocks 
 readers enqueued before the call are done with them (the two races vLLM shipped). Completion is
 tracked per direction by events in issue order, so a transfer id is reported done only after its
 copy finished, and every earlier one of that direction too (a high-water mark).
+
+Each transfer takes one of two paths, chosen per call: the Triton kernel behind ``kv_ops.copy_blocks``
+(zero-copy on a few SMs, capturable) or the copy engines (``kv_ops.dma``, one batched call, runs of
+consecutive blocks merged). With ``path="auto"`` the choice follows the crossover measured on the
+device when the first engine of the process starts there.
 """
 
 from __future__ import annotations
@@ -17,12 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import reference
+from . import dma, kernels, reference
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .disk import BlockFile, DiskJob, DiskTier, _round_up
 from .host_memory import pinned_empty
-from .ops import copy_blocks
-from .validation import id_checks
+from .validation import error_counter
 
 
 @dataclass
@@ -87,6 +91,10 @@ class OffloadEngine:
         Buffered file I/O instead of ``O_DIRECT``.
     staging_slots, staging_blocks : int
         Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each.
+    path : {"auto", "kernel", "dma"}
+        How the mirror transfers move on a GPU: per call by the measured crossover
+        (:func:`kv_ops.dma.crossover`, kept in ``self.crossover``), always the Triton kernel,
+        or always the copy engines. The disk tier packs its staging buffers with the kernel.
 
     Examples
     --------
@@ -106,7 +114,10 @@ class OffloadEngine:
         page_cache: bool = False,
         staging_slots: int = 2,
         staging_blocks: int = 64,
+        path: str = "auto",
     ):
+        if path not in ("auto", "kernel", "dma"):
+            raise ValueError(f"OffloadEngine: path must be 'auto', 'kernel' or 'dma', got {path!r}")
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
             raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
@@ -122,6 +133,11 @@ class OffloadEngine:
         if self.device.type == "cuda":
             lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
             self._streams = {kind: torch.cuda.Stream(self.device, priority=lowest) for kind in ("store", "load")}
+        self.path = path
+        self.crossover: dma.Crossover | None = None
+        if self.device.type == "cuda" and path == "auto" and disk_dir is None:
+            self.crossover = dma.crossover(self.device)
+        self.path_counts = {"kernel": 0, "dma": 0}  # transfers per path, for whoever tunes this
         self._lanes = {"store": _Lane(), "load": _Lane()}
         self._ids = itertools.count()
         self.mirror: dict[str, torch.Tensor] | None = None
@@ -168,18 +184,36 @@ class OffloadEngine:
             self._lanes[kind].add(tid, None)
             return tid
         stream = self._streams[kind]
+        src_list, dst_list = list(src.values()), list(dst.values())
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            # Allocated on this stream, so the allocator reuses them only after the copy ran.
-            src_dev = src_ids.pin_memory().to(self.device, non_blocking=True)
-            dst_dev = dst_ids.pin_memory().to(self.device, non_blocking=True)
-            # The ids were checked on the host above; the op's own id check would sync the GPU.
-            with id_checks(False):
-                copy_blocks(src, dst, src_dev, dst_dev)
+            if self._use_dma(kind, src_list, dst_list, src_ids, dst_ids):
+                # The copy engines read the source in stream order: after the wait above.
+                dma.copy_blocks(src_list, dst_list, src_ids, dst_ids, stream)
+                self.path_counts["dma"] += 1
+            else:
+                # Both id lists in one small host-to-device copy, allocated on this stream so
+                # that the allocator reuses it only after the kernel ran.
+                ids_dev = torch.stack([src_ids, dst_ids]).pin_memory().to(self.device, non_blocking=True)
+                # The launcher directly: the engine built these regions and checked the ids above,
+                # so the op's argument checks (which would cost more than the launch) add nothing.
+                kernels.block_copy(src_list, dst_list, ids_dev[0], ids_dev[1], src_ids.numel(), error_counter(self.device))
+                self.path_counts["kernel"] += 1
             done = torch.cuda.Event()
             done.record(stream)
         self._lanes[kind].add(tid, done)
         return tid
+
+    def _use_dma(self, kind: str, src: list, dst: list, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> bool:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # only the kernel path can be captured
+        if self.crossover is None:
+            return self.path == "dma"
+        # What the DMA path would issue: one copy per run of consecutive ids where both sides
+        # keep blocks back to back, one per block elsewhere.
+        runs = dma.run_starts(src_ids, dst_ids)[0].numel()
+        copies = sum(runs if dma.back_to_back(s) and dma.back_to_back(d) else src_ids.numel() for s, d in zip(src, dst))
+        return self.crossover.use_dma(kind, copies, src_ids.numel() * self.block_bytes / max(copies, 1))
 
     def store(self, gpu_ids, host_ids) -> int:
         """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``; returns a transfer id.

@@ -16,7 +16,7 @@ import kv_ops
 gpu = pytest.mark.gpu
 
 
-def make_engine(device="cpu", capacity_blocks=40, seed=0):
+def make_engine(device="cpu", capacity_blocks=40, seed=0, path="kernel"):
     gen = torch.Generator().manual_seed(seed)
     kv = {
         "attn0": torch.randint(-99, 99, (2, 32, 4, 2, 16), generator=gen).to(device, torch.bfloat16),  # 2 x 256 B
@@ -25,7 +25,7 @@ def make_engine(device="cpu", capacity_blocks=40, seed=0):
     per_block = 2 * 256 + 192
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity_blocks * per_block + per_block - 1)
+        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity_blocks * per_block + per_block - 1, path=path)
     return engine, kv
 
 
@@ -91,15 +91,21 @@ def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
     assert engine.poll() == kv_ops.Completed()
 
 
+PATHS = pytest.mark.parametrize("path", ["kernel", "dma"])
+
+
 @gpu
-def test_store_then_load_round_trips_on_gpu():
-    engine, _ = make_engine("cuda")
+@PATHS
+def test_store_then_load_round_trips_on_gpu(path):
+    engine, _ = make_engine("cuda", path=path)
     round_trip(engine, "cuda")
+    assert engine.path_counts == {"kernel": 2 * (path == "kernel"), "dma": 2 * (path == "dma")}
 
 
 @gpu
-def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_early():
-    engine, kv = make_engine("cuda")
+@PATHS
+def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_early(path):
+    engine, kv = make_engine("cuda", path=path)
     region = engine.regions["mla1"]
     for _ in range(5):
         fresh = torch.randint(0, 256, (4, 192), dtype=torch.uint8, device="cuda")
@@ -113,8 +119,9 @@ def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_ea
 
 
 @gpu
-def test_load_waits_for_readers_of_the_destination_blocks():
-    engine, _ = make_engine("cuda")
+@PATHS
+def test_load_waits_for_readers_of_the_destination_blocks(path):
+    engine, _ = make_engine("cuda", path=path)
     region = engine.regions["mla1"]
     for _ in range(5):
         engine.mirror["mla1"][20:24] = torch.randint(0, 256, (4, 192), dtype=torch.uint8)
@@ -129,8 +136,9 @@ def test_load_waits_for_readers_of_the_destination_blocks():
 
 
 @gpu
-def test_flush_under_load_returns_everything_in_flight():
-    engine, _ = make_engine("cuda", capacity_blocks=32)
+@PATHS
+def test_flush_under_load_returns_everything_in_flight(path):
+    engine, _ = make_engine("cuda", capacity_blocks=32, path=path)
     torch.cuda._sleep(20_000_000)
     tids = []
     for i in range(50):
@@ -139,6 +147,31 @@ def test_flush_under_load_returns_everything_in_flight():
     done = engine.flush()
     assert done.stores + done.loads == sorted(tids[0::2]) + sorted(tids[1::2])
     assert engine.poll() == kv_ops.Completed()
+
+
+@gpu
+def test_an_auto_engine_measures_the_crossover_and_follows_it_per_call():
+    engine, _ = make_engine("cuda", path="auto")
+    assert {r["direction"] for r in engine.crossover.rows} == {"store", "load"}
+    expected = {"kernel": 0, "dma": 0}
+    gen = torch.Generator().manual_seed(11)
+    for gpu_ids, host_ids in [
+        (torch.randperm(32, generator=gen)[:16], torch.randperm(40, generator=gen)[:16]),  # 3 x 16 copies
+        (torch.arange(0, 32), torch.arange(4, 36)),  # one run per region: 3 copies
+    ]:
+        copies = 3 * kv_ops.dma.run_starts(gpu_ids, host_ids)[0].numel()  # every region is back to back
+        use = engine.crossover.use_dma("store", copies, gpu_ids.numel() * engine.block_bytes / copies)
+        expected["dma" if use else "kernel"] += 1
+        before = {n: r[gpu_ids.cuda()].cpu() for n, r in engine.regions.items()}
+        engine.store(gpu_ids, host_ids)
+        engine.flush()
+        assert engine.path_counts == expected
+        assert all(torch.equal(engine.mirror[n][host_ids], before[n]) for n in before)
+
+
+def test_an_unknown_path_is_refused():
+    with pytest.raises(ValueError, match="path must be 'auto', 'kernel' or 'dma', got 'fast'"):
+        kv_ops.OffloadEngine({"l": torch.zeros(4, 32)}, 4, capacity_bytes=1024, path="fast")
 
 
 def test_all_ranks_reports_a_transfer_once_every_rank_has_finished_it():

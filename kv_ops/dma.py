@@ -1,0 +1,354 @@
+"""The DMA path: block copies as one batched copy-engine call, and its crossover with the kernel.
+
+A copy is planned on the host, vectorised: runs of ids that are consecutive on both sides merge
+into one copy where both regions keep their blocks back to back, and every copy becomes a
+(destination, source, size) triple in three int64 tensors. Those tensors are the descriptor
+arrays themselves: ``cuMemcpyBatchAsync`` is called through ctypes with their data pointers, so
+no Python object is built per block. Where the driver lacks the batched call (before CUDA 12.8),
+the same plan runs as one ``cuMemcpyAsync`` per copy.
+
+Copy engines need no SMs and share the link better than kernels (both directions at once), but
+pay a cost per copy and cannot be captured into a CUDA graph. :func:`measure_crossover` times
+both paths on the device over block size x count x direction; :class:`Crossover` then picks the
+faster one per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .host_memory import check_driver, driver_context, pinned_empty
+
+# Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
+# A module setting, read at every launch, so a benchmark can compare both.
+PREFER_OVERLAP_WITH_COMPUTE = True
+
+# One batched call takes at most this many copies; a larger plan is split (the driver documents
+# no limit, this keeps each descriptor array modest).
+MAX_COPIES_PER_CALL = 1 << 16
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Copies for one transfer: ``dsts[i] <- srcs[i]``, ``sizes[i]`` bytes (int64 host tensors)."""
+
+    dsts: torch.Tensor
+    srcs: torch.Tensor
+    sizes: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.sizes.numel()
+
+
+def _check_ids(ids: torch.Tensor, limit: int, what: str) -> None:
+    # The last guard before raw addresses: an id outside the region would be a wild copy.
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)][0]
+        raise ValueError(f"kv_ops.dma: {what} holds {int(bad)}, outside [0, {limit}) (the smallest region's blocks)")
+
+
+def run_starts(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start index and length of each run of pairs whose ids both go up by one."""
+    n = src_ids.numel()
+    step = (src_ids[1:] - src_ids[:-1] == 1) & (dst_ids[1:] - dst_ids[:-1] == 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), (~step).nonzero().flatten() + 1])
+    lengths = torch.diff(starts, append=torch.tensor([n]))
+    return starts, lengths
+
+
+def back_to_back(region: torch.Tensor) -> bool:
+    """Whether a region's blocks follow each other in memory (a run of them is one span)."""
+    return region.stride(0) == region.shape[1] or region.shape[0] == 1
+
+
+def _addresses(regions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Base address and block stride of each region, as int64 columns ``[R, 1]``."""
+    meta = torch.tensor([[r.data_ptr(), r.stride(0)] for r in regions], dtype=torch.int64)
+    return meta[:, :1], meta[:, 1:]
+
+
+def plan_copies(
+    src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> Plan:
+    """Plan ``dst[r][dst_ids[i]] = src[r][src_ids[i]]`` for every region pair r.
+
+    ``src[r]`` and ``dst[r]`` are uint8 ``[num_blocks, block_bytes]`` regions with contiguous
+    rows (any row stride), ids are 1-D integer host tensors of equal length. Ids are checked
+    against every region, so no copy can reach outside one. The work is a handful of tensor
+    operations over all regions at once, whatever their number.
+    """
+    src_ids = src_ids.to("cpu", torch.int64)
+    dst_ids = dst_ids.to("cpu", torch.int64)
+    if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
+        raise ValueError(f"kv_ops.dma: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}")
+    if len(src) != len(dst):
+        raise ValueError(f"kv_ops.dma: {len(src)} source regions but {len(dst)} destination regions")
+    for r, (s, d) in enumerate(zip(src, dst)):
+        if s.shape[1] != d.shape[1]:
+            raise ValueError(f"kv_ops.dma: region {r} has {s.shape[1]}-byte blocks in src but {d.shape[1]} in dst")
+    empty = torch.empty(0, dtype=torch.int64)
+    if src_ids.numel() == 0 or not src:
+        return Plan(empty, empty, empty)
+    _check_ids(src_ids, min(s.shape[0] for s in src), "src_ids")
+    _check_ids(dst_ids, min(d.shape[0] for d in dst), "dst_ids")
+    merged = [back_to_back(s) and back_to_back(d) for s, d in zip(src, dst)]
+    starts, lengths = run_starts(src_ids, dst_ids) if any(merged) else (None, None)
+    dsts, srcs, sizes = [], [], []
+    for merge in (True, False):
+        pick = [r for r, m in enumerate(merged) if m == merge]
+        if not pick:
+            continue
+        s_base, s_stride = _addresses([src[r] for r in pick])
+        d_base, d_stride = _addresses([dst[r] for r in pick])
+        width = torch.tensor([[src[r].shape[1]] for r in pick], dtype=torch.int64)
+        if merge:
+            # A run of consecutive blocks is one contiguous span on both sides: one copy.
+            s_first, d_first, count = src_ids[starts], dst_ids[starts], lengths
+        else:
+            s_first, d_first, count = src_ids, dst_ids, torch.ones_like(src_ids)
+        # [regions, copies]: every region's copies in one broadcast.
+        srcs.append((s_base + s_first * s_stride).flatten())
+        dsts.append((d_base + d_first * d_stride).flatten())
+        sizes.append((width * count).flatten())
+    return Plan(torch.cat(dsts), torch.cat(srcs), torch.cat(sizes))
+
+
+# --- the driver calls ----------------------------------------------------------------------------
+
+_P, _N = ctypes.c_void_p, ctypes.c_size_t
+
+
+@functools.cache
+def _entry_points() -> tuple[object | None, object, int]:
+    """(batched call or None, per-copy cuMemcpyAsync, CUDA version of the batched signature)."""
+    from cuda.bindings import driver as drv
+
+    (version,) = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
+    flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+
+    def proc(name: str, cuda_version: int):
+        pfn, _status = check_driver(drv.cuGetProcAddress(name.encode(), cuda_version, flags), f"cuGetProcAddress({name})")
+        return int(pfn)
+
+    # cuMemcpyAsync(dst, src, bytes, stream)
+    memcpy = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _N, _P)(proc("cuMemcpyAsync", 12000))
+    batch, batch_version = None, 0
+    if version >= 13000:
+        # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
+        pfn = proc("cuMemcpyBatchAsync", 13000)
+        if pfn:
+            batch, batch_version = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _N, _P, _P, _N, _P)(pfn), 13000
+    elif version >= 12080:
+        # CUDA 12.8: the same with size_t* failIdx before the stream.
+        pfn = proc("cuMemcpyBatchAsync", 12080)
+        if pfn:
+            batch, batch_version = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _N, _P, _P, _N, _P, _P)(pfn), 12080
+    return batch, memcpy, batch_version
+
+
+@functools.cache
+def _stream_order_attributes(prefer_overlap: bool):
+    """One attribute set for every copy: read the source in stream order.
+
+    STREAM order is what makes a store correct: the source is GPU memory that the compute
+    before the copy writes. (ANY would let the engine read it early.)
+    """
+    from cuda.bindings import driver as drv
+
+    attrs = drv.CUmemcpyAttributes()
+    attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    if prefer_overlap:
+        attrs.flags = int(drv.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+    first = (ctypes.c_size_t * 1)(0)
+    return attrs, first
+
+
+def has_batched_copy() -> bool:
+    """Whether the driver offers ``cuMemcpyBatchAsync`` (else :func:`launch` loops per copy)."""
+    return _entry_points()[0] is not None
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        from cuda.bindings import driver as drv
+
+        check_driver((drv.CUresult(code),), what)
+
+
+def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
+    """Enqueue ``plan`` on ``stream`` (a created stream: the batched call refuses the legacy one).
+
+    Not capturable: the driver rejects batched copies during stream capture, so this raises
+    instead, before anything is enqueued. Capture the kernel path (:func:`kv_ops.copy_blocks`).
+    """
+    if plan.count == 0:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("kv_ops.dma: the DMA path cannot be captured into a CUDA graph; use kv_ops.copy_blocks")
+    if stream.cuda_stream == 0:
+        raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
+    batch, memcpy, batch_version = _entry_points()
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    with driver_context(stream.device):
+        if batch is None:
+            for dst, src, size in zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist()):
+                _check(memcpy(dst, src, size, handle), "cuMemcpyAsync")
+            return
+        attrs, first = _stream_order_attributes(PREFER_OVERLAP_WITH_COMPUTE)
+        fail_index = ctypes.c_size_t(0)
+        for lo in range(0, plan.count, MAX_COPIES_PER_CALL):
+            hi = min(lo + MAX_COPIES_PER_CALL, plan.count)
+            # The descriptor arrays are plain int64 tensors; the driver reads them during the call.
+            args = [
+                _P(plan.dsts.data_ptr() + 8 * lo),
+                _P(plan.srcs.data_ptr() + 8 * lo),
+                _P(plan.sizes.data_ptr() + 8 * lo),
+                hi - lo,
+                _P(attrs.getPtr()),
+                ctypes.cast(first, _P),
+                1,
+            ]
+            if batch_version == 12080:
+                args.append(ctypes.cast(ctypes.pointer(fail_index), _P))
+            _check(batch(*args, handle), f"cuMemcpyBatchAsync({hi - lo} copies)")
+
+
+def copy_blocks(
+    src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor, stream: torch.cuda.Stream
+) -> int:
+    """Plan and enqueue a block copy on ``stream``; returns the number of copies issued."""
+    plan = plan_copies(src, dst, src_ids, dst_ids)
+    launch(plan, stream)
+    return plan.count
+
+
+# --- the crossover -------------------------------------------------------------------------------
+
+SIZES = (4096, 16384, 65536, 262144, 1 << 20)
+COUNTS = (16, 128, 1024)
+MAX_BYTES = 64 << 20  # per timed copy: enough to reach the link rate, small enough to start fast
+# The DMA path is picked when it comes within this fraction of the kernel's rate: copy engines
+# leave every SM to the model (a concurrent bf16 matmul ran 38% slower beside the kernel path and
+# no slower beside the DMA path on the H200, benchmarks/engine.py).
+DMA_TOLERANCE = 0.05
+
+
+@dataclass
+class Crossover:
+    """Per-call path choice from start-up timings over block size x count x direction.
+
+    ``rows`` holds one dict per measured cell: direction (``"store"``: GPU to host, ``"load"``:
+    host to GPU), block_bytes, blocks, kernel_gbps, dma_gbps. Both paths are timed from the first
+    of a few back-to-back calls to the end of the last copy, so each path's host work counts
+    where it does not overlap copies.
+    """
+
+    rows: list[dict] = field(default_factory=list)
+
+    def use_dma(self, direction: str, copies: int, copy_bytes: float) -> bool:
+        """Whether the DMA path came within ``DMA_TOLERANCE`` of the kernel (or beat it) in the
+        measured cell nearest to ``copies`` copies of ``copy_bytes`` bytes each (log scales)."""
+        cells = [r for r in self.rows if r["direction"] == direction]
+        if not cells or copies == 0:
+            return False
+
+        def distance(r):
+            return abs(math.log2(r["block_bytes"]) - math.log2(max(copy_bytes, 1))) + abs(
+                math.log2(r["blocks"]) - math.log2(copies)
+            )
+
+        best = min(cells, key=distance)
+        return best["dma_gbps"] >= (1 - DMA_TOLERANCE) * best["kernel_gbps"]
+
+    def table(self) -> str:
+        lines = ["| direction | block | blocks | kernel GB/s | DMA GB/s | auto picks |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in self.rows:
+            pick = "DMA" if self.use_dma(r["direction"], r["blocks"], r["block_bytes"]) else "kernel"
+            lines.append(
+                f"| {r['direction']} | {r['block_bytes']} | {r['blocks']} | {r['kernel_gbps']:.1f} | {r['dma_gbps']:.1f} | {pick} |"
+            )
+        return "\n".join(lines)
+
+
+def _sustained(enqueue, stream: torch.cuda.Stream, calls: int = 4, reps: int = 3) -> float:
+    """Seconds per call with ``calls`` calls issued back to back (as an engine issues them, so
+    host work overlaps earlier copies) until the last copy ends; best of ``reps`` after a warm-up."""
+    best = math.inf
+    for i in range(reps + 1):
+        stream.synchronize()
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for _ in range(calls):
+                enqueue()
+        stream.synchronize()
+        if i:
+            best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure_crossover(device: torch.device | str | int | None = None, sizes=SIZES, counts=COUNTS) -> Crossover:
+    """Time the kernel and DMA paths on ``device`` over sizes x counts x both directions.
+
+    Blocks are copied between random, non-consecutive ids of one GPU and one page-locked
+    scratch region, so every block is its own DMA copy: the worst case for the DMA path, and
+    the case a merged run of consecutive blocks turns into fewer, larger copies. Takes a few
+    seconds.
+    """
+    from .ops import copy_blocks as kernel_copy
+    from .validation import id_checks
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    lowest, _ = torch.cuda.Stream.priority_range()
+    stream = torch.cuda.Stream(device, priority=lowest)
+    gpu = torch.randint(0, 256, (MAX_BYTES,), dtype=torch.uint8, device=device)
+    host = pinned_empty(MAX_BYTES)
+    host.copy_(torch.randint(0, 256, (MAX_BYTES,), dtype=torch.uint8))
+    gen = torch.Generator().manual_seed(0)
+    out = Crossover()
+    for direction in ("store", "load"):
+        for size in sizes:
+            for count in sorted({min(c, MAX_BYTES // size) for c in counts}):
+                g, h = gpu[: count * size].view(count, size), host[: count * size].view(count, size)
+                src, dst = ([g], [h]) if direction == "store" else ([h], [g])
+                src_ids, dst_ids = torch.randperm(count, generator=gen), torch.randperm(count, generator=gen)
+                src_dev, dst_dev = src_ids.to(device), dst_ids.to(device)
+
+                def kernel():
+                    with id_checks(False):
+                        kernel_copy(src, dst, src_dev, dst_dev)
+
+                def dma():
+                    copy_blocks(src, dst, src_ids, dst_ids, stream)
+
+                nbytes = count * size
+                out.rows.append(
+                    dict(
+                        direction=direction,
+                        block_bytes=size,
+                        blocks=count,
+                        kernel_gbps=nbytes / _sustained(kernel, stream) / 1e9,
+                        dma_gbps=nbytes / _sustained(dma, stream) / 1e9,
+                    )
+                )
+    return out
+
+
+@functools.cache
+def crossover(device: torch.device) -> Crossover:
+    """:func:`measure_crossover` once per device and process (engines on one device share it)."""
+    return measure_crossover(device)
+
+
+__all__ = ["Plan", "Crossover", "plan_copies", "run_starts", "back_to_back", "launch", "copy_blocks", "has_batched_copy", "measure_crossover", "crossover"]

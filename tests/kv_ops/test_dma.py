@@ -1,0 +1,155 @@
+"""The DMA path: plans against the reference, run merging, the driver calls, the crossover.
+
+On the CPU a plan is executed with ``ctypes.memmove``, copy by copy, exactly as the copy engines
+would execute it: that checks every address and size the driver would be handed. On the GPU the
+same plans go through ``cuMemcpyBatchAsync``.
+"""
+
+import ctypes
+
+import pytest
+import torch
+from byte_checks import assert_same_storages, clone_views, host_regions, make_regions
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_ops import dma, reference
+
+gpu = pytest.mark.gpu
+
+
+def run_on_host(plan: dma.Plan) -> None:
+    for dst, src, size in zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist()):
+        ctypes.memmove(dst, src, size)
+
+
+def random_pairs(gen, n, src_blocks, dst_blocks, runs: bool):
+    """n (src, dst) id pairs, dst ids distinct; with ``runs``, in stretches of consecutive ids."""
+    if not runs:
+        return torch.randint(0, src_blocks, (n,), generator=gen), torch.randperm(dst_blocks, generator=gen)[:n]
+    src_start = int(torch.randint(0, src_blocks - n + 1, (1,), generator=gen))
+    dst_start = int(torch.randint(0, dst_blocks - n + 1, (1,), generator=gen))
+    src, dst = torch.arange(src_start, src_start + n), torch.arange(dst_start, dst_start + n)
+    cut = int(torch.randint(0, max(n, 1), (1,), generator=gen))  # one break: two runs on the source side
+    src[cut:] = torch.roll(src[cut:], 1)
+    return src, dst
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    widths=st.lists(st.sampled_from([16, 80, 256, 1024]), min_size=1, max_size=3),
+    n=st.integers(0, 12),
+    src_strided=st.booleans(),
+    dst_strided=st.booleans(),
+    runs=st.booleans(),
+)
+def test_a_plan_copies_exactly_the_chosen_blocks_and_nothing_else(seed, widths, n, src_strided, dst_strided, runs):
+    gen = torch.Generator().manual_seed(seed)
+    src = make_regions(widths, 16, strided=src_strided, generator=gen)
+    dst = make_regions(widths, 14, strided=dst_strided, generator=gen)  # random bytes: the poison
+    src_ids, dst_ids = random_pairs(gen, n, 16, 14, runs)
+    want = clone_views(dst)
+    reference.copy_blocks(src, want, src_ids, dst_ids)
+    run_on_host(dma.plan_copies(src, dst, src_ids, dst_ids))
+    assert_same_storages(dst, want)  # gaps between strided blocks included
+
+
+@pytest.mark.parametrize(
+    "strided, copies_per_region",
+    [pytest.param(False, 3, id="back-to-back-blocks-merge-runs"), pytest.param(True, 7, id="strided-blocks-copy-one-by-one")],
+)
+def test_runs_of_consecutive_ids_become_one_copy_only_where_blocks_are_back_to_back(strided, copies_per_region):
+    src = make_regions([64, 32], 20, strided=strided)
+    dst = make_regions([64, 32], 20, strided=strided)
+    src_ids = torch.tensor([2, 3, 4, 9, 10, 0, 1])  # runs: 2..4 -> 5..7, 9..10 -> 0..1, 0..1 -> 12..13
+    dst_ids = torch.tensor([5, 6, 7, 0, 1, 12, 13])
+    plan = dma.plan_copies(src, dst, src_ids, dst_ids)
+    assert plan.count == 2 * copies_per_region
+    if not strided:
+        assert plan.sizes.tolist() == [3 * 64, 2 * 64, 2 * 64, 3 * 32, 2 * 32, 2 * 32]
+
+
+@pytest.mark.parametrize(
+    "src_ids, dst_ids, message",
+    [
+        pytest.param([0, 20], [0, 1], r"src_ids holds 20, outside \[0, 20\)", id="src-too-large"),
+        pytest.param([0, 1], [-1, 1], r"dst_ids holds -1, outside \[0, 12\)", id="dst-negative"),
+        pytest.param([0, 1], [0], "equal length", id="length-mismatch"),
+    ],
+)
+def test_ids_outside_a_region_are_refused_before_any_address_is_made(src_ids, dst_ids, message):
+    src, dst = make_regions([48], 20), make_regions([48], 12)
+    with pytest.raises(ValueError, match=message):
+        dma.plan_copies(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids))
+
+
+def test_mismatched_block_sizes_are_refused():
+    with pytest.raises(ValueError, match="region 0 has 48-byte blocks in src but 32 in dst"):
+        dma.plan_copies(make_regions([48], 4), make_regions([32], 4), torch.tensor([0]), torch.tensor([0]))
+
+
+def test_the_crossover_picks_the_path_that_won_the_nearest_measured_cell():
+    rows = [
+        dict(direction="store", block_bytes=4096, blocks=16, kernel_gbps=20.0, dma_gbps=5.0),
+        dict(direction="store", block_bytes=1 << 20, blocks=16, kernel_gbps=50.0, dma_gbps=54.0),
+        dict(direction="load", block_bytes=4096, blocks=16, kernel_gbps=20.0, dma_gbps=25.0),
+        dict(direction="load", block_bytes=1 << 20, blocks=16, kernel_gbps=50.0, dma_gbps=48.0),
+        dict(direction="load", block_bytes=1 << 20, blocks=1024, kernel_gbps=50.0, dma_gbps=47.0),
+    ]
+    table = dma.Crossover(rows)
+    assert table.use_dma("load", 16, 1 << 20)  # 4% slower: close enough to spare the SMs
+    assert not table.use_dma("load", 1024, 1 << 20)  # 6% slower: the kernel
+    assert not table.use_dma("store", 16, 4096)
+    assert not table.use_dma("store", 8, 2048)  # nearest: 4 KiB x 16
+    assert table.use_dma("store", 32, 4 << 20)  # nearest: 1 MiB x 16
+    assert table.use_dma("load", 16, 4096)  # each direction has its own cells
+    assert not table.use_dma("store", 0, 0)
+    assert "| store | 1048576 | 16 | 50.0 | 54.0 | DMA |" in table.table()
+
+
+# --- on the GPU ----------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("direction", ["gpu-to-host", "host-to-gpu"])
+@pytest.mark.parametrize("runs", [False, True], ids=["random-ids", "runs"])
+def test_batched_copies_match_the_reference(direction, runs):
+    assert dma.has_batched_copy()  # driver 580 / CUDA 13 has it: the batched call is what runs here
+    gen = torch.Generator().manual_seed(7)
+    widths = [4096, 1024, 80]
+    gpu_regions = make_regions(widths, 40, "cuda", strided=True, generator=gen)
+    host = host_regions(widths, 40, gen)
+    src, dst = (gpu_regions, host) if direction == "gpu-to-host" else (host, gpu_regions)
+    src_ids, dst_ids = random_pairs(gen, 17, 40, 40, runs)
+    want = clone_views(dst)
+    reference.copy_blocks([s.cpu() for s in src], want, src_ids, dst_ids)
+    stream = torch.cuda.Stream()
+    dma.copy_blocks(src, dst, src_ids, dst_ids, stream)
+    stream.synchronize()
+    assert_same_storages(dst, want)
+
+
+@gpu
+def test_the_dma_path_refuses_capture_and_the_legacy_stream_before_enqueueing():
+    src = make_regions([256], 8, "cuda")
+    dst = host_regions([256], 8)
+    before = dst[0].clone()
+    plan = dma.plan_copies(src, dst, torch.arange(4), torch.arange(4))
+    with pytest.raises(ValueError, match="legacy default stream"):
+        dma.launch(plan, torch.cuda.default_stream())
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        with torch.cuda.graph(graph, stream=stream):
+            dma.launch(plan, stream)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[0], before)
+
+
+@gpu
+def test_the_measured_crossover_covers_every_cell_with_real_rates():
+    table = dma.measure_crossover(sizes=(4096, 1 << 20), counts=(16, 256))
+    cells = {(r["direction"], r["block_bytes"], r["blocks"]) for r in table.rows}
+    assert cells == {(d, s, c) for d in ("store", "load") for s in (4096, 1 << 20) for c in (16, 256 if s == 4096 else 64)}
+    for r in table.rows:
+        assert 0.01 < r["kernel_gbps"] < 200 and 0.01 < r["dma_gbps"] < 200, r
