@@ -266,3 +266,22 @@ def test_disk_tier_round_trips_on_gpu(tmp_path):
     engine = make_disk_engine(tmp_path, "cuda")
     disk_round_trip(engine, "cuda")
     engine.close()
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@PATHS
+def test_one_engine_per_device_in_one_process(path, tmp_path):
+    # cuda:1's engine is driven while cuda:0 is the current device, and the other way round.
+    engines = [make_engine(f"cuda:{d}", path=path, seed=d)[0] for d in (0, 1)]
+    disks = [make_disk_engine(tmp_path, f"cuda:{d}") for d in (0, 1)]
+    assert len({e.disk.file.path for e in disks}) == 2  # one private file per device
+    for current in (0, 1):
+        torch.cuda.set_device(current)
+        for d, engine in enumerate(engines):
+            round_trip(engine, f"cuda:{d}")
+        for d, engine in enumerate(disks):
+            disk_round_trip(engine, f"cuda:{d}")
+    torch.cuda.set_device(0)
+    for engine in disks:
+        engine.close()
