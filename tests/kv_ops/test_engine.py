@@ -10,10 +10,13 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kv_ops
 
 gpu = pytest.mark.gpu
+PATHS = pytest.mark.parametrize("path", ["kernel", "dma"])
 
 
 def make_engine(device="cpu", capacity_blocks=40, seed=0, path="kernel"):
@@ -63,6 +66,64 @@ def test_store_then_load_round_trips_on_cpu():
     round_trip(engine, "cpu")
 
 
+def random_cache(gen, device, num_blocks):
+    """1-3 layers of random layouts (K/V-first, blocks-first with K and V inside the block, MLA),
+    dtypes and block shapes, filled with random values; each with the axis that holds blocks."""
+    def pick(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+    layers = {}
+    for i in range(int(torch.randint(1, 4, (1,), generator=gen))):
+        kind = pick(["kv_first", "blocks_first", "mla"])
+        t, h, d = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen)), pick([8, 16, 24])
+        shape = {"kv_first": (2, num_blocks, t, h, d), "blocks_first": (num_blocks, 2, t, h, d), "mla": (num_blocks, t, d)}[kind]
+        values = torch.randn(shape, generator=gen).to(pick([torch.float16, torch.bfloat16, torch.float32]))
+        layers[f"l{i}"] = (values.to(device), 1 if kind == "kv_first" else 0)
+    return layers
+
+
+def random_layout_round_trip(seed, device, path="kernel"):
+    """Store random blocks, scramble the GPU cache, load them into other blocks: every layer's
+    blocks, read by plain indexing of the typed cache tensors, must come back bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 12
+    layers = random_cache(gen, device, num_blocks)
+    kv = {name: t for name, (t, _) in layers.items()}
+    per_block = sum(t.numel() // num_blocks * t.element_size() for t in kv.values())
+    host_blocks = int(torch.randint(6, 20, (1,), generator=gen))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = kv_ops.OffloadEngine(kv, num_blocks, capacity_bytes=host_blocks * per_block, path=path)
+    assert engine.num_host_blocks == host_blocks and engine.block_bytes == per_block
+    n = int(torch.randint(1, 7, (1,), generator=gen))
+    gpu_ids = torch.randperm(num_blocks, generator=gen)[:n]
+    host_ids = torch.randperm(host_blocks, generator=gen)[:n]
+    before = {name: t.index_select(axis, gpu_ids.to(device)).clone() for name, (t, axis) in layers.items()}
+    engine.store(gpu_ids, host_ids)
+    engine.flush()
+    for t, _ in layers.values():  # the GPU blocks are reused for something else
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    new_ids = torch.randperm(num_blocks, generator=gen)[:n]
+    engine.load(host_ids, new_ids)
+    engine.flush()
+    for name, (t, axis) in layers.items():
+        got = t.index_select(axis, new_ids.to(device))
+        assert torch.equal(got.view(torch.uint8), before[name].view(torch.uint8)), f"layer {name}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_round_trips_over_random_layouts_on_cpu(seed):
+    random_layout_round_trip(seed, "cpu")
+
+
+@gpu
+@PATHS
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_round_trips_over_random_layouts_on_gpu(path, seed):
+    random_layout_round_trip(seed, "cuda", path)
+
+
 def test_poll_reports_each_transfer_once_in_issue_order():
     engine, _ = make_engine()
     ids = [engine.store([i], [i]) for i in range(5)] + [engine.load([7], [3])]
@@ -89,9 +150,6 @@ def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
         call(engine)
     assert all(torch.equal(m, before[n]) for n, m in engine.mirror.items())
     assert engine.poll() == kv_ops.Completed()
-
-
-PATHS = pytest.mark.parametrize("path", ["kernel", "dma"])
 
 
 @gpu
