@@ -193,10 +193,13 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
     """
     if plan.count == 0:
         return
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("kv_ops.dma: the DMA path cannot be captured into a CUDA graph; use kv_ops.copy_blocks")
     if stream.cuda_stream == 0:
         raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
+    from cuda.bindings import driver as drv
+
+    (status,) = check_driver(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
+    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        raise RuntimeError("kv_ops.dma: the DMA path cannot be captured into a CUDA graph; use kv_ops.copy_blocks")
     batch, memcpy, batch_version = _entry_points()
     handle = ctypes.c_void_p(stream.cuda_stream)
     with driver_context(stream.device):

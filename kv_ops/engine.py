@@ -167,6 +167,10 @@ class OffloadEngine:
         host = self._ids_tensor(host_ids, self.num_host_blocks, "host_ids", unique=kind == "store")
         if gpu.numel() != host.numel():
             raise ValueError(f"OffloadEngine: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
+            # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
+            raise RuntimeError(f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead")
         tid = next(self._ids)
         ready = None
         if self.device.type == "cuda":
@@ -205,8 +209,6 @@ class OffloadEngine:
         return tid
 
     def _use_dma(self, kind: str, src: list, dst: list, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> bool:
-        if torch.cuda.is_current_stream_capturing():
-            return False  # only the kernel path can be captured
         if self.crossover is None:
             return self.path == "dma"
         # What the DMA path would issue: one copy per run of consecutive ids where both sides

@@ -208,6 +208,19 @@ def test_flush_under_load_returns_everything_in_flight(path):
 
 
 @gpu
+def test_a_transfer_during_capture_is_refused_before_anything_moves():
+    engine, _ = make_engine("cuda", path="auto")
+    before = {n: m.clone() for n, m in engine.mirror.items()}
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="OffloadEngine.store cannot be captured"):
+        with torch.cuda.graph(graph, stream=stream):
+            engine.store([0, 1], [0, 1])
+    torch.cuda.synchronize()
+    assert engine.flush() == kv_ops.Completed()
+    assert all(torch.equal(m, before[n]) for n, m in engine.mirror.items())
+
+
+@gpu
 def test_an_auto_engine_measures_the_crossover_and_follows_it_per_call():
     engine, _ = make_engine("cuda", path="auto")
     assert {r["direction"] for r in engine.crossover.rows} == {"store", "load"}
