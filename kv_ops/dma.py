@@ -71,6 +71,16 @@ def back_to_back(region: torch.Tensor) -> bool:
     return region.stride(0) == region.shape[1] or region.shape[0] == 1
 
 
+def _merges(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether a run of consecutive ids is one copy for this region pair."""
+    return back_to_back(src) and back_to_back(dst)
+
+
+def count_copies(src: list[torch.Tensor], dst: list[torch.Tensor], num_pairs: int, runs: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """How many copies :func:`plan_copies` issues for ``num_pairs`` pairs forming ``runs``."""
+    return sum(runs[0].numel() if _merges(s, d) else num_pairs for s, d in zip(src, dst))
+
+
 def _addresses(regions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Base address and block stride of each region, as int64 columns ``[R, 1]``."""
     meta = torch.tensor([[r.data_ptr(), r.stride(0)] for r in regions], dtype=torch.int64)
@@ -78,14 +88,19 @@ def _addresses(regions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def plan_copies(
-    src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    runs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Plan:
     """Plan ``dst[r][dst_ids[i]] = src[r][src_ids[i]]`` for every region pair r.
 
     ``src[r]`` and ``dst[r]`` are uint8 ``[num_blocks, block_bytes]`` regions with contiguous
     rows (any row stride), ids are 1-D integer host tensors of equal length. Ids are checked
     against every region, so no copy can reach outside one. The work is a handful of tensor
-    operations over all regions at once, whatever their number.
+    operations over all regions at once, whatever their number. ``runs`` is
+    ``run_starts(src_ids, dst_ids)`` when the caller already has it.
     """
     src_ids = src_ids.to("cpu", torch.int64)
     dst_ids = dst_ids.to("cpu", torch.int64)
@@ -101,8 +116,9 @@ def plan_copies(
         return Plan(empty, empty, empty)
     _check_ids(src_ids, min(s.shape[0] for s in src), "src_ids")
     _check_ids(dst_ids, min(d.shape[0] for d in dst), "dst_ids")
-    merged = [back_to_back(s) and back_to_back(d) for s, d in zip(src, dst)]
-    starts, lengths = run_starts(src_ids, dst_ids) if any(merged) else (None, None)
+    merged = [_merges(s, d) for s, d in zip(src, dst)]
+    if any(merged):
+        starts, lengths = runs if runs is not None else run_starts(src_ids, dst_ids)
     dsts, srcs, sizes = [], [], []
     for merge in (True, False):
         pick = [r for r, m in enumerate(merged) if m == merge]
@@ -227,10 +243,15 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
 
 
 def copy_blocks(
-    src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor, stream: torch.cuda.Stream
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    stream: torch.cuda.Stream,
+    runs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> int:
     """Plan and enqueue a block copy on ``stream``; returns the number of copies issued."""
-    plan = plan_copies(src, dst, src_ids, dst_ids)
+    plan = plan_copies(src, dst, src_ids, dst_ids, runs)
     launch(plan, stream)
     return plan.count
 
@@ -310,8 +331,8 @@ def measure_crossover(device: torch.device | str | int | None = None, sizes=SIZE
     from .ops import copy_blocks as kernel_copy
     from .validation import id_checks
 
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    device = torch.device("cuda" if device is None else device)
+    if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     lowest, _ = torch.cuda.Stream.priority_range()
     stream = torch.cuda.Stream(device, priority=lowest)
@@ -354,4 +375,4 @@ def crossover(device: torch.device) -> Crossover:
     return measure_crossover(device)
 
 
-__all__ = ["Plan", "Crossover", "plan_copies", "run_starts", "back_to_back", "launch", "copy_blocks", "has_batched_copy", "measure_crossover", "crossover"]
+__all__ = ["Plan", "Crossover", "plan_copies", "run_starts", "back_to_back", "count_copies", "launch", "copy_blocks", "has_batched_copy", "measure_crossover", "crossover"]

@@ -183,17 +183,19 @@ class OffloadEngine:
             return tid
         src, dst = (self.regions, self.mirror) if kind == "store" else (self.mirror, self.regions)
         src_ids, dst_ids = (gpu, host) if kind == "store" else (host, gpu)
+        src_list, dst_list = list(src.values()), list(dst.values())
         if ready is None:
-            reference.copy_blocks(list(src.values()), list(dst.values()), src_ids, dst_ids)
+            reference.copy_blocks(src_list, dst_list, src_ids, dst_ids)
             self._lanes[kind].add(tid, None)
             return tid
         stream = self._streams[kind]
-        src_list, dst_list = list(src.values()), list(dst.values())
+        # The runs of consecutive ids that the DMA path merges: found once, for the choice and the plan.
+        runs = dma.run_starts(src_ids, dst_ids) if self.path != "kernel" else None
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            if self._use_dma(kind, src_list, dst_list, src_ids, dst_ids):
+            if self._use_dma(kind, src_list, dst_list, src_ids.numel(), runs):
                 # The copy engines read the source in stream order: after the wait above.
-                dma.copy_blocks(src_list, dst_list, src_ids, dst_ids, stream)
+                dma.copy_blocks(src_list, dst_list, src_ids, dst_ids, stream, runs)
                 self.path_counts["dma"] += 1
             else:
                 # Both id lists in one small host-to-device copy, allocated on this stream so
@@ -208,14 +210,11 @@ class OffloadEngine:
         self._lanes[kind].add(tid, done)
         return tid
 
-    def _use_dma(self, kind: str, src: list, dst: list, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> bool:
+    def _use_dma(self, kind: str, src: list, dst: list, num_pairs: int, runs) -> bool:
         if self.crossover is None:
             return self.path == "dma"
-        # What the DMA path would issue: one copy per run of consecutive ids where both sides
-        # keep blocks back to back, one per block elsewhere.
-        runs = dma.run_starts(src_ids, dst_ids)[0].numel()
-        copies = sum(runs if dma.back_to_back(s) and dma.back_to_back(d) else src_ids.numel() for s, d in zip(src, dst))
-        return self.crossover.use_dma(kind, copies, src_ids.numel() * self.block_bytes / max(copies, 1))
+        copies = dma.count_copies(src, dst, num_pairs, runs)  # what the DMA path would issue
+        return self.crossover.use_dma(kind, copies, num_pairs * self.block_bytes / max(copies, 1))
 
     def store(self, gpu_ids, host_ids) -> int:
         """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``; returns a transfer id.

@@ -51,8 +51,15 @@ def test_a_plan_copies_exactly_the_chosen_blocks_and_nothing_else(seed, widths, 
     src_ids, dst_ids = random_pairs(gen, n, 16, 14, runs)
     want = clone_views(dst)
     reference.copy_blocks(src, want, src_ids, dst_ids)
-    run_on_host(dma.plan_copies(src, dst, src_ids, dst_ids))
+    plan = dma.plan_copies(src, dst, src_ids, dst_ids)
+    run_on_host(plan)
     assert_same_storages(dst, want)  # gaps between strided blocks included
+    if n:
+        # What the engine uses: the runs found once, and the copy count it decides by.
+        runs = dma.run_starts(src_ids, dst_ids)
+        again = dma.plan_copies(src, dst, src_ids, dst_ids, runs)
+        assert all(torch.equal(a, b) for a, b in zip((plan.dsts, plan.srcs, plan.sizes), (again.dsts, again.srcs, again.sizes)))
+        assert dma.count_copies(src, dst, n, runs) == plan.count
 
 
 @pytest.mark.parametrize(
