@@ -1,4 +1,5 @@
-"""Exact-size page-locked host memory registered with the CUDA driver, and device views of it."""
+"""Exact-size page-locked host memory registered with the CUDA driver, device views of it, and the
+long-lived device tensors the ops cache (kept out of CUDA-graph memory pools)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,35 @@ def pin_mapping(mapping: mmap.mmap, nbytes: int, register: bool) -> torch.Tensor
     return flat
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def lasting_copy(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``values`` on ``device`` that may live for the whole process.
+
+    The ops cache a few small device tensors on first use (region tables, the skipped-pair
+    counter) and keep them forever, because captured graphs hold their addresses. A first use
+    can happen inside ``mode="reduce-overhead"``'s warm-up, where CUDA-graph trees route every
+    allocation made on the current stream into the graph's private pool; a tensor that outlives
+    the call there makes the tree refuse the graph ("tensor(s) in the cudagraph pool not tracked
+    as outputs"). Allocations made on another stream come from the ordinary pool, so the copy is
+    made on a side stream, ordered after the caller's work and before the caller's next.
+    """
+    if device.type != "cuda":
+        return values.to(device, copy=True)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        out = torch.empty(values.shape, dtype=values.dtype, device=device)
+        out.copy_(values)
+    # Never freed, so no record_stream is needed for the caller's stream to use it.
+    current.wait_stream(side)
+    return out
+
+
 def device_pointer(host: torch.Tensor) -> int:
     """The device address at which the GPU reaches a page-locked host tensor's first byte.
 
@@ -266,6 +296,7 @@ __all__ = [
     "pin_mapping",
     "device_view",
     "device_pointer",
+    "lasting_copy",
     "alias_bytes",
     "check_driver",
     "driver_context",

@@ -169,7 +169,9 @@ def _geometry_table(
             "them before capturing (the warm-up that every capture needs)"
         )
     num = len(widths)
-    table = torch.empty(6 * num, dtype=torch.int64, device=device)
+    # The region addresses are stored relative to the table's own address, which is known only
+    # once it exists: allocate it (outside any graph pool), then fill it.
+    table = host_memory.lasting_copy(torch.zeros(6 * num, dtype=torch.int64), device)
     base = table.data_ptr()
     columns = [0]
     for w in widths[:-1]:

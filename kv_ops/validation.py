@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import host_memory
+
 _id_checks = True
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -78,7 +80,8 @@ def error_counter(device: torch.device | str | int | None = None) -> torch.Tenso
                 f"kv_ops: the error counter for {device} does not exist yet; run the op once (warm-up) "
                 "or call kv_ops.error_counter(device) before capturing a CUDA graph"
             )
-        counter = _counters[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        # Outside any CUDA-graph pool: the counter outlives every graph that uses it.
+        counter = _counters[device] = host_memory.lasting_copy(torch.zeros(1, dtype=torch.int64), device)
     return counter
 
 

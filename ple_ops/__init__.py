@@ -9,9 +9,12 @@ Where each piece lives:
 * ``ops``           -- ``torch.ops.ple_ops.wait / wait_copy / release``, copy-geometry observation.
 * ``layer``         -- ``PleOffloadLayer``, the model-side base class.
 * ``runtime``       -- ``OffloadRuntime``: the offload process and the per-step transaction.
+* ``host_table``    -- ``gather_from_host``: the gather transport (lookup tables in page-locked
+                       host memory, gathered zero-copy inside the graph).
 * ``reference``     -- pure-torch row pull and poison: the CPU path and the test oracle.
 """
 
+from .host_table import gather_from_host
 from .layer import PleOffloadLayer, building_placeholders, mark_offload_worker
 from .ops import observe_copy_geometry, release, wait, wait_copy
 from .registry import ArmedLayer, arm, armed_names, disarm, lookup
@@ -20,6 +23,7 @@ from .semaphore import CpuGpuSemaphore, ProducerFailed
 from .shared_memory import SharedHandle, SharedHostBuffer
 
 __all__ = [
+    "gather_from_host",
     "PleOffloadLayer",
     "building_placeholders",
     "mark_offload_worker",

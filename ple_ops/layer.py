@@ -9,6 +9,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+import kv_ops
+
 from . import ops
 
 # Which role this process plays. "local": offload off, layers are ordinary modules.
@@ -62,6 +64,7 @@ class PleOffloadLayer(nn.Module, ABC):
 
     ple_name: str | None = None
     ple_placeholder = False
+    ple_gathers = False  # gather transport: rows come from the ple_host_table buffer
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -83,6 +86,21 @@ class PleOffloadLayer(nn.Module, ABC):
     def forward_impl(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows ``[len(input_ids), dim]`` for the given token ids, on this module's device."""
 
+    def lookup_table(self) -> torch.Tensor | None:
+        """The table ``[vocab, dim]`` when ``forward_impl(ids)`` is exactly ``table[ids]``, else None.
+
+        Override it in a pure-lookup layer to let :func:`ple_ops.gather_from_host` serve the layer
+        from page-locked host memory (the gather transport) instead of an offload process.
+        """
+        return None
+
+    def attach_host_table(self, table: torch.Tensor, dtype: torch.dtype) -> None:
+        """Serve rows by a zero-copy gather from ``table``, uint8 ``[vocab, row_bytes]`` in
+        page-locked host memory (a device view of it on CUDA); rows are ``dtype``."""
+        self.ple_gathers = True
+        self.ple_dtype = dtype
+        self.register_buffer("ple_host_table", table, persistent=False)
+
     def attach_offload(self, name: str, out: torch.Tensor) -> None:
         """Make this (placeholder) layer pull its rows into ``out`` as armed layer ``name``."""
         self.ple_name = name
@@ -91,6 +109,12 @@ class PleOffloadLayer(nn.Module, ABC):
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ple_name is not None:
             return ops.wait_copy(self.ple_out, hidden_states, input_ids.shape[0], self.ple_name)
+        if self.ple_gathers:
+            # One kernel reads the rows over PCIe (zero-copy) into a graph-owned buffer: no flag,
+            # no other process, nothing to wait for.
+            rows = torch.empty(input_ids.shape[0], self.ple_host_table.shape[1], dtype=torch.uint8, device=input_ids.device)
+            kv_ops.gather_blocks([self.ple_host_table], input_ids, rows)
+            return rows.view(self.ple_dtype)
         if self.ple_placeholder:
             raise RuntimeError("a placeholder PleOffloadLayer was called before an offload runtime armed it")
         return self.forward_impl(input_ids)

@@ -1,0 +1,727 @@
+"""The main job: decode with a model whose per-layer embeddings live off the GPU and whose KV
+blocks are preempted to host memory (or disk) and back, with a step that is compiled
+(``fullgraph=True``), captured in a CUDA graph, and AOT-saved and reloaded in a fresh process.
+
+The model is a small decoder in the style of Gemma-3n with fixed random weights: a token
+embedding; N layers of RMSNorm, grouped-query attention over a paged KV cache (a block table,
+16 tokens per block) and a gated MLP; and a per-layer embedding (PLE) added in every layer, one
+table ``[vocab, layers x ple_dim]`` looked up once per step. The PLE table is served by one of
+two transports: ``process`` (``ple_ops.OffloadRuntime``: a CPU process computes the rows, the
+graph waits on a flag and pulls them) or ``gather`` (``ple_ops.gather_from_host``: the table sits
+in page-locked host memory and one zero-copy kernel in the graph gathers the rows).
+
+What it checks, exiting non-zero on any mismatch:
+
+* the run with KV memory pressure (sequences preempted to the ``kv_ops.OffloadEngine`` and
+  loaded back into other GPU blocks) and the run of the AOT artifact in a fresh process give
+  logits bitwise equal to the run without pressure, for every sequence at every position;
+* the same model with its PLE table on the GPU gives the same tokens (the largest logit
+  difference is reported: Inductor may round a fused table lookup differently);
+* every other transport asked for gives the same tokens.
+
+Usage::
+
+    python examples/decode_loop.py                          # small on CPU, Gemma-3n widths on a GPU
+    python examples/decode_loop.py --ple-transport gather   # one transport only
+    python examples/decode_loop.py --disk /nvme/kv          # preempt through the disk tier
+
+The last line is ``decode loop: tokens match`` or ``decode loop: MISMATCH ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kv_ops
+import kv_ops.aot
+import ple_ops
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """Model widths and the workload: ``batch`` sequences decoded together, each with a prompt of
+    ``prompt`` tokens and ``total`` tokens in the end (both drawn from the closed ranges)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    ple_dim: int
+    batch: int
+    prompt: tuple[int, int]
+    total: tuple[int, int]
+    block_size: int = 16
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks one sequence needs at most (its last token is sampled, never written)."""
+        return math.ceil((self.total[1] - 1) / self.block_size)
+
+
+CONFIGS = {
+    # CI's CPU: seconds per compile, under two minutes in all.
+    "small": Config(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, ple_dim=16,
+                    batch=4, prompt=(3, 9), total=(40, 60)),
+    # The issue's "realistic widths": Gemma-3n E2B's hidden, MLP and PLE sizes, 8 layers, 8 sequences.
+    "gemma": Config(vocab=32768, hidden=2048, layers=8, heads=16, kv_heads=8, head_dim=128, mlp=8192, ple_dim=256,
+                    batch=8, prompt=(8, 32), total=(160, 256)),
+}
+
+
+def _weight(seed: int, *shape: int, scale: float) -> nn.Parameter:
+    # One generator per tensor: both processes of the process transport, and the placeholder
+    # build that skips the PLE table, get the same weights whatever else they built before.
+    gen = torch.Generator().manual_seed(seed)
+    return nn.Parameter(torch.randn(*shape, generator=gen) * scale, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, seed: int):
+        super().__init__()
+        self.weight = _weight(seed, dim, scale=0.1)
+        with torch.no_grad():
+            self.weight.add_(1.0)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Linear(nn.Module):
+    def __init__(self, fan_in: int, fan_out: int, seed: int):
+        super().__init__()
+        self.weight = _weight(seed, fan_out, fan_in, scale=fan_in**-0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class PerLayerEmbedding(ple_ops.PleOffloadLayer):
+    """Gemma-3n's per-layer embedding: rows ``[n, layers x ple_dim]`` of one table, a pure lookup."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.table = _weight(7, cfg.vocab, cfg.layers * cfg.ple_dim, scale=1.0)
+
+    def forward_impl(self, input_ids):
+        return self.table[input_ids.to(self.table.device)]
+
+    def lookup_table(self):
+        return self.table
+
+
+class Slots(NamedTuple):
+    """Where each batch row's token sits in the paged KV cache (all int64, one row per slot)."""
+
+    positions: torch.Tensor  # [B] position of the token in its sequence
+    seq_lens: torch.Tensor  # [B] tokens visible to attention, this one included
+    block_table: torch.Tensor  # [B, max_blocks] GPU block of each logical block
+    slot_block: torch.Tensor  # [B] block this token's K and V are written to
+    slot_offset: torch.Tensor  # [B] row within that block
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[B, heads, head_dim]`` at ``positions`` ``[B]``."""
+    half = x.shape[-1] // 2
+    inv_freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angle = positions[:, None].to(torch.float32) * inv_freq
+    cos, sin = angle.cos()[:, None, :].to(x.dtype), angle.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a paged KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, cfg: Config, seed: int):
+        super().__init__()
+        self.cfg = cfg
+        self.q = Linear(cfg.hidden, cfg.heads * cfg.head_dim, seed)
+        self.k = Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, seed + 1)
+        self.v = Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, seed + 2)
+        self.o = Linear(cfg.heads * cfg.head_dim, cfg.hidden, seed + 3)
+
+    def forward(self, x, slots: Slots):
+        cfg, batch = self.cfg, x.shape[0]
+        q = rotate(self.q(x).view(batch, cfg.heads, cfg.head_dim), slots.positions)
+        k = rotate(self.k(x).view(batch, cfg.kv_heads, cfg.head_dim), slots.positions)
+        v = self.v(x).view(batch, cfg.kv_heads, cfg.head_dim)
+        # This token's K and V go into its slot first, so that it attends to itself below.
+        self.kv_cache[:, slots.slot_block, slots.slot_offset] = torch.stack([k, v])
+        keys = self.kv_cache[0][slots.block_table].flatten(1, 2)  # [B, max_blocks * block_size, kv_heads, D]
+        values = self.kv_cache[1][slots.block_table].flatten(1, 2)
+        q = q.view(batch, cfg.kv_heads, cfg.heads // cfg.kv_heads, cfg.head_dim)
+        scores = torch.einsum("bhgd,bthd->bhgt", q, keys) * cfg.head_dim**-0.5
+        # Masked positions get exactly zero weight, so whatever finite bytes sit in blocks a row
+        # does not own (other sequences', the null block) cannot change its result by one bit.
+        visible = torch.arange(keys.shape[1], device=x.device)[None, :] < slots.seq_lens[:, None]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(dim=-1), values)
+        return self.o(out.reshape(batch, cfg.heads * cfg.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config, index: int):
+        super().__init__()
+        seed = 1000 * (index + 1)
+        self.attn_norm = RMSNorm(cfg.hidden, seed)
+        self.attn = Attention(cfg, seed + 10)
+        self.mlp_norm = RMSNorm(cfg.hidden, seed + 20)
+        self.gate = Linear(cfg.hidden, cfg.mlp, seed + 21)
+        self.up = Linear(cfg.hidden, cfg.mlp, seed + 22)
+        self.down = Linear(cfg.mlp, cfg.hidden, seed + 23)
+        self.ple_gate = Linear(cfg.hidden, cfg.ple_dim, seed + 30)
+        self.ple_proj = Linear(cfg.ple_dim, cfg.hidden, seed + 31)
+        self.ple_norm = RMSNorm(cfg.hidden, seed + 32)
+
+    def forward(self, h, slots: Slots):
+        h = h + self.attn(self.attn_norm(h), slots)
+        x = self.mlp_norm(h)
+        return h + self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+    def add_per_layer(self, h, rows):
+        """Gemma-3n's per-layer input: this layer's embedding rows ``[B, ple_dim]``, gated by the
+        hidden state, projected back and added."""
+        gated = F.gelu(self.ple_gate(h), approximate="tanh") * rows
+        return h + self.ple_norm(self.ple_proj(gated))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _weight(1, cfg.vocab, cfg.hidden, scale=1.0)
+        self.per_layer = PerLayerEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, 2)
+        self.lm_head = Linear(cfg.hidden, cfg.vocab, 3)
+
+    def attach_kv_cache(self, num_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Give every layer a zeroed cache (finite bytes everywhere); returns them by layer name."""
+        cfg = self.cfg
+        caches = {}
+        for i, layer in enumerate(self.layers):
+            cache = torch.zeros(2, num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim, device=device)
+            layer.attn.register_buffer("kv_cache", cache, persistent=False)
+            caches[f"layers.{i}"] = cache
+        return caches
+
+    def forward(self, tokens, slots: Slots):
+        cfg = self.cfg
+        h = self.embed[tokens]
+        rows = None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, slots)
+            if rows is None:
+                # Asked for after layer 0's attention and MLP (they are the op's dependency), so
+                # the offload process computes the rows while the GPU runs them.
+                rows = self.per_layer(h, tokens).view(-1, cfg.layers, cfg.ple_dim)
+            h = layer.add_per_layer(h, rows[:, i])
+        return self.lm_head(self.norm(h))
+
+    def release_offloaded(self) -> None:
+        self.per_layer.release_offloaded()
+
+
+def make_model(cfg: Config) -> DecoderLM:
+    """The model factory both processes of the process transport call (module level: picklable)."""
+    return DecoderLM(cfg).eval()
+
+
+def decode_step(model: DecoderLM, tokens, positions, seq_lens, block_table, slot_block, slot_offset):
+    """One decode step of every batch row: logits and the greedy next tokens. The model is the
+    first argument (the AOT recipe, kv_ops.aot), and the graph holds the PLE flag resets."""
+    logits = model(tokens, Slots(positions, seq_lens, block_table, slot_block, slot_offset))
+    model.release_offloaded()
+    return logits, logits.argmax(dim=-1)
+
+
+# --- the step: compiled, captured, with its PLE transaction ------------------------------------
+
+
+class StepInputs(NamedTuple):
+    """One step's inputs (int64), in decode_step's argument order."""
+
+    tokens: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B]
+    block_table: torch.Tensor  # [B, max_blocks]
+    slot_block: torch.Tensor  # [B]
+    slot_offset: torch.Tensor  # [B]
+
+
+class StepBuffer:
+    """A step's inputs as views of one flat int64 tensor, so that they move in one copy.
+
+    ``reset()`` makes every row idle: token 0 at position 0 of the null block 0, which no
+    sequence owns (idle rows write there, and nobody reads what they write).
+    """
+
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu", pin: bool = False):
+        b, m = cfg.batch, cfg.max_blocks
+        self.flat = torch.empty(5 * b + b * m, dtype=torch.int64, device=device, pin_memory=pin)
+        rows = self.flat[: 5 * b].view(5, b)
+        self.inputs = StepInputs(rows[0], rows[1], rows[2], self.flat[5 * b :].view(b, m), rows[3], rows[4])
+        self.reset()
+
+    def reset(self) -> StepInputs:
+        self.flat.zero_()
+        self.inputs.seq_lens.fill_(1)
+        return self.inputs
+
+
+class Step:
+    """A compiled (or AOT-loaded) decode step of one model, captured in a CUDA graph on a GPU.
+
+    The graph reads fixed input tensors, so a step copies its inputs there and replays. Why a
+    ``torch.cuda.CUDAGraph`` per batch size rather than ``mode="reduce-overhead"``: the same
+    capture serves the freshly compiled step and the AOT-loaded one; the KV cache is mutated in
+    place with no cudagraph-trees rule on input mutation; and the PLE transaction is explicit:
+    warm up with a prepared step, capture with none (nothing runs during capture, so a prepared
+    step's flags would go unconsumed), then ``prepare`` / replay / ``release(enqueue=False)``.
+    """
+
+    def __init__(self, fn, model: DecoderLM, cfg: Config, device: torch.device, runtime=None):
+        self.fn, self.model, self.runtime = fn, model, runtime
+        self.static = StepBuffer(cfg, device)
+        self.graph = None
+        idle = StepBuffer(cfg)
+        for _ in range(2):  # Inductor's kernels compile (and on a GPU tune) on their first calls
+            self(idle)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn(model, *self.static.inputs)
+
+    def __call__(self, host: StepBuffer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step; returns the logits (on the model's device) and the next tokens (CPU)."""
+        # Asynchronous from pinned memory; the caller rewrites it only after the .cpu() below.
+        self.static.flat.copy_(host.flat, non_blocking=True)
+        if self.runtime is not None:
+            self.runtime.prepare(host.inputs.tokens)
+        if self.graph is not None:
+            self.graph.replay()
+            logits, next_tokens = self.outputs
+        else:
+            logits, next_tokens = self.fn(self.model, *self.static.inputs)
+        if self.runtime is not None:
+            self.runtime.release(enqueue=False)  # the resets are in the step itself
+        return logits, next_tokens.cpu()
+
+
+# --- the scheduler: batch slots, a block pool too small, preemption --------------------------
+
+
+@dataclass
+class Sequence:
+    index: int  # its batch slot, for its whole life: a row's result never depends on its slot,
+    #             but keeping it makes that one less thing to trust
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    total: int
+    done: int = 0  # tokens whose K and V are in the cache
+    blocks: list[int] = field(default_factory=list)  # GPU blocks while running
+    host_blocks: list[int] | None = None  # host (or disk) blocks while preempted
+
+    @property
+    def finished(self) -> bool:
+        return len(self.tokens) == self.total
+
+
+def make_sequences(cfg: Config, seed: int = 0) -> list[Sequence]:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(cfg.batch):
+        prompt_len = int(torch.randint(cfg.prompt[0], cfg.prompt[1] + 1, (), generator=gen))
+        total = int(torch.randint(cfg.total[0], cfg.total[1] + 1, (), generator=gen))
+        prompt = torch.randint(1, cfg.vocab, (prompt_len,), generator=gen).tolist()
+        seqs.append(Sequence(i, prompt, prompt_len, total))
+    return seqs
+
+
+@dataclass
+class KVTraffic:
+    preemptions: int = 0
+    resumptions: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+class Scheduler:
+    """Decodes ``seqs`` with at most ``gpu_blocks`` KV blocks on the GPU.
+
+    When a running sequence needs a block and none is free, another running sequence is
+    preempted: its blocks are stored to the engine (host memory or disk), the store is flushed,
+    and the blocks are freed. A preempted sequence resumes once its blocks, plus one block for
+    each running sequence, fit: they are loaded into whatever blocks are free (other ids than
+    before), its block table is rewritten, and it goes on where it stopped.
+    """
+
+    def __init__(self, cfg: Config, seqs: list[Sequence], gpu_blocks: int, engine: kv_ops.OffloadEngine | None):
+        if gpu_blocks < cfg.max_blocks:
+            raise ValueError(f"{gpu_blocks} GPU blocks cannot hold one sequence of {cfg.max_blocks} blocks")
+        self.cfg, self.seqs, self.engine = cfg, seqs, engine
+        self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
+        self.free_host = list(range(engine.num_host_blocks - 1, -1, -1)) if engine is not None else []
+        self.preempted: list[Sequence] = []  # oldest first
+        self.traffic = KVTraffic()
+        self.buffer = StepBuffer(cfg, pin=torch.cuda.is_available())
+
+    def running(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished and s.host_blocks is None]
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        return seq.done == len(seq.blocks) * self.cfg.block_size
+
+    def _preempt(self, seq: Sequence) -> None:
+        if self.engine is None or len(self.free_host) < len(seq.blocks):
+            raise RuntimeError("out of KV blocks with nowhere to preempt to")
+        host = [self.free_host.pop() for _ in seq.blocks]
+        start = time.perf_counter()
+        self.engine.store(seq.blocks, host)
+        failed = self.engine.flush().failed  # the blocks are reused right after: wait for the copy
+        self.traffic.store_seconds += time.perf_counter() - start
+        if failed:
+            raise RuntimeError(f"storing the blocks of sequence {seq.index} failed: {failed}")
+        self.traffic.stored_bytes += len(host) * self.engine.block_bytes
+        self.traffic.preemptions += 1
+        self.free += reversed(seq.blocks)
+        seq.blocks, seq.host_blocks = [], host
+        self.preempted.append(seq)
+
+    def _resume(self, seq: Sequence) -> None:
+        blocks = [self.free.pop() for _ in seq.host_blocks]
+        start = time.perf_counter()
+        self.engine.load(seq.host_blocks, blocks)
+        failed = self.engine.flush().failed  # the next step reads them
+        self.traffic.load_seconds += time.perf_counter() - start
+        if failed:
+            raise RuntimeError(f"loading the blocks of sequence {seq.index} failed: {failed}")
+        self.traffic.loaded_bytes += len(blocks) * self.engine.block_bytes
+        self.traffic.resumptions += 1
+        self.free_host += reversed(seq.host_blocks)
+        seq.blocks, seq.host_blocks = blocks, None
+        self.preempted.remove(seq)
+
+    def plan(self) -> StepBuffer | None:
+        """The next step's inputs, after resuming and preempting; None when every sequence is done."""
+        cfg = self.cfg
+        for seq in list(self.preempted):
+            need = len(seq.host_blocks) + (seq.done % cfg.block_size == 0) + len(self.running())
+            if len(self.free) < need:
+                break  # in order: the oldest preempted sequence goes first
+            self._resume(seq)
+        for seq in self.running():
+            if seq.host_blocks is None and self._needs_block(seq):
+                while not self.free:
+                    victims = [s for s in self.running() if s is not seq and s.blocks]
+                    self._preempt(max(victims, key=lambda s: s.index) if victims else seq)
+                if seq.host_blocks is None:
+                    seq.blocks.append(self.free.pop())
+        rows = self.running()
+        if not rows and not self.preempted:
+            return None
+        if not rows:
+            raise RuntimeError(f"no sequence can run: {len(self.free)} free blocks, {len(self.preempted)} preempted")
+        inputs = self.buffer.reset()
+        for seq in rows:
+            i, p = seq.index, seq.done
+            inputs.tokens[i] = seq.tokens[p]
+            inputs.positions[i] = p
+            inputs.seq_lens[i] = p + 1
+            inputs.block_table[i, : len(seq.blocks)] = torch.tensor(seq.blocks)
+            inputs.slot_block[i] = seq.blocks[p // cfg.block_size]
+            inputs.slot_offset[i] = p % cfg.block_size
+        return self.buffer
+
+    def advance(self, next_tokens: torch.Tensor) -> list[tuple[int, int]]:
+        """Account for a finished step; returns the (sequence, position) of every row that ran."""
+        ran = []
+        for seq in self.running():
+            ran.append((seq.index, seq.done))
+            seq.done += 1
+            if seq.done == len(seq.tokens):  # the last known token was processed: sample the next
+                seq.tokens.append(int(next_tokens[seq.index]))
+            if seq.finished:
+                self.free += reversed(seq.blocks)
+                seq.blocks = []
+        return ran
+
+
+# --- a run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    logits: dict[tuple[int, int], torch.Tensor]  # (sequence, position) -> logits row (reference only)
+    step_seconds: list[float]
+    traffic: KVTraffic
+
+
+def decode(step: Step, caches, cfg: Config, gpu_blocks: int, engine=None, keep_logits=False, compare_to=None, label=""):
+    """Decode the workload with ``step``; with ``compare_to``, check every row bitwise as it comes."""
+    for cache in caches.values():
+        cache.zero_()  # finite bytes in every block, whatever ran before
+    seqs = make_sequences(cfg)
+    sched = Scheduler(cfg, seqs, gpu_blocks, engine)
+    logits_rows: dict[tuple[int, int], torch.Tensor] = {}
+    mismatches: list[tuple[int, int]] = []
+    times = []
+    total = sum(s.total - 1 for s in seqs)
+    shown = 0
+    while (inputs := sched.plan()) is not None:
+        start = time.perf_counter()
+        logits, next_tokens = step(inputs)
+        times.append(time.perf_counter() - start)
+        ran = sched.advance(next_tokens)
+        if keep_logits or compare_to is not None:
+            for seq, pos in ran:
+                row = logits[seq]
+                if keep_logits:
+                    logits_rows[(seq, pos)] = row.clone()
+                if compare_to is not None and not torch.equal(row, compare_to[(seq, pos)]):
+                    mismatches.append((seq, pos))
+        done = sum(s.done for s in seqs)
+        if done * 10 // total > shown:  # a plain progress line every tenth
+            shown = done * 10 // total
+            print(f"  {label}: {done}/{total} tokens", file=sys.stderr, flush=True)
+    if mismatches:
+        raise Mismatch(f"{label}: {len(mismatches)} logits rows differ from the reference, first {mismatches[:3]}")
+    return Run([s.tokens for s in seqs], logits_rows, times, sched.traffic)
+
+
+class Mismatch(Exception):
+    pass
+
+
+def blocks_needed(cfg: Config) -> int:
+    return sum(math.ceil((s.total - 1) / cfg.block_size) for s in make_sequences(cfg))
+
+
+def pressure_blocks(cfg: Config) -> int:
+    """About 60% of what the workload needs at once: several preemptions, never a deadlock."""
+    return max(cfg.max_blocks + 1, int(blocks_needed(cfg) * 0.6))
+
+
+def make_engine(caches, cfg: Config, disk: str | None) -> kv_ops.OffloadEngine:
+    num_blocks = next(iter(caches.values())).shape[1]
+    block_bytes = kv_ops.block_bytes(kv_ops.infer_regions(caches, num_blocks))
+    return kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=blocks_needed(cfg) * block_bytes, disk_dir=disk)
+
+
+# --- transports: building the model each one needs --------------------------------------------
+
+
+class Built(NamedTuple):
+    model: DecoderLM
+    caches: dict[str, torch.Tensor]
+    runtime: ple_ops.OffloadRuntime | None
+
+
+def build(transport: str, cfg: Config, device: torch.device) -> Built:
+    """``process``: PLE table in an offload process; ``gather``: in page-locked host memory;
+    ``gpu``: on the GPU (the local model, the reference for tokens)."""
+    runtime = None
+    if transport == "process":
+        runtime = ple_ops.OffloadRuntime(functools.partial(make_model, cfg), max_tokens=cfg.batch, device=device)
+        model = runtime.model
+    elif transport == "gather":
+        model = ple_ops.gather_from_host(make_model(cfg), device)
+    else:
+        model = make_model(cfg).to(device)
+    caches = model.attach_kv_cache(blocks_needed(cfg) + 1, device)
+    return Built(model, caches, runtime)
+
+
+def compiled_step(built: Built, cfg: Config, device: torch.device, save_to: str | None = None) -> Step:
+    example = StepBuffer(cfg, device).inputs
+    if save_to is None:
+        fn = torch.compile(decode_step, fullgraph=True)
+    else:
+        fn = kv_ops.aot.compile_step(decode_step, built.model, *example)
+        fn.save_compiled_function(save_to)
+    return Step(fn, built.model, cfg, device, built.runtime)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --- the two processes ---------------------------------------------------------------------------
+
+
+def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
+    """Process B: a fresh runtime and engine, the AOT artifact, the pressure run, bitwise check."""
+    reference = torch.load(args.expect)
+    expected = {key: row.to(device) for key, row in reference["logits"].items()}
+    built = build(args.ple_transport[0], cfg, device)
+    try:
+        step = Step(kv_ops.aot.load_step(args.artifact), built.model, cfg, device, built.runtime)
+        engine = make_engine(built.caches, cfg, args.disk)
+        try:
+            run = decode(step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=expected, label="B, AOT-loaded")
+        finally:
+            engine.close()
+    except Mismatch as e:
+        print(f"AOT reload: MISMATCH {e}", flush=True)
+        return 1
+    finally:
+        if built.runtime is not None:
+            built.runtime.close()
+    same = run.tokens == reference["tokens"]
+    print(f"AOT reload in a fresh process: {len(reference['logits'])} logits rows bitwise equal, "
+          f"{run.traffic.preemptions} preemptions, tokens {'match' if same else 'MISMATCH'}", flush=True)
+    return 0 if same else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="default: gemma on a GPU, small on the CPU")
+    parser.add_argument("--ple-transport", choices=["process", "gather"], action="append",
+                        help="PLE transports to run (repeatable); the first one also runs the pressure and "
+                             "AOT checks. Default: process, then gather")
+    parser.add_argument("--disk", help="preempt KV blocks to a file in this directory instead of host memory")
+    parser.add_argument("--role", choices=["main", "load"], default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--artifact", help=argparse.SUPPRESS)
+    parser.add_argument("--expect", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.ple_transport = args.ple_transport or ["process", "gather"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = CONFIGS[args.config or ("gemma" if device.type == "cuda" else "small")]
+    torch.set_grad_enabled(False)  # inference: compiled and loaded steps run without autograd
+    if device.type == "cpu":
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*")  # pinned_empty's fallback
+    if args.role == "load":
+        return reload_and_decode(args, cfg, device)
+    return run_demo(args, cfg, device)
+
+
+def run_demo(args, cfg: Config, device: torch.device) -> int:
+    primary = args.ple_transport[0]
+    print(f"decode loop on {device}: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.batch} sequences of "
+          f"{cfg.total[0]}-{cfg.total[1]} tokens, PLE table {cfg.vocab} x {cfg.layers * cfg.ple_dim}", flush=True)
+    failures: list[str] = []
+    results: dict[str, Run] = {}
+    with tempfile.TemporaryDirectory(prefix="decode-loop-") as tmp:
+        artifact, expect = os.path.join(tmp, "step.aot"), os.path.join(tmp, "reference.pt")
+
+        # 1. The primary transport: compiled ahead of time and saved, then the reference run (no
+        #    pressure) and the run with preemption, both bitwise.
+        built = build(primary, cfg, device)
+        pressured = None
+        try:
+            start = time.perf_counter()
+            step = compiled_step(built, cfg, device, save_to=artifact)
+            print(f"compiled, saved and captured the {primary}-transport step in {time.perf_counter() - start:.0f} s",
+                  flush=True)
+            reference = decode(step, built.caches, cfg, blocks_needed(cfg), keep_logits=True, label=f"{primary}, no pressure")
+            results[primary] = reference
+            torch.save({"logits": {k: v.cpu() for k, v in reference.logits.items()}, "tokens": reference.tokens}, expect)
+            engine = make_engine(built.caches, cfg, args.disk)
+            try:
+                pressured = decode(step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=reference.logits,
+                                   label=f"{primary}, KV pressure")
+            finally:
+                engine.close()
+            print(f"KV pressure ({pressure_blocks(cfg)} of {blocks_needed(cfg)} blocks): "
+                  f"{pressured.traffic.preemptions} preemptions, every logits row bitwise equal", flush=True)
+        except Mismatch as e:
+            failures.append(str(e))
+        finally:
+            if built.runtime is not None:
+                built.runtime.close()
+
+        # 2. Process B: a fresh process loads the artifact and decodes under pressure.
+        cmd = [sys.executable, os.path.abspath(__file__), "--role", "load", "--artifact", artifact, "--expect", expect,
+               "--config", next(k for k, v in CONFIGS.items() if v == cfg), "--ple-transport", primary]
+        if args.disk:
+            cmd += ["--disk", args.disk]
+        if subprocess.run(cmd, timeout=1800).returncode != 0:
+            failures.append("the AOT-loaded step in a fresh process did not reproduce the reference")
+
+    # 3. The PLE table on the GPU, and the other transports: same tokens.
+    max_diff = 0.0
+    for transport in ["gpu"] + args.ple_transport[1:]:
+        built = build(transport, cfg, device)
+        try:
+            run = decode(compiled_step(built, cfg, device), built.caches, cfg, blocks_needed(cfg), keep_logits=transport == "gpu",
+                         label=f"{transport} transport" if transport != "gpu" else "PLE table on the GPU")
+        finally:
+            if built.runtime is not None:
+                built.runtime.close()
+        results[transport] = run
+        if run.tokens != reference.tokens:
+            failures.append(f"{transport}: tokens differ from the {primary} transport's")
+        if transport == "gpu":
+            max_diff = max((run.logits[k] - v).abs().max().item() for k, v in reference.logits.items())
+    report(cfg, device, results, pressured, max_diff)
+    if failures:
+        print("decode loop: MISMATCH " + "; ".join(failures))
+        return 1
+    print("decode loop: tokens match")
+    return 0
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured: Run | None, max_diff: float) -> None:
+    """The table the README quotes: step time per PLE placement as a ratio to the table in the
+    model, tokens/s, the memory moved off the GPU, and the KV traffic of the pressure run."""
+    table_bytes = cfg.vocab * cfg.layers * cfg.ple_dim * 4
+    print(f"\nlargest logit difference against the model that holds its PLE table: {max_diff:.3g}")
+    print(f"{device.type.upper()} memory the offloaded PLE table no longer takes: {_size(table_bytes)}")
+    base = percentile(results["gpu"].step_seconds, 0.5)
+    print(f"\n| PLE table ({device.type}) | step p50 (us) | step p90 (us) | p50 ratio | tokens/s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name in ["gpu", "process", "gather"]:
+        if name not in results:
+            continue
+        t = results[name].step_seconds
+        label = {"gpu": "in the model", "process": "offload process", "gather": "host gather"}[name]
+        print(f"| {label} | {percentile(t, 0.5) * 1e6:.0f} | {percentile(t, 0.9) * 1e6:.0f} | "
+              f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} |")
+    if device.type == "cpu":
+        print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")
+    if pressured is None:
+        return
+    kv = pressured.traffic
+    store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
+    load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
+    print(f"\nKV pressure: {kv.preemptions} preemptions, {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} "
+          f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock)")
+    if device.type == "cuda":
+        from kv_ops import doctor
+
+        link = doctor.measure_link(device)
+        print(f"as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to GPU): "
+              f"store {store / link.d2h_gbps:.2f}, load {load / link.h2d_gbps:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The gather transport: lookup PLE tables in page-locked host memory, gathered zero-copy in the graph."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kv_ops
+
+from .layer import PleOffloadLayer
+
+
+def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Move every PLE layer's lookup table into page-locked host memory and the rest to ``device``.
+
+    Each :class:`PleOffloadLayer` must be a pure lookup (its :meth:`~PleOffloadLayer.lookup_table`
+    returns the table). Its table parameter is removed from the module and copied into
+    :func:`kv_ops.pinned_empty` memory; the layer's forward then gathers its rows with one
+    zero-copy kernel (:func:`kv_ops.gather_blocks`) that reads them over PCIe. Nothing waits on
+    another process, so nothing can hang, and the gather is an ordinary kernel that
+    ``torch.compile`` and CUDA graphs keep. Choose the offload process instead when rows need
+    computation, or when the tables are larger than the page-locked memory the host can give.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A model built normally (tables included), on the CPU.
+    device : str or torch.device
+        Where the model runs. On CUDA the table buffers are device views of the page-locked
+        memory (:func:`kv_ops.device_view`), so graphs see CUDA tensors.
+
+    Returns
+    -------
+    nn.Module
+        ``model``, moved to ``device``, with the tables off the GPU.
+
+    Examples
+    --------
+    >>> model = ple_ops.gather_from_host(make_model(), "cuda")
+    >>> step = torch.compile(model, fullgraph=True)      # no runtime, no prepare/release
+    """
+    device = torch.device(device)
+    for name, layer in model.named_modules():
+        if not isinstance(layer, PleOffloadLayer):
+            continue
+        table = layer.lookup_table()
+        if table is None:
+            raise ValueError(
+                f"gather_from_host: PLE layer {name!r} ({type(layer).__name__}) is not a pure lookup "
+                "(lookup_table() returned None); serve it with ple_ops.OffloadRuntime"
+            )
+        if table.dim() != 2 or not table.is_contiguous():
+            raise ValueError(f"gather_from_host: {name!r}'s table must be contiguous [vocab, dim], got {tuple(table.shape)}")
+        pinned = kv_ops.pinned_empty(table.shape, table.dtype)
+        pinned.copy_(table.detach())
+        rows = pinned.view(torch.uint8).view(table.shape[0], -1)
+        owners = [n for n, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)) if t is table]
+        if not owners:
+            raise ValueError(f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers")
+        delattr(layer, owners[0])  # the only copy left is the page-locked one
+        layer.attach_host_table(kv_ops.device_view(rows, device) if device.type == "cuda" else rows, table.dtype)
+    return model.to(device)
+
+
+__all__ = ["gather_from_host"]
