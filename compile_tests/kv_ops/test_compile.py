@@ -138,3 +138,55 @@ def test_reduce_overhead_records_a_cuda_graph_and_replays_it():
     # The tree manager holds the recorded graph: the steps above replayed it, not eager kernels.
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) >= 1
+
+
+FIRST_USE = r"""
+import torch, kv_ops
+from torch._dynamo.utils import counters
+from torch._inductor import cudagraph_trees
+
+gen = torch.Generator().manual_seed(5)
+cache = kv_ops.infer_regions({"l": torch.randint(-9, 9, (2, 24, 4, 2, 16), generator=gen).to("cuda", torch.float16)}, 24)
+regions = list(cache.values())
+mirror = [kv_ops.device_view(kv_ops.pinned_empty((24, r.shape[1]))) for r in regions]
+packed = torch.empty(4, kv_ops.block_bytes(regions), dtype=torch.uint8, device="cuda")
+
+class Step(torch.nn.Module):
+    def forward(self, src, dst, ids):
+        kv_ops.copy_blocks(regions, mirror, src, dst)          # first-ever copy_blocks of this process
+        kv_ops.gather_blocks(mirror, dst[:4], packed)          # first-ever gather_blocks
+        kv_ops.scatter_blocks(packed, ids, regions)            # first-ever scatter_blocks
+
+compiled = torch.compile(Step(), mode="reduce-overhead", fullgraph=True)
+with torch.no_grad(), kv_ops.id_checks(False):
+    for step in range(5):
+        for r in regions:
+            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=gen).cuda())
+        src, dst = torch.randperm(24, generator=gen)[:6], torch.randperm(24, generator=gen)[:6]
+        ids = torch.randperm(24, generator=gen)[:4]
+        want_mirror = [r[src].clone() for r in regions]
+        compiled(src.cuda(), dst.cuda(), ids.cuda())
+        torch.cuda.synchronize()
+        for r, m, w in zip(regions, mirror, want_mirror):
+            assert torch.equal(m[dst.cuda()], w), f"step {step}: copy_blocks did not move the bytes"
+            assert torch.equal(r[ids.cuda()], w[:4]), f"step {step}: gather + scatter did not move the bytes"
+assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+assert manager is not None and sum(len(v) for v in manager.roots.values()) >= 1
+print("FIRST USE OK")
+"""
+
+
+@gpu
+def test_first_ever_call_of_every_op_is_legal_inside_reduce_overhead():
+    # In a fresh process nothing is cached yet: the region tables and the skipped-pair counter
+    # are made during cudagraph trees' warm-up, and must not land in the graph's pool.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", FIRST_USE], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "FIRST USE OK" in result.stdout, result.stderr[-4000:]
