@@ -12,11 +12,13 @@ Where each piece lives:
 * ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to an exact-size mirror.
 * ``disk``        -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
+* ``aot``         -- ``compile_step`` / ``load_step``: AOT-compiling a model's step that uses these ops.
+* ``doctor``      -- ``python -m kv_ops.doctor``: checks a machine, measures the link.
 """
 
 from . import dma
 from .disk import BlockFile
-from .engine import AllRanks, Completed, OffloadEngine
+from .engine import AllRanks, Completed, EngineClosedError, OffloadEngine
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import device_view, pinned_empty
 from .ops import copy_blocks, gather_blocks, scatter_blocks
@@ -40,6 +42,7 @@ __all__ = [
     "BlockFile",
     "OffloadEngine",
     "Completed",
+    "EngineClosedError",
     "AllRanks",
     "dma",
 ]

@@ -1,12 +1,15 @@
-"""The disk tier: a private file of block slots, and the staged, double-buffered I/O to it."""
+"""The disk tier: a private, unnamed file of block slots, and the staged, double-buffered I/O to it."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import queue
+import secrets
 import threading
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,22 +42,83 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class BlockFile:
-    """A file of ``num_slots`` block slots for one rank or device, removed on :meth:`close`.
+def _open_tmpfile(directory: str) -> int | None:
+    """An unnamed regular file in ``directory`` (``O_TMPFILE``), or None where the kernel or the
+    file system cannot make one.
 
-    Blocks may hold users' prompts, so the file is private: created exclusively (an existing
-    file or a symbolic link at the path is an error, never reused or followed), mode 0600.
-    ``O_DIRECT`` is the default, so that offloaded blocks do not also fill the page cache;
-    ``page_cache=True`` opts in to buffered I/O (needed on file systems without O_DIRECT, such as
-    tmpfs). Every slot is ``slot_bytes`` rounded up to 4 KiB, and the whole file is allocated up
-    front, so a disk that is too small fails here rather than halfway through a transfer.
+    ``O_EXCL`` makes the file impossible to link into the directory later (``linkat`` refuses),
+    so no name can ever reach its bytes: they live exactly as long as the descriptor.
+    """
+    tmpfile = getattr(os, "O_TMPFILE", None)
+    if tmpfile is None:  # not Linux
+        return None
+    try:
+        return os.open(directory, tmpfile | os.O_RDWR | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        # EOPNOTSUPP: this file system has no O_TMPFILE. EISDIR: a kernel older than 3.11 ignores
+        # the flag and tries to open the directory itself for writing.
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR):
+            return None
+        raise
+
+
+def _candidate_names(tag: str):
+    """Names for the create-then-unlink fallback: the tag, the pid, and a random part, so that a
+    name cannot be predicted (and planted in advance) and a leftover is traceable to its process."""
+    while True:
+        yield f"kv_offload.{tag}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+
+
+def _create_then_unlink(directory: str, tag: str) -> int:
+    """Create a fresh file exclusively, without following links, and remove its name at once.
+
+    ``O_CREAT | O_EXCL`` fails on any existing name, a symbolic link included (POSIX: the link is
+    not followed), so an existing file is never opened, truncated or followed. The name exists
+    only between the two calls below; a process killed exactly there leaves one empty file
+    named after its pid, which nothing ever reuses.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _, name in zip(range(16), _candidate_names(tag)):
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            continue  # someone else's file or link: leave it alone, pick another name
+        try:
+            os.unlink(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    raise FileExistsError(errno.EEXIST, f"no free file name for the disk tier in {directory} after 16 random tries")
+
+
+class BlockFile:
+    """An unnamed file of ``num_slots`` block slots for one rank or device.
+
+    The file has no name in ``directory`` from the moment it is open: it is created with
+    ``O_TMPFILE`` where the kernel and file system support it, and otherwise created exclusively
+    under a random name and unlinked at once. Its bytes are freed when the descriptor closes,
+    by :meth:`close` or by the kernel when the process dies (SIGKILL and OOM kills included), so
+    a crash leaves nothing behind and a restart in the same directory needs no clean-up. (On NFS,
+    which has no O_TMPFILE, the client keeps an unlinked open file as ``.nfs*`` until it is
+    closed, and a crashed client leaves that behind: use a local file system.)
+
+    Blocks may hold users' prompts, so the file is private: mode 0600, never an existing file,
+    never reached through a symbolic link, and no name through which another process could open
+    it afterwards (``nlink`` is checked to be 0). ``O_DIRECT`` is the default, so that offloaded
+    blocks do not also fill the page cache; ``page_cache=True`` opts in to buffered I/O (needed
+    on file systems without O_DIRECT). Every slot is ``slot_bytes`` rounded up to 4 KiB, and the
+    whole file is allocated up front, so a disk that is too small fails here rather than halfway
+    through a transfer.
 
     Parameters
     ----------
     directory : str
-        Where the file goes.
+        The file system the file goes on.
     tag : str
-        Distinguishes the file of this rank or device (``"rank0"``, ``"cuda1"``, ...).
+        Names this rank's or device's file in error messages (``"rank0"``, ``"cuda1"``, ...) and
+        in the short-lived name of the create-then-unlink fallback.
     slot_bytes : int
         Bytes of one block (all regions); rounded up to 4 KiB.
     num_slots : int
@@ -72,36 +136,53 @@ class BlockFile:
     def __init__(self, directory: str, tag: str, slot_bytes: int, num_slots: int, page_cache: bool = False):
         if slot_bytes <= 0 or num_slots <= 0:
             raise ValueError(f"BlockFile: slot_bytes {slot_bytes} and num_slots {num_slots} must be > 0")
-        self.path = os.path.join(directory, f"kv_offload.{tag}.bin")
+        self.fd: int | None = None
+        self.directory = directory
+        # What error messages call the file; it has no name on disk.
+        self.label = f"{os.path.join(directory, f'kv_offload.{tag}')} (unlinked)"
         self.slot_stride = _round_up(slot_bytes)
         self.num_slots = num_slots
         self.direct = not page_cache
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         try:
-            self.fd = os.open(self.path, flags, 0o600)
-        except FileExistsError as e:
-            raise FileExistsError(
-                e.errno, f"disk tier file already exists (another engine, or a stale file to remove by hand): {self.path}"
-            ) from None
+            fd = _open_tmpfile(directory)
+            if fd is None:
+                fd = _create_then_unlink(directory, tag)
         except OSError as e:
-            if self.direct and e.errno == errno.EINVAL:
-                raise OSError(
-                    e.errno, f"the file system of {directory} does not support O_DIRECT; pass page_cache=True"
-                ) from None
-            raise OSError(e.errno, f"cannot create the disk tier file {self.path}: {e.strerror}") from None
+            raise OSError(e.errno, f"cannot create the disk tier file kv_offload.{tag} in {directory}: {e.strerror}") from None
+        self.fd = fd
+        # The descriptor is the only owner of the bytes: close it even if this object is dropped
+        # without close() (the kernel frees an unlinked file's blocks on its last close).
+        self._closer = weakref.finalize(self, os.close, fd)
+        self._closer.atexit = False  # at exit the kernel closes it, after the I/O thread is gone
         try:
+            if os.fstat(fd).st_nlink != 0:  # a hard link made in the instant the name existed
+                raise OSError(errno.EEXIST, f"the disk tier file in {directory} gained a link to it before it was unlinked")
+            if self.direct:
+                # Set after creation, not at open: a file system without O_DIRECT then fails here
+                # with EINVAL that can mean nothing else (at open it could be any flag), and a
+                # failure leaves no file behind (an O_CREAT open refused for O_DIRECT could).
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                except OSError as e:
+                    if e.errno == errno.EINVAL:
+                        raise OSError(
+                            e.errno, f"the file system of {directory} does not support O_DIRECT; pass page_cache=True"
+                        ) from None
+                    raise
             size = self.slot_stride * num_slots
             try:
-                os.posix_fallocate(self.fd, 0, size)
+                os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # ENOSPC, EFBIG, EDQUOT, ...
-                    raise OSError(e.errno, f"cannot allocate {size} bytes of disk tier in {self.path}: {e.strerror}") from None
-                os.ftruncate(self.fd, size)  # the file system cannot preallocate: sparse file
+                    raise OSError(e.errno, f"cannot allocate {size} bytes of disk tier in {self.label}: {e.strerror}") from None
+                os.ftruncate(fd, size)  # the file system cannot preallocate: sparse file
         except BaseException:
             self.close()
             raise
 
     def _check(self, slots: Sequence[int], buf: torch.Tensor) -> None:
+        if self.fd is None:
+            raise ValueError(f"BlockFile: {self.label} is closed")
         if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.slot_stride:
             raise ValueError(
                 f"BlockFile: buffer must be a CPU uint8 [n, {self.slot_stride}] tensor, got {buf.device} {buf.dtype} "
@@ -118,6 +199,7 @@ class BlockFile:
     def _io(self, write: bool, slots: Sequence[int], buf: torch.Tensor) -> None:
         self._check(slots, buf)
         stride = self.slot_stride
+        what = "write" if write else "read"
         for row, slot, count in _runs(slots):
             nbytes = count * stride
             view = (ctypes.c_char * nbytes).from_address(buf.data_ptr() + row * stride)
@@ -128,29 +210,45 @@ class BlockFile:
                 try:
                     n = os.pwrite(self.fd, chunk, offset + done) if write else os.preadv(self.fd, [chunk], offset + done)
                 except OSError as e:
-                    what = "write" if write else "read"
-                    raise OSError(e.errno, f"disk tier {what} of slots {slot}..{slot + count - 1} in {self.path}: {e.strerror}") from None
+                    # A short write is followed by this call, which reports why (ENOSPC, EFBIG, EIO).
+                    raise OSError(
+                        e.errno, f"disk tier {what} of slots {slot}..{slot + count - 1} in {self.label}: {e.strerror}"
+                    ) from None
                 if n == 0:
-                    raise OSError(errno.EIO, f"disk tier: end of file at byte {offset + done} of {self.path}")
+                    # pread returns 0 only at end of file: the preallocated file got shorter
+                    # (truncated by someone else). A slot is never served half-read.
+                    raise OSError(
+                        errno.EIO,
+                        f"disk tier {what} of slots {slot}..{slot + count - 1} in {self.label}: end of file at byte "
+                        f"{offset + done} (the file was truncated)",
+                    )
                 done += n
 
     def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
-        """Write ``src[i]`` to slot ``slots[i]`` (runs of consecutive slots in one call each)."""
+        """Write ``src[i]`` to slot ``slots[i]`` (runs of consecutive slots in one call each).
+
+        Raises
+        ------
+        OSError
+            The OS error of the first failing ``pwrite`` (e.g. ENOSPC, EFBIG), naming the slots.
+        """
         self._io(True, slots, src)
 
     def read(self, slots: Sequence[int], dst: torch.Tensor) -> None:
-        """Read slot ``slots[i]`` into ``dst[i]``."""
+        """Read slot ``slots[i]`` into ``dst[i]``.
+
+        Raises
+        ------
+        OSError
+            The OS error of a failing ``preadv``, or EIO at an unexpected end of file.
+        """
         self._io(False, slots, dst)
 
     def close(self) -> None:
-        """Close and remove the file. Safe to call twice."""
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
+        """Close the descriptor, which frees the file's blocks (it has no name). Safe to call twice."""
+        if self.fd is not None:
             self.fd = None
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self._closer()  # os.close, exactly once
 
     def __enter__(self) -> "BlockFile":
         return self
@@ -172,7 +270,8 @@ class DiskJob:
 
 @dataclass
 class DiskResult:
-    """A finished job: ``event`` (loads on CUDA) completes when the last scatter has run."""
+    """A finished job. ``event`` (on CUDA) completes when the last GPU work the job enqueued has
+    run: the last scatter of a load, or whatever a failed job had enqueued before its error."""
 
     tid: int
     kind: str
@@ -183,13 +282,15 @@ class DiskResult:
 class DiskTier:
     """Moves blocks between the regions and a :class:`BlockFile` through page-locked staging slots.
 
-    Every job runs on one background I/O thread, so neither direction blocks the caller. A job
-    is cut into chunks of ``staging_blocks`` blocks, and the chunks alternate between
-    ``staging_slots`` staging buffers (double buffering with the default of two): a store
-    gathers chunk i+1 on the GPU while chunk i is written to the file; a load reads chunk i+1
-    from the file while the GPU scatters chunk i. A slot is reused only after the file write that
-    read it returned (store) or the scatter that read it completed (load). Any exception ends the
-    job as failed, carrying the OS error; a job is never reported done after an error.
+    Every job runs on one background I/O thread, in submission order, so neither direction
+    blocks the caller. A job is cut into chunks of ``staging_blocks`` blocks, and the chunks
+    alternate between ``staging_slots`` staging buffers (double buffering with the default of
+    two): a store gathers chunk i+1 on the GPU while chunk i is written to the file; a load reads
+    chunk i+1 from the file while the GPU scatters chunk i. A staging buffer is reused, by either
+    direction and by later jobs, only after the last GPU work that touched it (gather or scatter)
+    has completed, and a store writes it to the file only after its gather completed. Any
+    exception ends the job as failed, carrying the OS error, and the job's other chunks are
+    dropped; a job is never reported done after an error, and later jobs run as usual.
     """
 
     def __init__(
@@ -207,29 +308,52 @@ class DiskTier:
         self.width = sum(r.shape[1] for r in regions.values())
         self.chunk = staging_blocks
         self.staging = [pinned_empty((staging_blocks, file.slot_stride)) for _ in range(staging_slots)]
+        # The last GPU work (a gather writing it, a scatter reading it) on each staging buffer,
+        # across jobs and directions: the stores' and loads' streams are not ordered with each
+        # other, and the file I/O on this thread not with either, so reuse waits for it.
+        self._last_use: list[torch.cuda.Event | None] = [None] * staging_slots
         self.jobs: queue.SimpleQueue[DiskJob | threading.Event | None] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[DiskResult] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="kv-offload-disk-io", daemon=True)
         self.thread.start()
 
     def submit(self, job: DiskJob) -> None:
+        """Queue ``job`` behind every job submitted before it."""
+        self._check_alive()
         self.jobs.put(job)
+
+    def _check_alive(self) -> None:
+        if not self.thread.is_alive():
+            raise RuntimeError("kv_ops disk tier: the I/O thread is not running (closed, or it died)")
 
     def barrier(self) -> None:
         """Return once every job submitted before the call has left the I/O thread."""
+        self._check_alive()
         reached = threading.Event()
         self.jobs.put(reached)
-        reached.wait()
+        # Wait in slices so that a thread that died (it catches every job's errors, so only an
+        # interpreter shutdown can kill it) is an error rather than a hang.
+        while not reached.wait(0.25):
+            self._check_alive()
 
     def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
+        """Run every job submitted so far, stop the I/O thread, and wait until the GPU no longer
+        touches the staging buffers (they may be freed after this). Safe to call twice."""
+        if self.thread.is_alive():
+            self.jobs.put(None)  # after every queued job: the queue is FIFO
+            self.thread.join()
+        for slot in range(len(self.staging)):
+            self._claim(slot)
 
     # --- the I/O thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        setup_error: BaseException | None = None
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            try:
+                torch.cuda.set_device(self.device)
+            except BaseException as error:  # every job then fails with it, rather than hanging
+                setup_error = error
         while True:
             job = self.jobs.get()
             if job is None:
@@ -238,10 +362,31 @@ class DiskTier:
                 job.set()
                 continue
             try:
+                if setup_error is not None:
+                    raise setup_error
                 event = self._store(job) if job.kind == "store" else self._load(job)
                 self.results.put(DiskResult(job.tid, job.kind, None, event))
             except BaseException as error:  # reported as a failed transfer, never as done
-                self.results.put(DiskResult(job.tid, job.kind, error, None))
+                self.results.put(DiskResult(job.tid, job.kind, error, self._fence(job.kind)))
+
+    def _fence(self, kind: str) -> torch.cuda.Event | None:
+        """An event after the GPU work enqueued so far on ``kind``'s stream: a failed job is
+        reported only once none of its chunks still runs."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            event = torch.cuda.Event()
+            event.record(self.streams[kind])
+            return event
+        except BaseException:  # the device itself failed: nothing better to wait for
+            return None
+
+    def _claim(self, slot: int) -> None:
+        """Wait until no GPU work of any job reads or writes staging buffer ``slot``."""
+        event = self._last_use[slot]
+        if event is not None:
+            event.synchronize()
+            self._last_use[slot] = None
 
     def _chunks(self, job: DiskJob):
         for i, start in enumerate(range(0, job.gpu_ids.numel(), self.chunk)):
@@ -256,44 +401,41 @@ class DiskTier:
         return torch.cuda.stream(stream)
 
     def _store(self, job: DiskJob) -> None:
-        gathered: deque[tuple[int, int, list[int], torch.cuda.Event | None]] = deque()
+        gathered: deque[tuple[int, list[int]]] = deque()  # (staging slot, disk ids): gathered, not yet written
 
         def write_oldest() -> None:
-            slot, rows, disk_ids, event = gathered.popleft()
-            if event is not None:
-                event.synchronize()
-            self.file.write(disk_ids, self.staging[slot][:rows])
+            slot, disk_ids = gathered.popleft()
+            self._claim(slot)  # its gather has finished writing it
+            self.file.write(disk_ids, self.staging[slot][: len(disk_ids)])
 
         for i, (slot, gpu_ids, disk_ids) in enumerate(self._chunks(job)):
             if len(gathered) == len(self.staging):
                 write_oldest()  # frees the slot this chunk is about to use
+            self._claim(slot)  # a scatter of an earlier load may still be reading it
             packed = self.staging[slot][: len(disk_ids), : self.width]
-            event = None
             if self.device.type == "cuda":
                 with self._on_gpu("store", job, first=i == 0), id_checks(False):
                     gather_blocks(self.regions, gpu_ids.to(self.device, non_blocking=True), packed)
-                    event = torch.cuda.Event()
-                    event.record()
+                    self._last_use[slot] = torch.cuda.Event()
+                    self._last_use[slot].record()
             else:
                 reference.gather_blocks(list(self.regions.values()), gpu_ids, packed)
-            gathered.append((slot, len(disk_ids), disk_ids, event))
+            gathered.append((slot, disk_ids))
         while gathered:
             write_oldest()
         return None
 
     def _load(self, job: DiskJob) -> torch.cuda.Event | None:
-        busy: list[torch.cuda.Event | None] = [None] * len(self.staging)  # last scatter reading each slot
         for i, (slot, gpu_ids, disk_ids) in enumerate(self._chunks(job)):
-            if busy[slot] is not None:
-                busy[slot].synchronize()  # the GPU may still be reading this slot
+            self._claim(slot)  # the GPU may still read (scatter) or write (gather) this buffer
             rows = self.staging[slot][: len(disk_ids)]
             self.file.read(disk_ids, rows)
             packed = rows[:, : self.width]
             if self.device.type == "cuda":
                 with self._on_gpu("load", job, first=i == 0), id_checks(False):
                     scatter_blocks(packed, gpu_ids.to(self.device, non_blocking=True), self.regions)
-                    busy[slot] = torch.cuda.Event()
-                    busy[slot].record()
+                    self._last_use[slot] = torch.cuda.Event()
+                    self._last_use[slot].record()
             else:
                 reference.scatter_blocks(packed, gpu_ids, list(self.regions.values()))
         if self.device.type != "cuda":

@@ -11,6 +11,11 @@ Each transfer takes one of two paths, chosen per call: the Triton kernel behind 
 (zero-copy on a few SMs, capturable) or the copy engines (``kv_ops.dma``, one batched call, runs of
 consecutive blocks merged). With ``path="auto"`` the choice follows the crossover measured on the
 device when the first engine of the process starts there.
+
+Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
+transfer in flight, then frees the mirror or closes the disk tier's file and stops its thread;
+any later call raises :class:`EngineClosedError`. The disk tier's file has no name from the
+moment it is open, so even a process killed with SIGKILL leaves nothing in ``disk_dir``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ from . import dma, kernels, reference
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .disk import BlockFile, DiskJob, DiskTier, _round_up
 from .host_memory import pinned_empty
-from .validation import error_counter
+from .validation import check_ids_meta, check_ids_values, error_counter
+
+
+class EngineClosedError(RuntimeError):
+    """A call on an :class:`OffloadEngine` after :meth:`~OffloadEngine.close`."""
 
 
 @dataclass
@@ -34,7 +43,9 @@ class Completed:
     """What :meth:`OffloadEngine.poll` found finished since the last poll, in issue order.
 
     ``failed`` maps the id of a transfer that did not complete (a disk-tier I/O error) to its
-    error; such an id never appears in ``stores`` or ``loads``.
+    error; such an id never appears in ``stores`` or ``loads``. A failed store leaves its host
+    blocks (file slots), and a failed load its GPU blocks, with undefined contents; every other
+    transfer is unaffected.
     """
 
     stores: list[int] = field(default_factory=list)
@@ -96,11 +107,17 @@ class OffloadEngine:
         (:func:`kv_ops.dma.crossover`, kept in ``self.crossover``), always the Triton kernel,
         or always the copy engines. The disk tier packs its staging buffers with the kernel.
 
+    Notes
+    -----
+    One thread drives an engine: the calls are not safe to make concurrently. Ids are integer
+    sequences or int32/int64 tensors on the CPU or the engine's device; anything else (floats,
+    booleans, meta tensors) is refused with ``ValueError`` before any byte moves.
+
     Examples
     --------
-    >>> engine = OffloadEngine(kv_caches, num_blocks, capacity_bytes=64 << 30)
-    >>> tid = engine.store(gpu_ids=[3, 4, 9], host_ids=[0, 1, 2])
-    >>> engine.poll().stores          # [tid] once the copy has finished
+    >>> with OffloadEngine(kv_caches, num_blocks, capacity_bytes=64 << 30) as engine:
+    ...     tid = engine.store(gpu_ids=[3, 4, 9], host_ids=[0, 1, 2])
+    ...     engine.poll().stores          # [tid] once the copy has finished
     """
 
     def __init__(
@@ -140,6 +157,7 @@ class OffloadEngine:
         self.path_counts = {"kernel": 0, "dma": 0}  # transfers per path, for whoever tunes this
         self._lanes = {"store": _Lane(), "load": _Lane()}
         self._ids = itertools.count()
+        self._closed = False
         self.mirror: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None
         if disk_dir is None:
@@ -148,25 +166,48 @@ class OffloadEngine:
         else:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
-            self.disk = DiskTier(self.regions, file, self._streams, staging_slots, staging_blocks)
+            try:
+                self.disk = DiskTier(self.regions, file, self._streams, staging_slots, staging_blocks)
+            except BaseException:
+                file.close()
+                raise
 
     # --- transfers ---------------------------------------------------------------------------
 
-    def _ids_tensor(self, ids, limit: int, what: str, unique: bool) -> torch.Tensor:
-        t = torch.as_tensor(ids, dtype=torch.int64).flatten().cpu()
-        bad = (t < 0) | (t >= limit)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"OffloadEngine: {what}[{i}] = {int(t[i])} is outside [0, {limit})")
-        if unique and t.unique().numel() != t.numel():
-            raise ValueError(f"OffloadEngine: {what} names a block more than once")
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise EngineClosedError(f"OffloadEngine.{call}: the engine is closed (close() was called); create a new engine")
+
+    @staticmethod
+    def _ids_tensor(op: str, what: str, ids, limit: int, unique: bool) -> torch.Tensor:
+        """``ids`` as a flat int64 CPU tensor, checked by the ops' own rules (kv_ops.validation)."""
+        if isinstance(ids, torch.Tensor):
+            if ids.device.type == "meta":
+                raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
+            t = ids
+        else:
+            try:
+                t = torch.as_tensor(ids)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
+            if t.numel() == 0:
+                t = t.long()  # [] becomes torch's default float dtype, but holds no value to truncate
+        # The ops' dtype rule: a float id would be truncated to another block (0.7 -> 0), a bool
+        # would become block 0 or 1.
+        t = t.reshape(-1)
+        check_ids_meta(op, what, t)
+        t = t.cpu().long()
+        check_ids_values(op, what, t, limit, unique)
         return t
 
     def _transfer(self, kind: str, gpu_ids, host_ids) -> int:
-        gpu = self._ids_tensor(gpu_ids, self.num_blocks, "gpu_ids", unique=kind == "load")
-        host = self._ids_tensor(host_ids, self.num_host_blocks, "host_ids", unique=kind == "store")
+        self._check_open(kind)
+        op = f"OffloadEngine.{kind}"
+        # Destinations must not repeat (which copy would win is undefined); sources may.
+        gpu = self._ids_tensor(op, "gpu_ids", gpu_ids, self.num_blocks, unique=kind == "load")
+        host = self._ids_tensor(op, "host_ids", host_ids, self.num_host_blocks, unique=kind == "store")
         if gpu.numel() != host.numel():
-            raise ValueError(f"OffloadEngine: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
+            raise ValueError(f"{op}: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
@@ -217,19 +258,60 @@ class OffloadEngine:
         return self.crossover.use_dma(kind, copies, num_pairs * self.block_bytes / max(copies, 1))
 
     def store(self, gpu_ids, host_ids) -> int:
-        """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``; returns a transfer id.
+        """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``.
 
         The copy is ordered after the work enqueued on the caller's current stream before the
         call (the compute that wrote those blocks). Nothing blocks the caller's thread.
+
+        Parameters
+        ----------
+        gpu_ids : sequence of int or int32/int64 tensor
+            Source blocks in ``[0, num_blocks)``; may repeat.
+        host_ids : sequence of int or int32/int64 tensor
+            Destination host blocks (disk-tier slots) in ``[0, num_host_blocks)``; distinct, as
+            many as ``gpu_ids``.
+
+        Returns
+        -------
+        int
+            The transfer id, reported once by :meth:`poll`, :meth:`flush` or :meth:`close`.
+
+        Raises
+        ------
+        ValueError
+            Bad ids (out of range, repeated destination, float or meta, length mismatch), before
+            any byte moves and without using up a transfer id.
+        EngineClosedError
+            After :meth:`close`.
         """
         return self._transfer("store", gpu_ids, host_ids)
 
     def load(self, host_ids, gpu_ids) -> int:
-        """Copy host blocks ``host_ids[i]`` to GPU blocks ``gpu_ids[i]``; returns a transfer id.
+        """Copy host blocks ``host_ids[i]`` to GPU blocks ``gpu_ids[i]``.
 
         The copy is ordered after the work enqueued on the caller's current stream before the
         call (every reader of the destination blocks). Make the consumer wait for it with
         :meth:`poll` before it reads the loaded blocks.
+
+        Parameters
+        ----------
+        host_ids : sequence of int or int32/int64 tensor
+            Source host blocks (disk-tier slots) in ``[0, num_host_blocks)``; may repeat.
+        gpu_ids : sequence of int or int32/int64 tensor
+            Destination blocks in ``[0, num_blocks)``; distinct, as many as ``host_ids``.
+
+        Returns
+        -------
+        int
+            The transfer id, reported once by :meth:`poll`, :meth:`flush` or :meth:`close`.
+
+        Raises
+        ------
+        ValueError
+            Bad ids (out of range, repeated destination, float or meta, length mismatch), before
+            any byte moves and without using up a transfer id.
+        EngineClosedError
+            After :meth:`close`.
         """
         return self._transfer("load", gpu_ids, host_ids)
 
@@ -246,21 +328,90 @@ class OffloadEngine:
         return out
 
     def poll(self) -> Completed:
-        """Transfers finished (or failed) since the last poll or flush; never blocks, never early."""
+        """Transfers finished (or failed) since the last poll or flush; never blocks, never early.
+
+        Returns
+        -------
+        Completed
+            Per direction, in issue order, the ids whose copies have finished, each reported
+            once; ``failed`` holds the ids that ended in an error.
+
+        Raises
+        ------
+        EngineClosedError
+            After :meth:`close`.
+        """
+        self._check_open("poll")
         return self._collect(wait=False)
 
     def flush(self) -> Completed:
-        """Wait for every transfer in flight (before reusing GPU blocks after a preemption)."""
+        """Wait for every transfer in flight (before reusing GPU blocks after a preemption).
+
+        Returns
+        -------
+        Completed
+            Every transfer not reported before, all of them finished or failed.
+
+        Raises
+        ------
+        EngineClosedError
+            After :meth:`close`.
+        """
+        self._check_open("flush")
+        return self._flush()
+
+    def _flush(self) -> Completed:
         if self.disk is not None:
-            self.disk.barrier()
+            self.disk.barrier()  # every job has left the I/O thread; its result is queued
         return self._collect(wait=True)
 
-    def close(self) -> None:
-        """Finish in-flight transfers, stop the disk I/O thread and remove the disk file."""
-        if self.disk is not None:
-            self.disk.close()
-            self.disk.file.close()
-            self.disk = None
+    def close(self) -> Completed:
+        """Finish every transfer in flight, then free the mirror or close the disk tier.
+
+        First waits as :meth:`flush` does: every store and load issued so far has completed
+        (or failed) on the GPU, the I/O thread and the file. Then it stops the disk tier's I/O
+        thread, closes its file (which frees the file's space: it has no name) and drops the
+        engine's references to the mirror and the staging buffers. A second call does nothing;
+        every other call afterwards raises :class:`EngineClosedError`.
+
+        Returns
+        -------
+        Completed
+            The transfers not reported before (empty on a second call), so that every transfer
+            id is reported exactly once.
+        """
+        if self._closed:
+            return Completed()
+        self._closed = True  # from here on every call is refused, even if the wait below fails
+        try:
+            return self._flush()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        disk, self.disk = self.disk, None
+        try:
+            if disk is not None:
+                try:
+                    # Runs anything still queued (only if the flush was cut short), stops the
+                    # thread, and waits until the GPU is done with the staging buffers.
+                    disk.close()
+                finally:
+                    disk.file.close()  # the last descriptor: the kernel frees the nameless file
+            if self._streams is not None:
+                # Idle after a completed flush; after an interrupted one this keeps the copies
+                # from outliving the memory they read or write.
+                for stream in self._streams.values():
+                    stream.synchronize()
+        finally:
+            self.mirror = None
+            self._lanes = {"store": _Lane(), "load": _Lane()}
+
+    def __enter__(self) -> "OffloadEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class AllRanks:
@@ -310,4 +461,4 @@ class AllRanks:
         return self.add(reports)
 
 
-__all__ = ["OffloadEngine", "Completed", "AllRanks"]
+__all__ = ["OffloadEngine", "Completed", "AllRanks", "EngineClosedError"]

@@ -1,5 +1,7 @@
-"""The disk tier's file: real files, round trips byte for byte, privacy, and clear errors."""
+"""The disk tier's file: real files, round trips byte for byte, privacy, no name left behind, and
+clear errors."""
 
+import gc
 import os
 import stat
 import subprocess
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import kv_ops
+from kv_ops import disk
 from kv_ops.disk import BlockFile, _runs
 
 
@@ -34,34 +37,89 @@ def test_round_trip_in_any_slot_order(tmp_path, page_cache):
         assert not page_cache and "does not support O_DIRECT; pass page_cache=True" in str(e)
         f = BlockFile(str(tmp_path), "rank0", slot_bytes=5000, num_slots=64, page_cache=True)
     with f:
-        assert f.slot_stride == 8192 and os.path.getsize(f.path) == 64 * 8192
+        assert f.slot_stride == 8192 and os.fstat(f.fd).st_size == 64 * 8192
+        assert f.direct == bool(_fd_flags(f.fd) & os.O_DIRECT)  # O_DIRECT is on exactly when asked for
         src = staging(12, f.slot_stride, 1)
         slots = [7, 8, 9, 40, 2, 3, 63, 0, 11, 12, 13, 14]
         f.write(slots, src)
         back = staging(12, f.slot_stride, 2)  # random bytes: a slot not read back shows
         f.read(list(reversed(slots)), back)
         assert torch.equal(back, src.flip(0))
-    assert not os.path.exists(f.path)
+    assert f.fd is None and os.listdir(tmp_path) == []
 
 
-def test_file_is_private_and_never_reused_or_followed(tmp_path):
+def _fd_flags(fd):
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def _assert_private_and_unnamed(f, directory):
+    st = os.fstat(f.fd)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_nlink == 0  # no name anywhere: no other process can open it by path
+    assert os.listdir(directory) == []
+    assert os.readlink(f"/proc/self/fd/{f.fd}").endswith("(deleted)")
+
+
+def test_the_file_has_no_name_from_the_moment_it_is_open(tmp_path):
     with BlockFile(str(tmp_path), "cuda0", 4096, 4, page_cache=True) as f:
-        assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
-        with pytest.raises(FileExistsError, match="already exists"):
-            BlockFile(str(tmp_path), "cuda0", 4096, 4, page_cache=True)
+        _assert_private_and_unnamed(f, tmp_path)
+        # Nothing to collide with: a second engine of the same tag in the same directory (a
+        # restart whose predecessor has not exited yet) gets a file of its own.
+        with BlockFile(str(tmp_path), "cuda0", 4096, 4, page_cache=True) as g:
+            _assert_private_and_unnamed(g, tmp_path)
+            src = staging(1, 4096, 3)
+            f.write([0], src)
+            back = staging(1, 4096, 4)
+            g.read([0], back)
+            assert torch.equal(back, torch.zeros_like(back))  # g's slot 0 is its own, still zero
+            f.read([0], back)
+            assert torch.equal(back, src)
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_o_tmpfile_the_file_is_created_exclusively_and_unlinked_at_once(tmp_path, monkeypatch):
+    # A file system without O_TMPFILE (what _open_tmpfile answers there), on a real file system.
+    monkeypatch.setattr(disk, "_open_tmpfile", lambda directory: None)
+    # The first candidate name is taken by a symbolic link (planted, or a stale leftover): it is
+    # neither followed, nor reused, nor removed; the next name is used and removed at once.
+    names = iter(["kv_offload.rank0.planted.tmp", "kv_offload.rank0.fresh.tmp"])
+    monkeypatch.setattr(disk, "_candidate_names", lambda tag: names)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"keep")
-    os.symlink(target, tmp_path / "kv_offload.cuda1.bin")
-    with pytest.raises(FileExistsError, match="kv_offload.cuda1.bin"):
-        BlockFile(str(tmp_path), "cuda1", 4096, 4, page_cache=True)
-    assert target.read_bytes() == b"keep"
+    os.symlink(target, tmp_path / "kv_offload.rank0.planted.tmp")
+    with BlockFile(str(tmp_path), "rank0", 4096, 4, page_cache=True) as f:
+        st = os.fstat(f.fd)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_nlink == 0
+        assert sorted(os.listdir(tmp_path)) == ["elsewhere", "kv_offload.rank0.planted.tmp"]
+        src = staging(2, 4096, 5)
+        f.write([3, 1], src)
+        back = staging(2, 4096, 6)
+        f.read([3, 1], back)
+        assert torch.equal(back, src)
+    assert target.read_bytes() == b"keep" and os.readlink(tmp_path / "kv_offload.rank0.planted.tmp") == str(target)
+
+
+def test_a_dropped_file_closes_its_descriptor(tmp_path):
+    f = BlockFile(str(tmp_path), "rank0", 4096, 4, page_cache=True)
+    fd, ino = f.fd, os.fstat(f.fd).st_ino
+    del f
+    gc.collect()
+    try:
+        still = os.fstat(fd).st_ino == ino
+    except OSError:
+        still = False
+    assert not still  # the descriptor, the only owner of the bytes, went with the object
 
 
 def test_unwritable_path_is_a_clear_error(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"x")
-    with pytest.raises(OSError, match=r"cannot create the disk tier file .*file/kv_offload.rank0.bin"):
+    with pytest.raises(OSError, match=r"cannot create the disk tier file kv_offload.rank0 in .*/file: Not a directory"):
         BlockFile(str(not_a_dir), "rank0", 4096, 4, page_cache=True)
+    with pytest.raises(OSError, match=r"cannot create the disk tier file kv_offload.rank0 in .*/missing: No such file"):
+        BlockFile(str(tmp_path / "missing"), "rank0", 4096, 4, page_cache=True)
 
 
 def test_bad_slots_and_buffers_are_rejected_before_any_io(tmp_path):
@@ -72,6 +130,8 @@ def test_bad_slots_and_buffers_are_rejected_before_any_io(tmp_path):
             f.write([0], torch.zeros(1, 4000, dtype=torch.uint8))
         with pytest.raises(ValueError, match="at least 3 rows"):
             f.read([0, 1, 2], staging(2, 4096, 0))
+    with pytest.raises(ValueError, match=r"kv_offload.rank0 \(unlinked\) is closed"):
+        f.write([0], staging(1, 4096, 0))
 
 
 _FULL_DISK = """
@@ -100,4 +160,4 @@ def test_a_disk_that_cannot_hold_the_tier_fails_at_creation_with_the_os_error(tm
     assert out.returncode == 0, out.stderr
     assert "CREATE:" in out.stdout and "cannot allocate 262144 bytes of disk tier in" in out.stdout, out.stdout
     assert "File too large" in out.stdout or "No space left" in out.stdout, out.stdout  # the OS error itself
-    assert not os.path.exists(tmp_path / "kv_offload.rank1.bin")  # a failed creation leaves nothing
+    assert os.listdir(tmp_path) == []  # a failed creation leaves nothing

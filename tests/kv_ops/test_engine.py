@@ -135,21 +135,57 @@ def test_poll_reports_each_transfer_once_in_issue_order():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda e: e.store([0, 32], [0, 1]), r"gpu_ids\[1\] = 32 is outside \[0, 32\)"),
-        (lambda e: e.store([0, 1], [0, 40]), r"host_ids\[1\] = 40 is outside \[0, 40\)"),
-        (lambda e: e.store([0, 1], [5, 5]), "host_ids names a block more than once"),
-        (lambda e: e.load([0, 1], [3, 3]), "gpu_ids names a block more than once"),
-        (lambda e: e.load([0, 1], [3]), "1 gpu_ids but 2 host_ids"),
+        (lambda e: e.store([0, 32], [0, 1]), r"OffloadEngine.store: gpu_ids\[1\] = 32 is outside \[0, 32\)"),
+        (lambda e: e.store([0, 1], [0, 40]), r"OffloadEngine.store: host_ids\[1\] = 40 is outside \[0, 40\)"),
+        (lambda e: e.load([-1], [0]), r"OffloadEngine.load: host_ids\[0\] = -1 is outside \[0, 40\)"),
+        (lambda e: e.store([0, 1], [5, 5]), r"OffloadEngine.store: host_ids names block 5 more than once"),
+        (lambda e: e.load([0, 1], [3, 3]), r"OffloadEngine.load: gpu_ids names block 3 more than once"),
+        (lambda e: e.load([0, 1], [3]), "OffloadEngine.load: 1 gpu_ids but 2 host_ids"),
+        # 0.7 would have been truncated to block 0: floats are refused, whatever their values.
+        (lambda e: e.store([0.7, 1], [0, 1]), r"OffloadEngine.store: gpu_ids must be .*int32 or int64.* got torch.float32"),
+        (lambda e: e.load(torch.tensor([2.0, 3.0], dtype=torch.float64), [0, 1]), r"host_ids must be .* got torch.float64"),
+        (lambda e: e.store([True, False], [0, 1]), r"gpu_ids must be .* got torch.bool"),
+        (lambda e: e.store(torch.tensor([0, 1], device="meta"), [0, 1]), "OffloadEngine.store: gpu_ids is a meta tensor"),
+        (lambda e: e.load([0], torch.tensor([1], device="meta")), "OffloadEngine.load: gpu_ids is a meta tensor"),
+        (lambda e: e.load([2**70], [0]), "OffloadEngine.load: host_ids must be integer block ids"),
+        (lambda e: e.store(["a"], [0]), "OffloadEngine.store: gpu_ids must be integer block ids"),
     ],
-    ids=["gpu-id-range", "host-id-range", "store-repeats-host", "load-repeats-gpu", "lengths"],
+    ids=[
+        "gpu-id-range", "host-id-range", "negative", "store-repeats-host", "load-repeats-gpu", "lengths",
+        "float-list", "float-tensor", "bool", "meta-store", "meta-load", "huge-int", "string",
+    ],
 )
 def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
-    engine, _ = make_engine()
+    engine, kv = make_engine()
+    gen = torch.Generator().manual_seed(3)
+    for m in engine.mirror.values():  # poison: any byte written shows
+        m.copy_(torch.randint(0, 256, m.shape, dtype=torch.uint8, generator=gen))
     before = {n: m.clone() for n, m in engine.mirror.items()}
+    cache = {n: t.clone() for n, t in kv.items()}
     with pytest.raises(ValueError, match=message):
         call(engine)
     assert all(torch.equal(m, before[n]) for n, m in engine.mirror.items())
+    assert all(torch.equal(t.view(torch.uint8), cache[n].view(torch.uint8)) for n, t in kv.items())
     assert engine.poll() == kv_ops.Completed()
+    assert engine.store([0], [0]) == 0  # the refused call used up no transfer id
+
+
+def test_ids_may_be_lists_int32_or_int64_tensors_or_numpy_arrays():
+    np = pytest.importorskip("numpy")
+    engine, _ = make_engine()
+    host = torch.arange(engine.num_host_blocks)
+    for i, (gpu_ids, host_ids) in enumerate(
+        [
+            ([4, 5], [0, 1]),
+            (torch.tensor([6, 7], dtype=torch.int32), torch.tensor([2, 3])),
+            (np.array([8, 9], dtype=np.int64), np.array([4, 5], dtype=np.int32)),
+            ([], []),  # an empty list has torch's float dtype but no value: accepted
+        ]
+    ):
+        assert engine.store(gpu_ids, host_ids) == i
+    assert engine.flush().stores == [0, 1, 2, 3]
+    for n, r in engine.regions.items():
+        assert torch.equal(engine.mirror[n][host[:6]], r[4:10])
 
 
 @gpu
@@ -307,12 +343,14 @@ def disk_round_trip(engine, device):
 
 def test_disk_tier_round_trips_through_a_real_file(tmp_path):
     engine = make_disk_engine(tmp_path)
-    path = engine.disk.file.path
+    st = os.fstat(engine.disk.file.fd)
     assert engine.num_host_blocks == 20  # 512-byte blocks take a 4 KiB slot each
-    assert os.path.getsize(path) == 20 * 4096 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert st.st_size == 20 * 4096 and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_nlink == 0 and os.listdir(tmp_path) == []  # unnamed from the start
     disk_round_trip(engine, "cpu")
+    thread = engine.disk.thread
     engine.close()
-    assert not os.path.exists(path)
+    assert engine.disk is None and not thread.is_alive() and os.listdir(tmp_path) == []
 
 
 def test_an_io_error_fails_the_transfer_with_the_os_error_and_never_reports_it_done(tmp_path):
@@ -320,8 +358,9 @@ def test_an_io_error_fails_the_transfer_with_the_os_error_and_never_reports_it_d
     ok = engine.store([0, 1], [0, 1])
     assert engine.flush().stores == [ok]
     # The engine's descriptor turns read-only under it (dup2 keeps the number, so nothing else
-    # can be written by mistake): the next write fails in the kernel with EBADF.
-    read_only = os.open(engine.disk.file.path, os.O_RDONLY)
+    # can be written by mistake): the next write fails in the kernel with EBADF. The file has no
+    # name; /proc/self/fd reaches it.
+    read_only = os.open(f"/proc/self/fd/{engine.disk.file.fd}", os.O_RDONLY)
     os.dup2(read_only, engine.disk.file.fd)
     os.close(read_only)
     bad = engine.store([2, 3], [2, 3])
@@ -346,7 +385,7 @@ def test_one_engine_per_device_in_one_process(path, tmp_path):
     # cuda:1's engine is driven while cuda:0 is the current device, and the other way round.
     engines = [make_engine(f"cuda:{d}", path=path, seed=d)[0] for d in (0, 1)]
     disks = [make_disk_engine(tmp_path, f"cuda:{d}") for d in (0, 1)]
-    assert len({e.disk.file.path for e in disks}) == 2  # one private file per device
+    assert len({os.fstat(e.disk.file.fd).st_ino for e in disks}) == 2  # one private file per device
     for current in (0, 1):
         torch.cuda.set_device(current)
         for d, engine in enumerate(engines):
