@@ -189,9 +189,15 @@ def _stream_order_attributes(prefer_overlap: bool):
     return attrs, first
 
 
+def batched_copy_abi() -> int:
+    """The CUDA version whose ``cuMemcpyBatchAsync`` signature the driver gave us (13000 or
+    12080), or 0 where it has none (then :func:`launch` loops one ``cuMemcpyAsync`` per copy)."""
+    return _entry_points()[2]
+
+
 def has_batched_copy() -> bool:
     """Whether the driver offers ``cuMemcpyBatchAsync`` (else :func:`launch` loops per copy)."""
-    return _entry_points()[0] is not None
+    return batched_copy_abi() != 0
 
 
 def _check(code: int, what: str) -> None:
@@ -375,4 +381,17 @@ def crossover(device: torch.device) -> Crossover:
     return measure_crossover(device)
 
 
-__all__ = ["Plan", "Crossover", "plan_copies", "run_starts", "back_to_back", "count_copies", "launch", "copy_blocks", "has_batched_copy", "measure_crossover", "crossover"]
+__all__ = [
+    "Plan",
+    "Crossover",
+    "plan_copies",
+    "run_starts",
+    "back_to_back",
+    "count_copies",
+    "launch",
+    "copy_blocks",
+    "batched_copy_abi",
+    "has_batched_copy",
+    "measure_crossover",
+    "crossover",
+]

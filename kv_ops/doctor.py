@@ -305,8 +305,7 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
 
     device = _cuda_device(device)
     with driver_context(device):
-        # dma keeps its resolver private; the doctor needs the ABI it picked, not just yes/no.
-        batch, _memcpy, abi = dma._entry_points()
+        abi = dma.batched_copy_abi()
     gpu = torch.randint(0, 256, (4, ALIGN), dtype=torch.uint8, device=device)
     back = torch.zeros_like(gpu)
     with torch.cuda.device(device):
@@ -320,7 +319,7 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
     stream.synchronize()
     if not (torch.equal(host, gpu.cpu()[order]) and torch.equal(back.cpu(), host)):
         return CheckResult(name, "fail", "block copies through kv_ops.dma moved the wrong bytes")
-    if batch is None:
+    if not abi:
         return CheckResult(
             name,
             "warn",
