@@ -152,10 +152,19 @@ mirror = [kv_ops.device_view(kv_ops.pinned_empty((24, r.shape[1]))) for r in reg
 packed = torch.empty(4, kv_ops.block_bytes(regions), dtype=torch.uint8, device="cuda")
 
 class Step(torch.nn.Module):
+    # Buffers: cudagraph trees skip graphs that mutate inputs that are not static (module buffers).
+    def __init__(self):
+        super().__init__()
+        for i, (r, m) in enumerate(zip(regions, mirror)):
+            self.register_buffer(f"r{i}", r, persistent=False)
+            self.register_buffer(f"m{i}", m, persistent=False)
+        self.register_buffer("packed", packed, persistent=False)
+
     def forward(self, src, dst, ids):
-        kv_ops.copy_blocks(regions, mirror, src, dst)          # first-ever copy_blocks of this process
-        kv_ops.gather_blocks(mirror, dst[:4], packed)          # first-ever gather_blocks
-        kv_ops.scatter_blocks(packed, ids, regions)            # first-ever scatter_blocks
+        cache, host = [self.r0, self.r1], [self.m0, self.m1]
+        kv_ops.copy_blocks(cache, host, src, dst)              # first-ever copy_blocks of this process
+        kv_ops.gather_blocks(host, dst[:4], self.packed)       # first-ever gather_blocks
+        kv_ops.scatter_blocks(self.packed, ids, cache)         # first-ever scatter_blocks
 
 compiled = torch.compile(Step(), mode="reduce-overhead", fullgraph=True)
 with torch.no_grad(), kv_ops.id_checks(False):
