@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import math
 import mmap
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -166,33 +167,39 @@ def pin_mapping(mapping: mmap.mmap, nbytes: int, register: bool) -> torch.Tensor
     return flat
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def lasting_copy(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``values`` on ``device`` that may live for the whole process.
 
     The ops cache a few small device tensors on first use (region tables, the skipped-pair
     counter) and keep them forever, because captured graphs hold their addresses. A first use
     can happen inside ``mode="reduce-overhead"``'s warm-up, where CUDA-graph trees route every
-    allocation made on the current stream into the graph's private pool; a tensor that outlives
+    allocation made by the calling thread into the graph's private pool; a tensor that outlives
     the call there makes the tree refuse the graph ("tensor(s) in the cudagraph pool not tracked
-    as outputs"). Allocations made on another stream come from the ordinary pool, so the copy is
-    made on a side stream, ordered after the caller's work and before the caller's next.
+    as outputs"). So the copy is allocated and made by a short-lived thread of its own, whose
+    allocations come from the ordinary pool, and is complete when this returns.
     """
     if device.type != "cuda":
         return values.to(device, copy=True)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    current = torch.cuda.current_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        out = torch.empty(values.shape, dtype=values.dtype, device=device)
-        out.copy_(values)
-    # Never freed, so no record_stream is needed for the caller's stream to use it.
-    current.wait_stream(side)
-    return out
+    made: list[torch.Tensor] = []
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            with torch.cuda.device(device):
+                copy = values.to(device, copy=True)
+                # A copy from pageable memory may still be in flight when .to returns; the
+                # caller's streams must find it complete.
+                torch.cuda.current_stream(device).synchronize()
+                made.append(copy)
+        except BaseException as e:  # re-raised in the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=make, name="kv_ops-lasting-copy")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def device_pointer(host: torch.Tensor) -> int:
