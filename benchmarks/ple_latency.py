@@ -3,6 +3,10 @@
 * latency: the host-flag ping-pong (CPU stores flag A; the stream, already waiting on A, writes
   flag B; the CPU sees B) is the floor. One wait+pull of k rows of 16 KiB (``ple_ops.wait_copy``
   between the same wait and write) is reported as a ratio to it. Medians of 300 round trips.
+  The "watched" variants arm the layer with a waiting word, as ``OffloadRuntime`` does: the pull
+  first writes it (one more ``cuStreamWriteValue32``), and a release first waits for the flag and
+  clears the word (one more wait, one more write). ``extra_us`` is the watched p50 minus the plain
+  p50 of the same work: what the no-hang protocol costs a step, per layer.
 * bandwidth: ``wait_copy`` of 1..8192 rows of 16 KiB with the flag already raised, against a
   contiguous pinned memcpy of the same bytes, both captured in a CUDA graph and timed by replay.
 * decode step: a 3-layer model whose PLE tables sit on the GPU, against the same model served
@@ -60,11 +64,14 @@ def round_trips(variants: dict, a: ple_ops.CpuGpuSemaphore, b: ple_ops.CpuGpuSem
 
 
 def latency(rows_list) -> list[dict]:
-    buf = ple_ops.SharedHostBuffer(128 + max(rows_list) * ROW_BYTES)
+    buf = ple_ops.SharedHostBuffer(192 + max(rows_list) * ROW_BYTES)
     a = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32))
     b = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(64, (1,), torch.int32))
-    slot = buf.view(128, (max(rows_list), ROW_BYTES), torch.uint8)
+    waiting = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(128, (1,), torch.int32))
+    slot = buf.view(192, (max(rows_list), ROW_BYTES), torch.uint8)
+    # The same flag and slot, armed twice: plain, and watched (with a waiting word, as a runtime arms it).
     ple_ops.arm(ple_ops.ArmedLayer("bench.ple", a, slot))
+    ple_ops.arm(ple_ops.ArmedLayer("bench.watched", a, slot, waiting=waiting))
     out = torch.empty(max(rows_list), ROW_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     dep = torch.empty(1, device="cuda")
 
@@ -72,19 +79,28 @@ def latency(rows_list) -> list[dict]:
         a.wait_done()
         b.signal()
 
-    def pull(k):
-        ple_ops.wait_copy(out, dep, k, "bench.ple")  # the same wait on a, then the copy
+    def pull(k, name, release=False):
+        ple_ops.wait_copy(out, dep, k, name)  # the same wait on a, then the copy
+        if release:
+            ple_ops.release(out, name)
         b.signal()
 
-    variants = {0: ping} | {k: (lambda k=k: pull(k)) for k in rows_list}
+    variants = {("ping_pong", 0): ping}
+    for name, what in (("bench.ple", "wait_copy"), ("bench.watched", "wait_copy_watched")):
+        variants |= {(what, k): (lambda k=k, name=name: pull(k, name)) for k in rows_list}
+        variants[(what.replace("wait_copy", "wait_copy_release"), 1)] = lambda name=name: pull(1, name, release=True)
     times = round_trips(variants, a, b)
-    floor = statistics.median(times[0])
+    floor = statistics.median(times[("ping_pong", 0)])
+    p50 = {key: statistics.median(t) for key, t in times.items()}
     rows = []
-    for k, t in times.items():
-        rows.append(dict(kind="latency", what="wait_copy" if k else "ping_pong", rows=k, bytes=k * ROW_BYTES,
-                         p50_us=statistics.median(t) * 1e6, p99_us=statistics.quantiles(t, n=100)[98] * 1e6,
-                         ratio=statistics.median(t) / floor))
+    for (what, k), t in times.items():
+        row = dict(kind="latency", what=what, rows=k, bytes=k * ROW_BYTES, p50_us=p50[(what, k)] * 1e6,
+                   p99_us=statistics.quantiles(t, n=100)[98] * 1e6, ratio=p50[(what, k)] / floor)
+        if what.endswith("_watched"):
+            row["extra_us"] = (p50[(what, k)] - p50[(what.removesuffix("_watched"), k)]) * 1e6
+        rows.append(row)
     ple_ops.disarm("bench.ple")
+    ple_ops.disarm("bench.watched")
     buf.unlink()
     return rows
 
@@ -119,9 +135,10 @@ def decode_step(tokens: int = 4, steps: int = 300) -> list[dict]:
     hidden = torch.randn(tokens, 64, device="cuda")
     ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
 
-    def capture(model, release):
-        model(hidden, ids)
-        torch.cuda.synchronize()
+    def capture(model, release, warm_up=True):
+        if warm_up:
+            model(hidden, ids)
+            torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             model(hidden, ids)
@@ -139,11 +156,11 @@ def decode_step(tokens: int = 4, steps: int = 300) -> list[dict]:
         t_local.append(time.perf_counter() - start)
 
     with ple_ops.OffloadRuntime(make_model, max_tokens=tokens, device="cuda") as rt:
-        rt.prepare(all_ids[0])
-        graph = capture(rt.model, rt.model.release_offloaded)  # warm-up run is this step's forward
-        rt.model.release_offloaded()
-        rt.release(enqueue=False)
+        rt.prepare(all_ids[0])  # warm up eagerly with a prepared step ...
+        rt.model(hidden, ids)
+        rt.release()
         torch.cuda.synchronize()
+        graph = capture(rt.model, rt.release, warm_up=False)  # ... capture with none (the runtime refuses otherwise)
         t_off = []
         for i in range(steps):
             start = time.perf_counter()
@@ -166,8 +183,10 @@ def plot(rows, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     lat = [r for r in rows if r["kind"] == "latency" and r["what"] == "wait_copy"]
+    watched = [r for r in rows if r["kind"] == "latency" and r["what"] == "wait_copy_watched"]
     floor = next(r for r in rows if r["what"] == "ping_pong")
     left.plot([r["rows"] for r in lat], [r["p50_us"] for r in lat], "o-", label="wait + pull (p50)")
+    left.plot([r["rows"] for r in watched], [r["p50_us"] for r in watched], "s--", label="watched: + waiting word (p50)")
     left.axhline(floor["p50_us"], color="k", ls="--", label=f"ping-pong floor {floor['p50_us']:.1f} us")
     left.axhline(2 * floor["p50_us"], color="r", ls=":", label="target: 2x floor")
     left.set_xscale("log", base=2)
@@ -202,7 +221,8 @@ def main() -> None:
     print("| measure | rows of 16 KiB | value | ratio to baseline |\n| --- | ---: | ---: | ---: |")
     for r in rows:
         if r["kind"] == "latency":
-            print(f"| {r['what']} latency p50 (p99) | {r['rows']} | {r['p50_us']:.1f} ({r['p99_us']:.1f}) us | {r['ratio']:.2f} |")
+            extra = f", +{r['extra_us']:.2f} us watched" if "extra_us" in r else ""
+            print(f"| {r['what']} latency p50 (p99) | {r['rows']} | {r['p50_us']:.1f} ({r['p99_us']:.1f}) us{extra} | {r['ratio']:.2f} |")
         elif r["kind"] == "bandwidth":
             print(f"| pull bandwidth | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}) | {r['ratio']:.2f} |")
         else:

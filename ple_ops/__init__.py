@@ -1,5 +1,8 @@
 """ple_ops: per-layer-embedding rows computed in a CUDA-free CPU process, pulled by GPU streams.
 
+Built on kv_ops: its driver helpers (``kv_ops.host_memory``) and, for the gather transport, its
+zero-copy gather kernel.
+
 Where each piece lives:
 
 * ``shared_memory`` -- ``SharedHostBuffer``: page-locked host memory two processes map.
@@ -8,7 +11,10 @@ Where each piece lives:
 * ``registry``      -- layer name -> this process's live flag, slot and row size.
 * ``ops``           -- ``torch.ops.ple_ops.wait / wait_copy / release``, copy-geometry observation.
 * ``layer``         -- ``PleOffloadLayer``, the model-side base class.
-* ``runtime``       -- ``OffloadRuntime``: the offload process and the per-step transaction.
+* ``control``       -- ``ControlBlock``: the shared words both processes use (steps, flags,
+                       waiting words), and the named messages of their pipe.
+* ``worker``        -- the offload process: the handshake, then the serving loop.
+* ``runtime``       -- ``OffloadRuntime``: the GPU side of the step transaction and the watchdog.
 * ``host_table``    -- ``gather_from_host``: the gather transport (lookup tables in page-locked
                        host memory, gathered zero-copy inside the graph).
 * ``reference``     -- pure-torch row pull and poison: the CPU path and the test oracle.

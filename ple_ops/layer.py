@@ -125,4 +125,9 @@ class PleOffloadLayer(nn.Module, ABC):
             ops.release(self.ple_out, self.ple_name)
 
 
-__all__ = ["PleOffloadLayer", "building_placeholders", "mark_offload_worker", "role"]
+def ple_layers(model: nn.Module) -> list[tuple[str, PleOffloadLayer]]:
+    """The model's PLE layers and their qualified names, in module order (both processes agree on it)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, PleOffloadLayer)]
+
+
+__all__ = ["PleOffloadLayer", "building_placeholders", "mark_offload_worker", "ple_layers", "role"]

@@ -8,7 +8,9 @@ reader of ``out`` and ``release`` after every reader. ``dep`` is read only; it o
 after the work that produced it.
 
 The ops carry a layer name and counts, never an address: the flag and the host slot are looked
-up in :mod:`ple_ops.registry` on every call, in the process that runs the op.
+up in :mod:`ple_ops.registry` on every call, in the process that runs the op. A layer armed by a
+runtime has a step guard there: the ops ask it first whether the wait or release can end in this
+step's rows (it raises otherwise), and on the CPU path it does the waiting, bounded.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from kv_ops.host_memory import check_driver
 
 from . import reference, registry
+from .control import IDLE, WAITING
 from .semaphore import DONE
 
 _observation = threading.local()
@@ -74,6 +77,29 @@ def _check_out(op: str, layer: registry.ArmedLayer, out: torch.Tensor, num_token
         )
 
 
+def _host_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
+    """CPU path: until the layer's rows are in its slot; raises if they never will be."""
+    if layer.guard is not None:
+        layer.guard.host_wait(layer.name, num_tokens)
+        return
+    layer.flag.host_wait(DONE, layer.check)
+    layer.check()  # a failed producer's flags are raised over poisoned rows: report, don't return them
+
+
+def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
+    """GPU path: enqueue (or record) the wait on the layer's flag on the current stream."""
+    if layer.guard is not None:
+        layer.guard.before_stream_wait(layer.name, num_tokens)
+    else:
+        layer.check()
+    if layer.waiting is not None:
+        # In stream order just before the wait: while the stream is parked on the flag, the
+        # runtime's watchdog can see that it waits, and free it if no prepared step will raise
+        # the flag. The step's release clears the word (ple_ops.control).
+        layer.waiting.write(WAITING)
+    layer.flag.wait_done()
+
+
 # --- wait ----------------------------------------------------------------------------------------
 
 
@@ -81,8 +107,7 @@ def _check_out(op: str, layer: registry.ArmedLayer, out: torch.Tensor, num_token
 def _wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     layer = registry.lookup(name)
     _check_out("ple_ops.wait", layer, out)
-    layer.flag.host_wait(DONE, layer.check)
-    layer.check()  # a failed producer's flags are raised over poisoned rows: report, don't return them
+    _host_wait(layer, None)
 
 
 @_wait.register_fake
@@ -94,15 +119,15 @@ def _(out, dep, name):
 def _(out, dep, name):
     layer = registry.lookup(name)
     _check_out("ple_ops.wait", layer, out)
-    layer.check()
-    layer.flag.wait_done()
+    _enqueue_wait(layer, None)
 
 
 def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     """Wait until the producer of layer ``name`` has raised its flag; the rows are not copied.
 
     On CUDA this enqueues ``cuStreamWaitValue32(flag == 1)`` on the current stream; on CPU it
-    spins (with backoff) on the host flag and raises if the producer died.
+    spins (with backoff) on the host flag and raises if the producer died. With a runtime, it
+    raises at once when no step is prepared.
 
     Parameters
     ----------
@@ -124,8 +149,7 @@ def _wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str)
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
     _record(name, num_tokens, layer.row_bytes)
-    layer.flag.host_wait(DONE, layer.check)
-    layer.check()
+    _host_wait(layer, num_tokens)
     reference.pull_rows(out, layer.slot, num_tokens)
 
 
@@ -142,11 +166,10 @@ def _(out, dep, num_tokens, name):
 
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
-    layer.check()
-    _record(name, num_tokens, layer.row_bytes)
     # Stream order does the rest: the copy starts only after the GPU has seen the flag, and the
     # producer stored the rows before the flag (release fence), so the DMA reads complete rows.
-    layer.flag.wait_done()
+    _enqueue_wait(layer, num_tokens)
+    _record(name, num_tokens, layer.row_bytes)
     nbytes = num_tokens * layer.row_bytes
     if nbytes:
         stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -161,7 +184,9 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
 
     On CUDA: ``cuStreamWaitValue32(flag == 1)`` then ``cuMemcpyHtoDAsync`` from the page-locked
     shared slot, both on the current stream and both capturable. On CPU: a host spin-wait and a
-    memcpy. The flag stays raised until :func:`release`.
+    memcpy. The flag stays raised until :func:`release`. With a runtime, a wait that cannot end
+    in this step's rows raises ``OffloadError`` instead (no step prepared, a token count other
+    than the prepared one, a capture that begins while a step is prepared).
 
     Parameters
     ----------
@@ -188,7 +213,11 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
 
 @torch.library.custom_op("ple_ops::release", mutates_args=("out",), device_types="cpu")
 def _release(out: torch.Tensor, name: str) -> None:
-    registry.lookup(name).flag.host_reset()
+    layer = registry.lookup(name)
+    if layer.guard is not None:
+        layer.guard.host_release(name)
+    else:
+        layer.flag.host_reset()
 
 
 @_release.register_fake
@@ -198,14 +227,27 @@ def _(out, name):
 
 @_release.register_kernel("cuda")
 def _(out, name):
-    registry.lookup(name).flag.reset()
+    layer = registry.lookup(name)
+    if layer.guard is not None and not layer.guard.before_stream_release(name):
+        return  # this step already released the layer (eagerly): a second reset would clear the next step
+    if layer.waiting is not None:
+        # Never reset a flag before the raise it answers: a release enqueued without the step's
+        # wait (no forward) would run at once, the worker's raise would come after it, and the
+        # next step would find a raised flag over this step's rows. Waiting first makes the
+        # reset consume exactly this step's raise; after a forward the wait passes at once.
+        layer.flag.wait_done()
+        layer.waiting.write(IDLE)  # before the reset: "waiting on a reset flag" then never shows a finished wait
+    layer.flag.reset()
 
 
 def release(out: torch.Tensor, name: str) -> None:
     """Reset layer ``name``'s flag once every reader of ``out`` is done with the rows.
 
     On CUDA this enqueues ``cuStreamWriteValue32(flag = 0)`` on the current stream; the producer
-    waits for that reset before it overwrites the slot with the next step's rows.
+    waits for that reset before it overwrites the slot with the next step's rows. For a layer
+    armed by a runtime the stream first waits for the flag (so the reset answers this step's
+    raise even with no forward before it) and clears the layer's waiting word; the CPU path waits
+    on the host likewise, and a second release in the same step does nothing.
     """
     torch.ops.ple_ops.release(out, name)
 

@@ -3,16 +3,41 @@
 Ops carry the name only. Every call looks the layer up here, so the flag address, the host slot
 address and the row size are always those of the process that runs the op: a graph compiled in
 one process and loaded in another (AOT) waits on the loader's flags, not the compiler's.
+
+A layer armed by an :class:`~ple_ops.OffloadRuntime` also carries a :class:`StepGuard`: the ops
+ask it, before they wait or release, whether that can end in this step's rows (a step is
+prepared, the token count matches, no capture is recording a prepared step) and, on the CPU
+path, let it do the waiting. Layers armed by hand (tests, benchmarks) have none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .semaphore import CpuGpuSemaphore
+
+
+class StepGuard(Protocol):
+    """What the ops ask the owner of an armed layer (the runtime's step transaction).
+
+    Every method raises (an ``OffloadError``) when the operation cannot end in this step's rows.
+    """
+
+    def host_wait(self, name: str, num_tokens: int | None) -> None:
+        """CPU path: block until this step's rows for ``name`` are in its slot (bounded)."""
+
+    def host_release(self, name: str) -> None:
+        """CPU path: reset ``name``'s flag once this step's rows were published (bounded)."""
+
+    def before_stream_wait(self, name: str, num_tokens: int | None) -> None:
+        """GPU path: check before a wait on ``name`` is enqueued (or captured)."""
+
+    def before_stream_release(self, name: str) -> bool:
+        """GPU path: check before a release is enqueued; False when this step already released it."""
 
 
 @dataclass
@@ -31,6 +56,12 @@ class ArmedLayer:
         Raises if the producer has failed; host-side waits call it while they spin.
     out : Tensor or None
         The consumer's output buffer ``[max_tokens, dim]`` (on the GPU in the GPU process).
+    waiting : CpuGpuSemaphore or None
+        The layer's stream-is-waiting word (see :mod:`ple_ops.control`). When present, a GPU wait
+        writes ``WAITING`` to it first, and a GPU release waits for the flag, writes ``IDLE``,
+        then resets the flag.
+    guard : StepGuard or None
+        The runtime's step checks; ``None`` for a layer armed by hand.
     """
 
     name: str
@@ -38,6 +69,8 @@ class ArmedLayer:
     slot: torch.Tensor
     check: Callable[[], None] = field(default=lambda: None)
     out: torch.Tensor | None = None
+    waiting: CpuGpuSemaphore | None = None
+    guard: StepGuard | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -49,6 +82,8 @@ class ArmedLayer:
 
 
 _armed: dict[str, ArmedLayer] = {}
+# Names disarmed with a reason (their runtime closed): a lookup raises that reason, not "unknown".
+_gone: dict[str, Callable[[], BaseException]] = {}
 
 
 def arm(layer: ArmedLayer) -> None:
@@ -57,17 +92,24 @@ def arm(layer: ArmedLayer) -> None:
         raise ValueError(f"ple_ops: layer {layer.name!r} is already armed in this process")
     if layer.slot.dtype != torch.uint8 or layer.slot.dim() != 2:
         raise ValueError(f"ple_ops: slot of {layer.name!r} must be uint8 [max_tokens, row_bytes]")
+    _gone.pop(layer.name, None)
     _armed[layer.name] = layer
 
 
-def disarm(name: str) -> None:
+def disarm(name: str, error: Callable[[], BaseException] | None = None) -> None:
+    """Forget ``name``. With ``error``, later lookups of the name raise ``error()`` until it is re-armed."""
     _armed.pop(name, None)
+    if error is not None:
+        _gone[name] = error
 
 
 def lookup(name: str) -> ArmedLayer:
     """The armed layer called ``name``; an unknown name raises and lists the armed ones."""
     layer = _armed.get(name)
     if layer is None:
+        gone = _gone.get(name)
+        if gone is not None:
+            raise gone()
         raise RuntimeError(f"ple_ops: no layer named {name!r} is armed in this process (armed: {sorted(_armed)})")
     return layer
 
@@ -76,4 +118,4 @@ def armed_names() -> list[str]:
     return sorted(_armed)
 
 
-__all__ = ["ArmedLayer", "arm", "disarm", "lookup", "armed_names"]
+__all__ = ["ArmedLayer", "StepGuard", "arm", "disarm", "lookup", "armed_names"]

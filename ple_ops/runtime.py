@@ -1,96 +1,109 @@
-"""OffloadRuntime: the CPU offload process, the shared buffers, and the per-step transaction."""
+"""OffloadRuntime: the GPU side of the PLE step transaction, its layers, and the watchdog."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import multiprocessing
 import os
+import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import layer as layer_mod
-from . import reference, registry
-from .semaphore import RESET, CpuGpuSemaphore, ProducerFailed, release_fence, spin_wait
-from .shared_memory import SharedHandle, SharedHostBuffer
+from . import reference, registry, worker
+from .control import (
+    IDLE,
+    WAITING,
+    Attach,
+    ControlBlock,
+    LayersReport,
+    Phase,
+    Ready,
+    StepFailed,
+    Word,
+    WorkerFailed,
+)
+from .semaphore import DONE, RESET, ProducerFailed, release_fence, spin_wait
+from .shared_memory import SharedHostBuffer
 
-# Control block in shared memory, int64 words: the GPU process writes REQUEST (a step counter,
-# bumped last), NUM_TOKENS, COMMAND and the ids; the worker writes SERVED when a step is done.
-_REQUEST, _NUM_TOKENS, _COMMAND, _SERVED = 0, 1, 2, 3
-_IDS_OFFSET = 64  # bytes; the ids follow the header on their own cache line
-_STEP, _STOP = 0, 1
-_FLAG_SPACING = 64  # bytes between flags: one cache line each, no false sharing
+_POLL = 0.005  # seconds between two looks of the watchdog
+# A stream must look stuck (waiting on a reset flag that no prepared step will raise) on looks at
+# least this far apart before the runtime acts: the words are read one by one, not atomically.
+_STUCK_GRACE = 0.05
 
 
 class OffloadError(ProducerFailed):
-    """The offload process died, failed, or missed a step's deadline; the runtime is unusable."""
+    """A PLE step could not be served.
+
+    ``fatal`` tells whether the runtime is gone: the offload process died or failed outside a
+    step, missed ``step_timeout``, a GPU stream waited with no step prepared, or the runtime was
+    closed. Every later call then raises too. A non-fatal error belongs to one step or one call
+    (bad ids, a forward without ``prepare``, an exception in ``forward_impl``); the runtime
+    keeps serving.
+    """
+
+    def __init__(self, message: str, *, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
 
 
-def _open_control(handle: SharedHandle, max_tokens: int) -> tuple[SharedHostBuffer, torch.Tensor, torch.Tensor]:
-    buf = SharedHostBuffer.attach(handle)
-    return buf, buf.view(0, (8,), torch.int64), buf.view(_IDS_OFFSET, (max_tokens,), torch.int64)
+@dataclass
+class _Layer:
+    """One PLE layer as this process serves it, and what this step did to it eagerly."""
+
+    index: int
+    name: str
+    module: layer_mod.PleOffloadLayer
+    slot_buffer: SharedHostBuffer
+    armed: registry.ArmedLayer
+    waited: bool = False  # an executed (not captured) wait of this step
+    released: bool = False  # an executed release of this step: a second one does nothing
+
+    @property
+    def flag(self):
+        return self.armed.flag
 
 
-def _ple_layers(model: nn.Module) -> list[tuple[str, layer_mod.PleOffloadLayer]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, layer_mod.PleOffloadLayer)]
+class _Guard:
+    """The runtime as the ops see it through the registry (:class:`ple_ops.registry.StepGuard`)."""
+
+    def __init__(self, runtime: "OffloadRuntime"):
+        self._rt = runtime
+
+    def host_wait(self, name: str, num_tokens: int | None) -> None:
+        self._rt._host_wait(name, num_tokens)
+
+    def host_release(self, name: str) -> None:
+        self._rt._host_release(name)
+
+    def before_stream_wait(self, name: str, num_tokens: int | None) -> None:
+        self._rt._before_stream_wait(name, num_tokens)
+
+    def before_stream_release(self, name: str) -> bool:
+        return self._rt._before_stream_release(name)
 
 
-def _worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int) -> None:
-    """The offload process: builds the model, then serves steps until told to stop."""
-    # No CUDA here, by construction: anything that tries fails loudly instead of making a context.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+def _capture_replays_at_once() -> bool:
+    """Whether the capture on the current stream is a recording of inductor's CUDA-graph trees.
+
+    ``mode="reduce-overhead"`` records a graph and replays it before the call returns, so the
+    prepared step is consumed by that replay: not the stale-rows case that a plain
+    ``torch.cuda.graph`` capture with a prepared step is. Recognised by the stream: the trees
+    record on their manager's own stream.
+    """
     try:
-        layer_mod.mark_offload_worker()
-        model = model_factory().eval()
-        layers = _ple_layers(model)
-        specs = []
-        with torch.no_grad():
-            for name, m in layers:
-                probe = m.forward_impl(torch.zeros(1, dtype=torch.long))
-                specs.append((name, probe.shape[-1], probe.dtype))
-        conn.send(("layers", specs))
-        _, control_handle, flags_handle, slot_handles, max_tokens = conn.recv()
-        _, header, ids = _open_control(control_handle, max_tokens)
-        flags_buf = SharedHostBuffer.attach(flags_handle)
-        flags = [
-            CpuGpuSemaphore.in_host_memory(flags_buf.view(i * _FLAG_SPACING, (1,), torch.int32), map_for_gpu=False)
-            for i in range(len(layers))
-        ]
-        slots = [SharedHostBuffer.attach(h).view(0, (max_tokens, h.nbytes // max_tokens), torch.uint8) for h in slot_handles]
-        conn.send(("ready",))
+        from torch._inductor import cudagraph_trees
 
-        def parent_alive() -> None:
-            if os.getppid() != parent_pid:
-                raise SystemExit("offload worker: the GPU process is gone")
-
-        served = 0
-        while True:
-            # Spin up to 5 ms before backing off: a decode step follows the last one closely,
-            # and this process exists to answer fast.
-            spin_wait(lambda: int(header[_REQUEST]), served + 1, "offload worker", parent_alive, spin=5e-3)
-            if int(header[_COMMAND]) == _STOP:
-                return
-            n = int(header[_NUM_TOKENS])
-            step_ids = ids[:n].clone()
-            with torch.no_grad():
-                for (name, m), flag, slot, (_, dim, dtype) in zip(layers, flags, slots, specs):
-                    # The GPU may still be pulling the previous step's rows until it resets the flag.
-                    flag.host_wait(RESET, parent_alive, spin=5e-3)
-                    rows = m.forward_impl(step_ids)
-                    if tuple(rows.shape) != (n, dim) or rows.dtype != dtype:
-                        raise ValueError(f"{name}.forward_impl returned {tuple(rows.shape)} {rows.dtype}, expected ({n}, {dim}) {dtype}")
-                    slot[:n].copy_(rows.contiguous().view(torch.uint8).view(n, -1))
-                    flag.host_signal()  # release fence, then flag = DONE
-            served += 1
-            header[_SERVED] = served
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            raise
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    except Exception:
+        return False
+    return manager is not None and torch.cuda.current_stream() == manager.stream
 
 
 class OffloadRuntime:
@@ -98,33 +111,55 @@ class OffloadRuntime:
 
     The constructor starts the offload process (spawn; no CUDA there), which builds the full
     model with ``model_factory`` and reports each PLE layer's row size. The GPU process builds
-    the same model with PLE layers as placeholders (no tables), allocates one shared
-    page-locked slot ``[max_tokens, row_bytes]`` and one host-mapped flag per layer, a GPU
+    the same model with PLE layers as placeholders (no tables), allocates a shared control
+    block (flags, step ids), one shared page-locked slot ``[max_tokens, row_bytes]`` and one GPU
     output buffer per layer, and arms the registry. Each step:
 
     1. :meth:`prepare` hands the step's ``input_ids`` to the offload process, which computes
-       every layer's rows, stores them, fences, and raises the layer's flag;
+       each layer's rows, waits until the previous step's rows of that layer are released,
+       stores the new ones, fences, and raises the layer's flag;
     2. the model's forward (eager, compiled, or a CUDA-graph replay) waits on each flag and
        pulls the rows;
     3. :meth:`release` enqueues the flag resets after the forward.
 
-    No new step may be prepared before the previous release is enqueued: otherwise a wait could
-    see the old step's raised flag and pull stale rows. A watchdog thread watches the offload
-    process; if it dies, fails, or misses ``step_timeout``, the watchdog poisons every slot
-    (0xFF: NaN rows), raises every flag so that no GPU stream stays blocked, and every later
-    call raises :class:`OffloadError`.
+    Rules, each enforced (never a hang, never an older step's rows):
+
+    * ``prepare`` is refused until the previous step's ``release``; a forward or ``release``
+      with no prepared step raises at once (eager or compiled). A CUDA-graph replay with no
+      prepared step (or a second replay after one ``prepare``) is caught by the watchdog: its
+      rows are poisoned, the stream goes on, and the runtime fails (fatal).
+    * Capture with no step prepared: a capture that records a wait while a step is prepared,
+      and ``prepare`` during a capture, raise. (``mode="reduce-overhead"`` is exempt: it replays
+      each recording at once.)
+    * A forward must have the prepared step's token count.
+    * A failed step (an exception in ``forward_impl``) raises at its ``release`` or the next
+      call, with the offload process's traceback; its rows are poisoned; later steps are served.
+    * The watchdog fails the runtime when the offload process dies or fails outside a step,
+      or a step is not served within ``step_timeout``: every slot is poisoned (0xFF: NaN
+      rows), every flag raised so that no stream stays blocked, and every later call raises.
 
     Parameters
     ----------
     model_factory : callable
         A picklable, argument-free callable (a module-level function) that builds the model.
     max_tokens : int
-        Most tokens per step.
+        Most tokens per step (>= 1).
     device : str or torch.device
         Where the model runs in this process: ``"cuda"`` (default when available) or ``"cpu"``
-        (the ops then spin on the host flags and memcpy).
+        (the ops then wait on the host flags and memcpy).
     step_timeout : float
-        Seconds a prepared step may wait for the offload process before the runtime fails.
+        Seconds (> 0) a prepared step may take to be served before the runtime fails.
+    start_timeout : float
+        Seconds (> 0) the offload process may take to build the model and attach.
+    worker_threads : int
+        Intra-op threads of the offload process (>= 1). One by default: a step's rows are a few
+        KiB of lookups, and idle thread pools spin between steps, taking the cores that this
+        process's launching thread needs.
+
+    Raises
+    ------
+    OffloadError
+        If the offload process fails to start (with its traceback, or with the likely cause).
 
     Examples
     --------
@@ -142,193 +177,580 @@ class OffloadRuntime:
         device: str | torch.device | None = None,
         step_timeout: float = 30.0,
         start_timeout: float = 300.0,
+        worker_threads: int = 1,
     ):
+        if not callable(model_factory) or isinstance(model_factory, nn.Module):
+            raise TypeError(
+                "OffloadRuntime: model_factory must be a callable that builds the model (each process "
+                f"builds its own), got {type(model_factory).__name__}"
+            )
+        if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 1:
+            raise ValueError(f"OffloadRuntime: max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if isinstance(worker_threads, bool) or int(worker_threads) != worker_threads or worker_threads < 1:
+            raise ValueError(f"OffloadRuntime: worker_threads must be an integer >= 1, got {worker_threads!r}")
+        for what, value in (("step_timeout", step_timeout), ("start_timeout", start_timeout)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"OffloadRuntime: {what} must be a finite number of seconds > 0, got {value!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_tokens = int(max_tokens)
-        self.step_timeout = step_timeout
-        self._failure: OffloadError | None = None
-        self._lock = threading.Lock()
+        self.step_timeout = float(step_timeout)
+        self._on_gpu = self.device.type == "cuda"
+
+        # The step transaction (main thread): the number of the last prepared step, and whether
+        # it is open (prepared, not released).
+        self._step = 0
         self._open = False
+        self._num_tokens = 0
         self._prepared_at = 0.0
-        self._names: list[str] = []
+        # Failed steps, from the pipe (watchdog and callers both drain it, under _pipe_lock).
+        self._pipe_lock = threading.Lock()
+        self._step_failures: dict[int, StepFailed] = {}
+        self._reported: set[int] = set()
+        self._failed_seen = 0
+        self._worker_failed: str | None = None
+        # Fatal failure and shutdown.
+        self._fail_lock = threading.Lock()
+        self._failure: OffloadError | None = None
         self._closed = False
+        self._stop_watching = threading.Event()
+        self._layers: list[_Layer] = []
+        self._by_name: dict[str, _Layer] = {}
+        self._guard = _Guard(self)
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(model_factory, child, os.getpid()), daemon=True)
-        self.process.start()
-        child.close()
-        self._shared: list[SharedHostBuffer] = []
+        self.process = ctx.Process(target=worker.worker_main, args=(model_factory, child, os.getpid(), int(worker_threads)), daemon=True)
         try:
-            _, specs = self._receive("layers", start_timeout)
-            self._build(model_factory, specs)
-            self._receive("ready", start_timeout)
+            self.process.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise TypeError(
+                "OffloadRuntime: model_factory must be picklable (a module-level function or a "
+                f"functools.partial of one): the offload process is spawned and receives it by pickle ({exc})"
+            ) from exc
+        finally:
+            child.close()
+        shared: list[SharedHostBuffer] = []
+        try:
+            report = self._receive(LayersReport, start_timeout, first=True)
+            self._build(model_factory, report, shared)
+            self._receive(Ready, start_timeout, first=False)
         except BaseException:
-            self._stop_process()
+            self._abort_start()
             raise
         finally:
             # Both processes have mapped the files (or never will): remove the names now, so that
             # nothing is left in /dev/shm however either process ends. The mappings stay valid.
-            for buf in self._shared:
+            for buf in shared:
                 buf.unlink()
         self._watchdog = threading.Thread(target=self._watch, name="ple-offload-watchdog", daemon=True)
         self._watchdog.start()
 
     # --- set-up ------------------------------------------------------------------------------
 
-    def _receive(self, kind: str, timeout: float):
+    def _receive(self, kind: type, timeout: float, first: bool):
         deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.05):
-            if not self.process.is_alive():
-                raise OffloadError(f"the offload process exited with code {self.process.exitcode} during start-up")
+        while True:
+            try:
+                if self._conn.poll(0.05):
+                    message = self._conn.recv()
+                    break
+            except (EOFError, OSError):
+                raise self._start_failure(first) from None
+            if not self.process.is_alive() and not self._conn.poll():
+                raise self._start_failure(first)
             if time.monotonic() > deadline:
-                raise OffloadError(f"the offload process did not answer within {timeout} s")
-        message = self._conn.recv()
-        if message[0] == "error":
-            raise OffloadError(f"the offload process failed:\n{message[1]}")
-        if message[0] != kind:
-            raise OffloadError(f"unexpected message from the offload process: {message[0]!r}")
+                raise OffloadError(f"the offload process did not answer within {timeout} s of start-up", fatal=True)
+        if isinstance(message, WorkerFailed):
+            raise OffloadError(f"the offload process failed while starting:\n{message.traceback}", fatal=True)
+        if not isinstance(message, kind):
+            raise OffloadError(f"unexpected message from the offload process: {message!r}", fatal=True)
         return message
 
-    def _build(self, model_factory, specs) -> None:
+    def _start_failure(self, first: bool) -> OffloadError:
+        self.process.join(2.0)
+        code = self.process.exitcode
+        if not first:
+            return OffloadError(f"the offload process exited (exit code {code}) during start-up", fatal=True)
+        return OffloadError(
+            f"the offload process exited (exit code {code}) before it could build the model: it failed "
+            "while bootstrapping, before the worker ran (its own traceback is on its stderr). The spawn "
+            "start method re-imports the main module in the child; if your script creates the "
+            "OffloadRuntime at module level, the child tries to start one too. Put that code under "
+            '`if __name__ == "__main__":`, and pass a model_factory importable from a module.',
+            fatal=True,
+        )
+
+    def _build(self, model_factory, report: LayersReport, shared: list[SharedHostBuffer]) -> None:
         with layer_mod.building_placeholders():
             self.model = model_factory().to(self.device).eval()
-        layers = _ple_layers(self.model)
-        if [name for name, _ in layers] != [name for name, _, _ in specs]:
-            raise OffloadError(f"the two processes built different PLE layers: {[n for n, _ in layers]} vs {[n for n, _, _ in specs]}")
-        self._control = SharedHostBuffer(_IDS_OFFSET + 8 * self.max_tokens)
-        self._header = self._control.view(0, (8,), torch.int64)
-        self._ids = self._control.view(_IDS_OFFSET, (self.max_tokens,), torch.int64)
-        self._header.zero_()
-        self._flags_buf = SharedHostBuffer(_FLAG_SPACING * max(1, len(layers)))
-        self._flags_buf.bytes.zero_()
-        self._slot_bufs, self._armed = [], []
-        self._shared += [self._control, self._flags_buf]
-        for i, ((name, module), (_, dim, dtype)) in enumerate(zip(layers, specs)):
-            row_bytes = dim * dtype.itemsize
-            slot_buf = SharedHostBuffer(self.max_tokens * row_bytes)
-            flag = CpuGpuSemaphore.in_host_memory(
-                self._flags_buf.view(i * _FLAG_SPACING, (1,), torch.int32), map_for_gpu=self.device.type == "cuda"
+        modules = layer_mod.ple_layers(self.model)
+        if [name for name, _ in modules] != [spec.name for spec in report.layers]:
+            raise OffloadError(
+                f"the two processes built different PLE layers: {[n for n, _ in modules]} vs "
+                f"{[s.name for s in report.layers]}",
+                fatal=True,
             )
-            out = torch.zeros(self.max_tokens, dim, dtype=dtype, device=self.device)
-            slot = slot_buf.view(0, (self.max_tokens, row_bytes), torch.uint8)
-            armed = registry.ArmedLayer(name, flag, slot, self.check, out)
+        self._control = ControlBlock.create(self.max_tokens, len(modules), map_for_gpu=self._on_gpu)
+        shared.append(self._control.buffer)
+        for i, ((name, module), spec) in enumerate(zip(modules, report.layers)):
+            slot_buffer = SharedHostBuffer(self.max_tokens * spec.row_bytes, register=self._on_gpu)
+            shared.append(slot_buffer)
+            slot = slot_buffer.view(0, (self.max_tokens, spec.row_bytes), torch.uint8)
+            reference.poison_rows(slot)  # rows no step wrote are poison, never zeros (worker.ServedLayer)
+            out = torch.zeros(self.max_tokens, spec.dim, dtype=spec.dtype, device=self.device)
+            armed = registry.ArmedLayer(
+                name, self._control.flags[i], slot, self._check_usable, out, waiting=self._control.waiting[i], guard=self._guard
+            )
             registry.arm(armed)
-            self._names.append(name)
+            layer = _Layer(i, name, module, slot_buffer, armed)
+            self._layers.append(layer)
+            self._by_name[name] = layer
             module.attach_offload(name, out)
-            self._slot_bufs.append(slot_buf)
-            self._shared.append(slot_buf)
-            self._armed.append((module, armed))
-        self._conn.send(
-            ("attach", self._control.handle, self._flags_buf.handle, [b.handle for b in self._slot_bufs], self.max_tokens)
-        )
+        self._conn.send(Attach(self._control.handle, tuple(layer.slot_buffer.handle for layer in self._layers)))
+
+    def _abort_start(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        for layer in self._layers:
+            registry.disarm(layer.name)
 
     # --- the step transaction ----------------------------------------------------------------
 
     def check(self) -> None:
-        """Raise :class:`OffloadError` if the offload process has failed."""
-        if self._failure is not None:
-            raise self._failure
+        """Raise :class:`OffloadError` if the runtime cannot serve, or an earlier step failed unreported.
+
+        Raises
+        ------
+        OffloadError
+            Fatal (closed, offload process dead or late, a stream waited with no step), or the
+            error of a released step whose failure no call has raised yet (raised once).
+        """
+        self._check_usable()
+        self._raise_unreported(self._step - 1 if self._open else self._step)
 
     def prepare(self, input_ids: torch.Tensor) -> None:
-        """Hand this step's token ids to the offload process (host ids avoid a device sync)."""
-        self.check()
-        if self._closed:
-            raise OffloadError("the runtime is closed")
+        """Hand this step's token ids to the offload process (host ids avoid a device sync).
+
+        It returns at once unless the offload process has not yet taken the previous step's ids
+        (a GPU caller running ahead): it then waits for that, at most ``step_timeout``.
+
+        Parameters
+        ----------
+        input_ids : Tensor
+            1-D, integer dtype, 1..``max_tokens`` ids; the forward must have as many tokens.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Ids of a floating (or bool) dtype, or of a bad shape: nothing is prepared.
+        OffloadError
+            The previous step is not released; prepare was called during a CUDA-graph capture;
+            an earlier step failed and its error was not raised yet; or the runtime is dead.
+        """
+        self._check_usable()
         if self._open:
             raise OffloadError("prepare() before the previous step's release(): its flags are still raised")
-        n = int(input_ids.shape[0])
-        if input_ids.dim() != 1 or not 0 < n <= self.max_tokens:
-            raise ValueError(f"prepare: input_ids must be 1-D with 1..{self.max_tokens} ids, got shape {tuple(input_ids.shape)}")
-        self._ids[:n].copy_(input_ids.detach().to("cpu", torch.int64))
-        self._header[_NUM_TOKENS] = n
-        self._header[_COMMAND] = _STEP
-        with self._lock:
-            self._open = True
-            self._prepared_at = time.monotonic()
+        self._raise_unreported(self._step)
+        if self._on_gpu and torch.cuda.is_current_stream_capturing():
+            raise OffloadError(
+                "prepare() during CUDA-graph capture: nothing runs while a graph is captured, so the step's "
+                "rows would never be consumed and every later replay would pull the step before. Capture "
+                "with no step prepared; prepare() before each replay."
+            )
+        ids = self._checked_ids(input_ids)
+        n = ids.shape[0]
+        if self._control.get(Word.TAKEN) != self._step:
+            # A GPU step is released when its resets are enqueued, so the caller may come back
+            # before the offload process has even read the previous step's ids. Overwriting them
+            # would serve that step other ids' rows, and its request number would be skipped.
+            # Wait (bounded: the watchdog fails a step late past step_timeout): the caller is
+            # never more than one step ahead of the offload process.
+            try:
+                spin_wait(
+                    lambda: self._control.get(Word.TAKEN), self._step, "prepare", self._check_usable, timeout=self.step_timeout + 1.0
+                )
+            except TimeoutError:
+                self._fail(f"the offload process did not take step {self._step} within step_timeout {self.step_timeout} s")
+                self._check_usable()
+        self._control.ids[:n].copy_(ids)
+        self._control.set(Word.NUM_TOKENS, n)
+        for layer in self._layers:
+            layer.waited = layer.released = False
+        self._step += 1
+        self._num_tokens = n
+        self._prepared_at = time.monotonic()  # before the request: the watchdog reads them in the other order
+        self._open = True
         release_fence()  # ids and count before the request number
-        self._header[_REQUEST] += 1
+        self._control.set(Word.REQUEST, self._step)
+
+    def _checked_ids(self, input_ids) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"prepare: input_ids must be a tensor, got {type(input_ids).__name__}")
+        dtype = input_ids.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"prepare: input_ids must have an integer dtype, got {dtype} (ids are never rounded)")
+        if input_ids.dim() != 1 or not 0 < input_ids.shape[0] <= self.max_tokens:
+            raise ValueError(f"prepare: input_ids must be 1-D with 1..{self.max_tokens} ids, got shape {tuple(input_ids.shape)}")
+        return input_ids.detach().to("cpu", torch.int64)
 
     def release(self, enqueue: bool = True) -> None:
         """End the step: enqueue every layer's flag reset on the current stream.
 
         Call it after the forward has been enqueued. ``enqueue=False`` closes the step without
-        enqueuing, for a CUDA-graph replay that already contains the resets (capture a call to
-        ``release()`` inside the graph).
+        enqueuing, for a CUDA-graph replay (or compiled step) that already contains the resets.
+        Inside a capture, ``release()`` records the resets into the graph and touches no step.
+        With no step prepared it does nothing (beyond raising an unreported step error).
+
+        Raises
+        ------
+        OffloadError
+            The step failed (the offload process's traceback; its rows are poisoned); on the
+            executed paths, ``enqueue=False`` although the forward reset nothing (the runtime
+            resets the flags, so later steps are served); or the runtime is dead.
         """
-        if enqueue:
-            for module, _ in self._armed:
-                module.release_offloaded()
-        with self._lock:
+        self._check_usable()
+        if self._on_gpu and torch.cuda.is_current_stream_capturing():
+            if self._open:
+                raise self._captured_while_prepared("release()")
+            for layer in self._layers:
+                layer.module.release_offloaded()
+            return
+        if not self._open:
+            self._raise_unreported(self._step)
+            return
+        missing: list[_Layer] = []
+        try:
+            if enqueue:
+                for layer in self._layers:
+                    self._release_layer(layer)
+            else:
+                # What executed here (not captured) shows whether the resets ran. On the CPU
+                # every op executes; on the GPU a wait that executed without its release shows an
+                # eager forward, while a replay shows nothing and is trusted.
+                missing = [
+                    layer for layer in self._layers if not layer.released and (layer.waited or not self._on_gpu)
+                ]
+                for layer in missing:
+                    self._release_layer(layer)
+        finally:
             self._open = False
-        self.check()
+        if missing:
+            step_error = self._take_unreported(self._step)
+            raise OffloadError(
+                f"release(enqueue=False), but the forward did not release {[layer.name for layer in missing]}: "
+                "enqueue=False is for a step whose graph contains the releases. The runtime released them now."
+                + (f"\nThis step also failed: {step_error}" if step_error else "")
+            )
+        self._raise_unreported(self._step)
+
+    def _release_layer(self, layer: _Layer) -> None:
+        if layer.released:
+            return
+        if self._on_gpu and not layer.waited:
+            # No executed wait marked this stream as waiting (a replay did, or no forward ran):
+            # the release's own flag wait must be visible to the watchdog too.
+            layer.armed.waiting.write(WAITING)
+        layer.module.release_offloaded()
 
     def served_steps(self) -> int:
-        """Steps the offload process has finished writing."""
-        return int(self._header[_SERVED])
+        """Steps the offload process has finished writing (failed steps included)."""
+        self._check_usable()
+        return self._control.get(Word.SERVED)
+
+    # --- what the ops ask (registry.StepGuard) -----------------------------------------------
+
+    def _before_wait(self, name: str, num_tokens: int | None) -> _Layer:
+        """The checks of an executed wait, CPU or GPU."""
+        layer = self._by_name[name]
+        self._check_usable()
+        if not self._open:
+            raise OffloadError(
+                f"layer {name!r} waited for its rows with no step prepared: prepare() was missing "
+                "(call prepare(input_ids) before each forward, release() after it)"
+            )
+        if layer.released:
+            raise OffloadError(
+                f"layer {name!r} waited for rows it already released in this step (a second forward of a "
+                "step whose graph contains the releases?): prepare() the next step first"
+            )
+        if num_tokens is not None and num_tokens != self._num_tokens:
+            raise OffloadError(
+                f"layer {name!r}: the forward has {num_tokens} tokens but the prepared step has "
+                f"{self._num_tokens}: prepare() the ids the forward uses"
+            )
+        layer.waited = True
+        return layer
+
+    def _host_wait(self, name: str, num_tokens: int | None) -> None:
+        layer = self._before_wait(name, num_tokens)
+        self._await_published(layer)
+        if self._control.get(Word.FAILED) == self._step:
+            raise self._step_error(self._step, report=True)
+
+    def _await_published(self, layer: _Layer) -> None:
+        """CPU path: until the worker published this step's rows of ``layer`` (bounded)."""
+        control, flag, i, step = self._control, layer.flag, layer.index, self._step
+
+        def published() -> int:
+            return int(flag.host_value() == DONE and control.delivered(i) == step)
+
+        try:
+            # The watchdog fails a step that is late past step_timeout, and _check_usable raises
+            # then; the timeout here is a second line of defence.
+            spin_wait(published, 1, f"layer {layer.name!r}", self._check_usable, timeout=self.step_timeout + 1.0)
+        except TimeoutError:
+            self._fail(f"layer {layer.name!r}'s rows were not published within step_timeout {self.step_timeout} s")
+            self._check_usable()
+
+    def _host_release(self, name: str) -> None:
+        layer = self._by_name[name]
+        self._check_usable()
+        if not self._open:
+            raise OffloadError(f"layer {name!r} was released with no step prepared: prepare() was missing")
+        if layer.released:
+            return
+        # Wait for the raise this reset answers: resetting first would leave this step's late
+        # flag raised over its rows for the next step's wait.
+        self._await_published(layer)
+        layer.flag.host_reset()
+        layer.released = True
+
+    def _before_stream_wait(self, name: str, num_tokens: int | None) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            self._check_usable()
+            if self._open and not _capture_replays_at_once():
+                raise self._captured_while_prepared(f"layer {name!r}'s wait")
+            return
+        self._before_wait(name, num_tokens)
+
+    def _before_stream_release(self, name: str) -> bool:
+        layer = self._by_name[name]
+        self._check_usable()
+        if torch.cuda.is_current_stream_capturing():
+            if self._open and not _capture_replays_at_once():
+                raise self._captured_while_prepared(f"layer {name!r}'s release")
+            return True
+        if not self._open:
+            raise OffloadError(f"layer {name!r} was released with no step prepared: prepare() was missing")
+        if layer.released:
+            return False
+        layer.released = True
+        return True
+
+    def _captured_while_prepared(self, what: str) -> OffloadError:
+        return OffloadError(
+            f"a CUDA-graph capture reached {what} while step {self._step} is prepared (nothing of it was "
+            "recorded): nothing runs during capture, so that step's raised flags would stay unconsumed and "
+            "every replay would pull the rows of the step before (stale). Capture with no step prepared: "
+            "release() the step, then capture; prepare() before each replay."
+        )
+
+    # --- step failures -----------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Move the pipe's messages into this object (watchdog and callers; the lock serialises)."""
+        with self._pipe_lock:
+            try:
+                while self._conn.poll():
+                    message = self._conn.recv()
+                    if isinstance(message, StepFailed):
+                        self._step_failures[message.step] = message
+                    elif isinstance(message, WorkerFailed):
+                        self._worker_failed = message.traceback
+            except (EOFError, OSError):
+                pass  # the pipe closes when the process dies: the liveness check reports that
+
+    def _step_error(self, step: int, report: bool) -> OffloadError:
+        failure = self._step_failures.get(step)
+        if failure is None:
+            self._collect()  # the worker sends the message before it marks the step failed
+            failure = self._step_failures.get(step)
+        if report:
+            self._reported.add(step)
+        where = f" in layer {failure.layer!r}" if failure else ""
+        text = failure.traceback if failure else "(no traceback arrived)"
+        return OffloadError(
+            f"step {step} failed{where} of the offload process; its rows are poisoned (NaN) and the runtime "
+            f"keeps serving. The offload process's traceback:\n{text}"
+        )
+
+    def _take_unreported(self, up_to: int) -> OffloadError | None:
+        """The error of the earliest failed step <= ``up_to`` that no call has raised, marked raised."""
+        failed = self._control.get(Word.FAILED)  # one load on the hot path; the pipe only when it moved
+        if failed != self._failed_seen:
+            self._collect()
+            self._failed_seen = failed
+        pending = [s for s in self._step_failures if s <= up_to and s not in self._reported]
+        if not pending:
+            return None
+        error = self._step_error(min(pending), report=True)
+        # Raised errors of steps before the current one are never asked for again.
+        for s in [s for s in self._step_failures if s in self._reported and s < self._step]:
+            del self._step_failures[s]
+            self._reported.discard(s)
+        return error
+
+    def _raise_unreported(self, up_to: int) -> None:
+        error = self._take_unreported(up_to)
+        if error is not None:
+            raise error
 
     # --- failure handling --------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        while not self._closed and self._failure is None:
-            time.sleep(0.005)
-            try:
-                reason = self._failure_reason()
-            except Exception as exc:  # never let the watchdog die silently
-                reason = f"the offload watchdog failed: {exc!r}"
-            if reason is not None:
-                self._fail(reason)
+    def _check_usable(self) -> None:
+        """Raise if closed or failed (fatal); notice a dead offload process at once."""
+        if self._closed:
+            raise self._closed_error()
+        if self._failure is None and not self.process.is_alive():
+            self._fail(self._death_reason())
+        if self._failure is not None:
+            raise self._failure
 
-    def _failure_reason(self) -> str | None:
-        try:
-            if self._conn.poll():
-                kind, *rest = self._conn.recv()
-                if kind == "error":
-                    return f"the offload process failed:\n{rest[0]}"
-        except (EOFError, OSError):
-            pass  # the pipe closes when the process dies: reported just below
-        if not self.process.is_alive():
-            return f"the offload process died (exit code {self.process.exitcode})"
-        with self._lock:
-            overdue = self._open and time.monotonic() - self._prepared_at > self.step_timeout
-        if overdue and int(self._header[_SERVED]) < int(self._header[_REQUEST]):
-            return f"the offload process did not serve a step within {self.step_timeout} s"
+    def _closed_error(self) -> OffloadError:
+        after = f" (it had failed: {self._failure})" if self._failure is not None else ""
+        return OffloadError(f"the OffloadRuntime is closed{after}: build a new one to serve more steps", fatal=True)
+
+    def _death_reason(self) -> str:
+        self._collect()
+        if self._worker_failed is not None:
+            return f"the offload process failed:\n{self._worker_failed}"
+        return f"the offload process died (exit code {self.process.exitcode})"
+
+    def _watch(self) -> None:
+        stuck: dict[int, tuple[float, int]] = {}
+        while not self._stop_watching.wait(_POLL):
+            try:
+                self._collect()
+                if self._failure is not None or self._closed:
+                    self._unblock_waiters()
+                    continue
+                reason = self._failure_reason(stuck)
+                if reason is not None:
+                    self._fail(reason)
+            except Exception as exc:  # never let the watchdog die silently
+                if self._failure is None and not self._closed:
+                    self._fail(f"the offload watchdog failed: {exc!r}")
+
+    def _failure_reason(self, stuck: dict[int, tuple[float, int]]) -> str | None:
+        if self._worker_failed is not None or not self.process.is_alive():
+            return self._death_reason()
+        control = self._control
+        request = control.get(Word.REQUEST)  # before _prepared_at: prepare() writes them in the other order
+        if control.get(Word.SERVED) < request and time.monotonic() - self._prepared_at > self.step_timeout:
+            return self._late_reason()
+        now = time.monotonic()
+        for layer in self._layers:
+            i = layer.index
+            # delivered first: the worker raises the flag before it writes delivered, so a reset
+            # flag read after "delivered == request" was consumed by a stream, not yet-to-come.
+            if (
+                control.delivered(i) == request
+                and layer.flag.host_value() == RESET
+                and control.waiting[i].host_value() == WAITING
+                and control.get(Word.REQUEST) == request
+            ):
+                since, seen_request = stuck.setdefault(i, (now, request))
+                if seen_request != request:
+                    stuck[i] = (now, request)
+                elif now - since >= _STUCK_GRACE:
+                    return (
+                        f"a GPU stream waits for layer {layer.name!r}'s rows but no prepared step will produce "
+                        "them: prepare() was missing (a forward or CUDA-graph replay without prepare(), a second "
+                        "replay after one prepare(), or release() after a graph that already released the step). "
+                        "The runtime poisoned the rows and raised the flags so that the stream could go on"
+                    )
+            else:
+                stuck.pop(i, None)
         return None
+
+    def _late_reason(self) -> str:
+        control = self._control
+        index, phase = control.get(Word.WORKER_LAYER), control.get(Word.WORKER_PHASE)
+        name = self._layers[index].name if 0 <= index < len(self._layers) else "?"
+        base = f"the offload process did not serve step {control.get(Word.REQUEST)} within step_timeout {self.step_timeout} s"
+        if phase == Phase.AWAITING_RESET:
+            return (
+                f"{base}: it waits for layer {name!r}'s flag to be reset by the previous step's release, which never "
+                "ran (a release(enqueue=False) after a graph without the releases, or a GPU stream that stopped?)"
+            )
+        if phase == Phase.COMPUTING:
+            return f"{base}: layer {name!r}'s forward_impl is still running"
+        return base
 
     def _fail(self, reason: str) -> None:
         """Stop the producer, poison every slot, raise every flag: no stream stays blocked."""
+        with self._fail_lock:
+            if self._failure is not None:
+                return
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(1.0)
+            # Nobody writes the slots any more: poison them, then raise the flags over the poison.
+            for layer in self._layers:
+                reference.poison_rows(layer.armed.slot)
+            release_fence()
+            for layer in self._layers:
+                layer.flag.host_signal()
+            self._failure = OffloadError(reason, fatal=True)
+
+    def _unblock_waiters(self) -> None:
+        """After a failure or during close: raise, over poison, any flag a stream waits on."""
         if self.process.is_alive():
-            self.process.kill()
-            self.process.join(1.0)
-        for _, armed in self._armed:
-            reference.poison_rows(armed.slot)
-        for _, armed in self._armed:
-            armed.flag.host_signal()
-        self._failure = OffloadError(reason)
+            return  # close() is still stopping the worker, which may yet write the slots
+        for layer in self._layers:
+            if self._control.waiting[layer.index].host_value() == WAITING and layer.flag.host_value() == RESET:
+                reference.poison_rows(layer.armed.slot)
+                layer.flag.host_signal()
 
     # --- shutdown ----------------------------------------------------------------------------
 
-    def _stop_process(self) -> None:
-        if self.process.is_alive() and hasattr(self, "_header"):
-            self._header[_COMMAND] = _STOP
-            release_fence()
-            self._header[_REQUEST] += 1
-            self.process.join(5.0)
+    def _stop_worker(self) -> None:
+        if self.process.is_alive():
+            self._control.set(Word.STOP, 1)  # the worker looks at least every 10 ms while it waits
+            self.process.join(min(2.0, self.step_timeout))
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5.0)
 
     def close(self) -> None:
-        """Stop the offload process, unblock any pending step, disarm the layers."""
-        if self._closed:
-            return
-        if self._open and self._failure is None:
-            self._fail("the runtime was closed with a prepared step")
-        self._closed = True
-        self._watchdog.join(1.0)
-        self._stop_process()
-        for name in self._names:
-            registry.disarm(name)
+        """Stop the offload process, unblock any pending step, disarm the layers. Idempotent.
+
+        A step the offload process had not finished gets poisoned rows (its waits end); on CUDA
+        the device is synchronized, so that pulls already enqueued read their rows before the
+        slots are poisoned for good. Every later call raises :class:`OffloadError`.
+        """
+        with self._fail_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._stop_worker()
+            request = self._control.get(Word.REQUEST)
+            owed = [layer for layer in self._layers if self._control.delivered(layer.index) < request]
+            for layer in owed:
+                reference.poison_rows(layer.armed.slot)
+            release_fence()
+            for layer in owed:
+                layer.flag.host_signal()
+            if self._on_gpu:
+                # The watchdog keeps freeing streams that wait on a flag meanwhile.
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
+        finally:
+            self._stop_watching.set()
+            self._watchdog.join(1.0)
+            # A stray replay after close gets NaN rows and goes on instead of waiting forever.
+            for layer in self._layers:
+                reference.poison_rows(layer.armed.slot)
+            release_fence()
+            message = str(self._closed_error())  # not the runtime itself: the registry outlives it
+            for layer in self._layers:
+                layer.flag.host_signal()
+                registry.disarm(layer.name, lambda: OffloadError(message, fatal=True))
+            self._open = False
+            with contextlib.suppress(OSError):
+                self._conn.close()
 
     def __enter__(self) -> "OffloadRuntime":
         return self

@@ -133,6 +133,10 @@ class CpuGpuSemaphore:
             flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
             check_driver(drv.cuStreamWaitValue32(stream, address, value, flags), f"cuStreamWaitValue32(== {value})")
 
+    def write(self, value: int) -> None:
+        """Enqueue ``flag = value`` on the current stream (any 32-bit value, e.g. a status word)."""
+        self._stream_op("write", value)
+
     def signal(self) -> None:
         """Enqueue ``flag = DONE`` on the current stream."""
         self._stream_op("write", DONE)

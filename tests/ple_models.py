@@ -85,6 +85,22 @@ def make_failing_model():
     return model
 
 
+def make_sleepy_model():
+    """Every PLE layer takes about a millisecond, as a real one does: the offload process is then
+    slower than the caller, and a call that does not wait for its rows shows it."""
+    import time
+
+    model = TinyModel()
+    for block in model.blocks:
+
+        def sleepy(input_ids, original=block.ple.forward_impl):
+            time.sleep(1e-3)
+            return original(input_ids)
+
+        block.ple.forward_impl = sleepy
+    return model
+
+
 def make_slow_model():
     """Layer 1 takes 3 s on steps of more than 5 tokens: a window in which to kill the process."""
     import time

@@ -1,12 +1,14 @@
 """The GPU path of ple_ops: flags in device and host memory, a whole decode step captured into a
-CUDA graph and under mode="reduce-overhead" with a real offload process, and a dead process."""
+CUDA graph and under mode="reduce-overhead" with a real offload process, a dead process, and
+misuse that must end in an error and a free stream, never a hang or stale rows: replays with no
+prepare, capture with a prepared step, a failed step, a release with no forward, double release."""
 
 import os
 import time
 
 import pytest
 import torch
-from ple_models import DecodeStep, make_model, make_slow_model, signal_over_ipc
+from ple_models import VOCAB, DecodeStep, make_model, make_sleepy_model, make_slow_model, signal_over_ipc
 
 import ple_ops
 from ple_ops.semaphore import DONE, RESET
@@ -144,3 +146,191 @@ def test_killing_the_offload_process_unblocks_the_gpu_within_a_second():
             rt.release()
         with pytest.raises(ple_ops.OffloadError):
             rt.prepare(ids)
+
+
+# --- misuse and faults: an error within step_timeout, a free stream, never stale rows ------------
+
+
+def captured_step(rt, n, release_in_graph=True):
+    """Warm up eagerly with a prepared step, then capture the model (and its releases) with none."""
+    hidden = torch.zeros(n, 64, device="cuda")
+    ids = torch.zeros(n, dtype=torch.long, device="cuda")
+    rt.prepare(ids.cpu())
+    rt.model(hidden, ids)
+    rt.release()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rt.model(hidden, ids)
+        if release_in_graph:
+            rt.release()  # inside a capture: records the resets, touches no step
+    return graph, hidden, ids, out
+
+
+def replay_step(rt, graph, hidden, ids, step_ids, step_hidden):
+    rt.prepare(step_ids)
+    hidden.copy_(step_hidden)
+    ids[: len(step_ids)].copy_(step_ids)
+    graph.replay()
+    rt.release(enqueue=False)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("before", ["never-prepared", "after-a-served-replay"])
+def test_a_replay_without_prepare_ends_in_poison_and_an_error_within_step_timeout(before):
+    local = make_model().cuda()
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        graph, hidden, ids, out = captured_step(rt, 4)
+        if before == "after-a-served-replay":
+            step_ids, step_hidden = torch.randint(0, VOCAB, (4,)), torch.randn(4, 64, device="cuda")
+            replay_step(rt, graph, hidden, ids, step_ids, step_hidden)
+            torch.testing.assert_close(out, local(step_hidden, step_ids.cuda()), rtol=1e-4, atol=1e-4)
+        start = time.perf_counter()
+        graph.replay()  # no prepare: layer 0's wait has no step to end it
+        torch.cuda.synchronize()  # returns: the watchdog freed the stream
+        assert time.perf_counter() - start < rt.step_timeout
+        assert torch.isnan(out).all()  # poisoned rows, never the step before's
+        with pytest.raises(ple_ops.OffloadError, match=r"(?s)layer 'blocks\.0\.ple'.*prepare\(\) was missing") as e:
+            rt.prepare(ids.cpu())
+        assert e.value.fatal
+        for _ in range(2):  # a dead runtime still frees every replay's waits
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert time.perf_counter() - start < rt.step_timeout and torch.isnan(out).all()
+
+
+def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
+    local = make_model().cuda()
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        step_ids, step_hidden = torch.randint(0, VOCAB, (4,)), torch.randn(4, 64, device="cuda")
+        rt.prepare(step_ids)
+        with pytest.raises(ple_ops.OffloadError, match="Capture with no step prepared") as e:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                rt.model(step_hidden, step_ids.cuda())
+        assert not e.value.fatal
+        # The prepared step is still served (eagerly), and the runtime goes on.
+        torch.testing.assert_close(rt.model(step_hidden, step_ids.cuda()), local(step_hidden, step_ids.cuda()), rtol=1e-4, atol=1e-4)
+        rt.release()
+        hidden = torch.zeros(4, 64, device="cuda")
+        ids = torch.zeros(4, dtype=torch.long, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\) during CUDA-graph capture"):
+                rt.prepare(ids.cpu())
+            out = rt.model(hidden, ids)
+            rt.release()
+
+        def replay(h, i):
+            hidden.copy_(h)
+            ids.copy_(i)
+            graph.replay()
+            torch.cuda.synchronize()
+            return out.clone()
+
+        check_steps(rt, replay, steps=10)
+
+
+def test_an_eager_forward_without_prepare_raises_at_once_and_enqueues_nothing():
+    local = make_model().cuda()
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        hidden, ids = torch.randn(5, 64, device="cuda"), torch.randint(0, VOCAB, (5,))
+        start = time.perf_counter()
+        with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\) was missing") as e:
+            rt.model(hidden, ids.cuda())
+        torch.cuda.synchronize()
+        assert time.perf_counter() - start < 0.5 and not e.value.fatal
+        rt.prepare(ids)
+        torch.testing.assert_close(rt.model(hidden, ids.cuda()), local(hidden, ids.cuda()), rtol=1e-4, atol=1e-4)
+        rt.release()
+
+
+def test_a_failed_step_on_the_gpu_poisons_its_rows_and_later_steps_are_served():
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        bad = torch.randint(0, VOCAB, (6,))
+        bad[2] = VOCAB + 5
+        rt.prepare(bad)
+        out = rt.model(torch.randn(6, 64, device="cuda"), bad.cuda())
+        errors = []
+        try:
+            rt.release()  # raises if the offload process has failed the step by now...
+        except ple_ops.OffloadError as e:
+            errors.append(e)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all()
+        if not errors:
+            with pytest.raises(ple_ops.OffloadError) as e:
+                rt.check()  # ... else the next call does
+            errors.append(e.value)
+        assert "out of bounds" in str(errors[0]) and not errors[0].fatal
+        rt.check()  # raised once
+
+        def eager(h, i):
+            out = rt.model(h, i)
+            rt.model.release_offloaded()
+            return out
+
+        check_steps(rt, eager, steps=5)
+
+
+def test_a_release_without_forward_leaves_no_raised_flag_for_the_next_step():
+    # Layers take a millisecond: the release's reset is enqueued long before the rows exist.
+    local = make_model().cuda()
+    with ple_ops.OffloadRuntime(make_sleepy_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(5):
+            rt.prepare(torch.randint(0, VOCAB, (4,), generator=gen))
+            rt.release()  # no forward
+            ids, hidden = torch.randint(0, VOCAB, (4,), generator=gen), torch.randn(4, 64, generator=gen).cuda()
+            rt.prepare(ids)
+            out = rt.model(hidden, ids.cuda())
+            rt.release()
+            torch.testing.assert_close(out, local(hidden, ids.cuda()), rtol=1e-4, atol=1e-4)
+
+
+def test_a_graph_captured_for_more_tokens_than_prepared_reads_poison_past_the_step():
+    local = make_model().cuda()
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        graph, hidden, ids, out = captured_step(rt, 6)
+        gen = torch.Generator().manual_seed(12)
+        replay_step(rt, graph, hidden, ids, torch.randint(0, VOCAB, (6,), generator=gen), torch.randn(6, 64, device="cuda"))
+        short = torch.randint(0, VOCAB, (4,), generator=gen)
+        replay_step(rt, graph, hidden, ids, short, torch.randn(6, 64, device="cuda"))
+        for i, block in enumerate(rt.model.blocks):
+            rows = block.ple.ple_out
+            torch.testing.assert_close(rows[:4], local.blocks[i].ple.forward_impl(short.cuda()), rtol=0, atol=0)
+            assert torch.isnan(rows[4:6]).all()  # the graph copies 6 rows: the last two are poison
+
+
+def test_release_after_a_graph_that_released_is_caught_not_hung():
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        graph, hidden, ids, out = captured_step(rt, 4)
+        rt.prepare(torch.randint(0, VOCAB, (4,)))
+        graph.replay()
+        start = time.perf_counter()
+        rt.release()  # wrong: the graph released the step already (release(enqueue=False) is meant)
+        torch.cuda.synchronize()
+        assert time.perf_counter() - start < rt.step_timeout
+        with pytest.raises(ple_ops.OffloadError, match="release\\(\\) after a graph that already released") as e:
+            rt.check()
+        assert e.value.fatal
+
+
+def test_a_caller_running_ahead_without_syncs_gets_every_steps_rows():
+    # Replays are enqueued as fast as the host goes; the offload process (a millisecond per
+    # layer) is far behind. prepare() holds the caller back until the previous ids are taken.
+    local = make_model().cuda()
+    with ple_ops.OffloadRuntime(make_sleepy_model, max_tokens=16, device="cuda", step_timeout=5.0) as rt:
+        graph, hidden, ids, out = captured_step(rt, 4)
+        gen = torch.Generator().manual_seed(13)
+        steps = [(torch.randint(0, VOCAB, (4,), generator=gen), torch.randn(4, 64, generator=gen).cuda()) for _ in range(30)]
+        results = []
+        for step_ids, step_hidden in steps:
+            rt.prepare(step_ids)
+            hidden.copy_(step_hidden)  # device to device: no sync
+            graph.replay()
+            results.append(out.clone())  # in stream order, before the next replay overwrites out
+            rt.release(enqueue=False)
+        torch.cuda.synchronize()
+        for (step_ids, step_hidden), got in zip(steps, results):
+            torch.testing.assert_close(got, local(step_hidden, step_ids.cuda()), rtol=1e-4, atol=1e-4)

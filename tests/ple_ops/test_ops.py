@@ -93,3 +93,63 @@ def test_observe_copy_geometry_records_executed_pulls(armed):
 def test_arming_a_name_twice_is_an_error(armed):
     with pytest.raises(ValueError, match="already armed"):
         ple_ops.arm(armed)
+
+
+class RecordingGuard:
+    """A step guard that records what the ops ask, and refuses when told to."""
+
+    def __init__(self, layer):
+        self.layer, self.calls, self.refuse = layer, [], None
+
+    def host_wait(self, name, num_tokens):
+        self.calls.append(("host_wait", name, num_tokens))
+        if self.refuse:
+            raise ple_ops.OffloadError(self.refuse)
+        self.layer.flag.host_wait(DONE, timeout=5)
+
+    def host_release(self, name):
+        self.calls.append(("host_release", name))
+        self.layer.flag.host_reset()
+
+    def before_stream_wait(self, name, num_tokens):  # GPU path only
+        raise AssertionError("not on the CPU path")
+
+    def before_stream_release(self, name):
+        raise AssertionError("not on the CPU path")
+
+
+def test_a_guarded_layer_waits_and_releases_through_its_guard(armed):
+    guard = armed.guard = RecordingGuard(armed)
+    armed.flag.host_signal()
+    out = poisoned()
+    rows = ple_ops.wait_copy(out, torch.zeros(1), 6, "test.ple")
+    assert torch.equal(rows.view(torch.uint8), armed.slot[:6])
+    ple_ops.wait(out, torch.zeros(1), "test.ple")
+    ple_ops.release(out, "test.ple")
+    assert guard.calls == [("host_wait", "test.ple", 6), ("host_wait", "test.ple", None), ("host_release", "test.ple")]
+    assert armed.flag.host_value() == RESET
+
+
+def test_a_guard_that_refuses_stops_the_pull_before_any_copy(armed):
+    armed.guard = RecordingGuard(armed)
+    armed.guard.refuse = "no step prepared"
+    out = poisoned()
+    with pytest.raises(ple_ops.OffloadError, match="no step prepared"):
+        ple_ops.wait_copy(out, torch.zeros(1), 4, "test.ple")
+    assert out.isnan().all()
+
+
+def test_a_name_disarmed_with_a_reason_raises_it_until_armed_again(armed):
+    ple_ops.disarm("test.ple", lambda: ple_ops.OffloadError("the OffloadRuntime is closed", fatal=True))
+    assert ple_ops.armed_names() == []
+    for _ in range(2):
+        with pytest.raises(ple_ops.OffloadError, match="closed") as e:
+            ple_ops.wait_copy(poisoned(), torch.zeros(1), 1, "test.ple")
+        assert e.value.fatal
+    ple_ops.arm(armed)  # re-armed: served again, the reason forgotten
+    armed.flag.host_signal()
+    ple_ops.wait_copy(poisoned(), torch.zeros(1), 1, "test.ple")
+    ple_ops.disarm("test.ple")
+    with pytest.raises(RuntimeError, match="no layer named 'test.ple' is armed"):
+        ple_ops.lookup("test.ple")
+    ple_ops.arm(armed)  # for the fixture's teardown

@@ -1,24 +1,56 @@
 """OffloadRuntime with a real spawned offload process, on the CPU path (the GPU path is in
-compile_tests/ple_ops): results equal the local model, the transaction rule holds, and a dead
-or failing process becomes an error within a second, never a hang."""
+compile_tests/ple_ops): results equal the local model, the transaction rule holds, misuse is an
+error at once, a bad step is that step's error, and a dead, late or closed runtime is an error
+within step_timeout, never a hang."""
 
+import ast
+import multiprocessing
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from ple_models import LAYERS, make_failing_model, make_model, make_slow_model
+from ple_models import DIM, LAYERS, VOCAB, make_failing_model, make_model, make_sleepy_model, make_slow_model
 
 import ple_ops
+from ple_ops.control import WAITING, Word
+from ple_ops.semaphore import DONE, RESET
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = [f"blocks.{i}.ple" for i in range(LAYERS)]
 
 
 @pytest.fixture
 def runtime():
     # One runtime per test: layer names are armed once per process.
-    rt = ple_ops.OffloadRuntime(make_model, max_tokens=32, device="cpu")
+    rt = ple_ops.OffloadRuntime(make_model, max_tokens=32, device="cpu", step_timeout=2.0)
     yield rt
     rt.close()
+
+
+@pytest.fixture(scope="module")
+def local():
+    return make_model()
+
+
+def random_step(gen, n):
+    return torch.randint(0, VOCAB, (n,), generator=gen), torch.randn(n, DIM, generator=gen)
+
+
+def served_step(rt, local, ids, hidden):
+    rt.prepare(ids)
+    out = rt.model(hidden, ids)
+    rt.release()
+    torch.testing.assert_close(out, local(hidden, ids), rtol=0, atol=0)
+
+
+def flags(rt):
+    return [ple_ops.lookup(name).flag.host_value() for name in NAMES]
 
 
 def test_gpu_side_layers_allocate_no_tables(runtime):
@@ -26,19 +58,14 @@ def test_gpu_side_layers_allocate_no_tables(runtime):
         assert not any(True for _ in block.ple.parameters())
         assert block.ple.ple_out.shape == (32, 64)
         assert ple_ops.lookup(block.ple.ple_name).out is block.ple.ple_out
-    assert ple_ops.armed_names() == [f"blocks.{i}.ple" for i in range(LAYERS)]
+    assert ple_ops.armed_names() == NAMES
+    assert [name for name, _ in ple_ops.layer.ple_layers(runtime.model)] == NAMES
 
 
-def test_steps_give_the_local_model_result(runtime):
-    local = make_model()
+def test_steps_give_the_local_model_result(runtime, local):
     gen = torch.Generator().manual_seed(0)
     for n in (1, 7, 32, 3):
-        ids = torch.randint(0, 1000, (n,), generator=gen)
-        hidden = torch.randn(n, 64, generator=gen)
-        runtime.prepare(ids)
-        out = runtime.model(hidden, ids)
-        runtime.release()
-        torch.testing.assert_close(out, local(hidden, ids), rtol=0, atol=0)
+        served_step(runtime, local, *random_step(gen, n))
     # The worker counts a step as served just after raising its last flag.
     deadline = time.monotonic() + 1.0
     while runtime.served_steps() < 4 and time.monotonic() < deadline:
@@ -55,9 +82,68 @@ def test_prepare_before_release_is_refused(runtime):
     runtime.release()
 
 
-def test_too_many_tokens_is_a_clear_error(runtime):
-    with pytest.raises(ValueError, match=r"1..32 ids, got shape \(33,\)"):
-        runtime.prepare(torch.arange(33))
+# --- B: no wait without an end ----------------------------------------------------------------
+
+
+def test_a_forward_without_prepare_raises_at_once_and_the_runtime_serves_on(runtime, local):
+    gen = torch.Generator().manual_seed(1)
+    ids, hidden = random_step(gen, 5)
+    for _ in range(2):  # before any step, then after a released one
+        start = time.perf_counter()
+        with pytest.raises(ple_ops.OffloadError, match=r"layer 'blocks\.0\.ple' waited .* no step prepared: prepare\(\) was missing") as e:
+            runtime.model(hidden, ids)
+        assert time.perf_counter() - start < 0.5 and not e.value.fatal
+        served_step(runtime, local, ids, hidden)
+    with pytest.raises(ple_ops.OffloadError, match=r"released with no step prepared"):
+        runtime.model.blocks[2].ple.release_offloaded()
+    runtime.release()  # no step: nothing to do
+    served_step(runtime, local, *random_step(gen, 9))
+
+
+def test_a_stream_waiting_with_no_step_is_freed_with_poison_and_fails_the_runtime(local):
+    # The GPU op writes the waiting word on its stream right before its flag wait. Here this
+    # test writes it, after a served and released step, as a second replay would.
+    with ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", step_timeout=2.0) as rt:
+        gen = torch.Generator().manual_seed(2)
+        served_step(rt, local, *random_step(gen, 6))
+        control = rt._control
+        assert control.delivered(1) == control.get(Word.REQUEST) and flags(rt)[1] == RESET
+        start = time.perf_counter()
+        control.waiting[1].flag.fill_(WAITING)
+        while flags(rt)[1] != DONE:
+            assert time.perf_counter() - start < rt.step_timeout, "the watchdog did not free the stream"
+            time.sleep(0.001)
+        assert all((ple_ops.lookup(n).slot == 0xFF).all() for n in NAMES)  # poison, then the flags
+        with pytest.raises(ple_ops.OffloadError, match=r"waits for layer 'blocks\.1\.ple'.*prepare\(\) was missing") as e:
+            rt.prepare(torch.arange(3))
+        assert e.value.fatal
+        assert not rt.process.is_alive()
+
+
+def test_a_stream_waiting_for_a_slow_step_is_not_mistaken_for_a_stuck_one(local):
+    with ple_ops.OffloadRuntime(make_slow_model, max_tokens=8, device="cpu", step_timeout=5.0) as rt:
+        ids, hidden = random_step(torch.Generator().manual_seed(3), 7)
+        rt.prepare(ids)  # layer 1 takes 3 s
+        for waiting in rt._control.waiting:
+            waiting.flag.fill_(WAITING)  # streams park on every layer's flag
+        time.sleep(0.5)
+        rt.check()  # a waiting stream whose step is owed rows is fine
+        for waiting in rt._control.waiting:
+            waiting.flag.fill_(0)  # (the GPU release clears them; the CPU path never sets them)
+        torch.testing.assert_close(rt.model(hidden, ids), local(hidden, ids), rtol=0, atol=0)
+        rt.release()
+
+
+def test_a_step_not_served_within_step_timeout_fails_the_runtime():
+    with ple_ops.OffloadRuntime(make_slow_model, max_tokens=8, device="cpu", step_timeout=1.0) as rt:
+        ids = torch.arange(8)
+        rt.prepare(ids)
+        start = time.perf_counter()
+        with pytest.raises(ple_ops.OffloadError, match=r"did not serve step 1 within step_timeout 1.0 s: layer 'blocks\.1\.ple'"):
+            rt.model(torch.zeros(8, 64), ids)
+        assert 0.9 < time.perf_counter() - start < 1.5
+        with pytest.raises(ple_ops.OffloadError, match="within step_timeout"):
+            rt.release()
 
 
 def test_killing_the_offload_process_mid_step_raises_within_a_second():
@@ -86,7 +172,103 @@ def test_killing_the_offload_process_mid_step_raises_within_a_second():
         rt.close()
 
 
-def test_an_exception_in_the_offload_process_surfaces_with_its_traceback():
+# --- C (the CPU side): every release answers its own step ----------------------------------------
+
+
+@pytest.mark.parametrize("enqueue", [True, False])
+def test_a_release_without_forward_leaves_no_raised_flag_for_the_next_step(local, enqueue):
+    # Layers that take a millisecond: the release comes before the rows, as with a real model.
+    with ple_ops.OffloadRuntime(make_sleepy_model, max_tokens=8, device="cpu", step_timeout=2.0) as rt:
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            skipped, _ = random_step(gen, 4)
+            rt.prepare(skipped)
+            if enqueue:
+                rt.release()  # no forward: the release waits for this step's rows, then resets
+            else:
+                with pytest.raises(ple_ops.OffloadError, match="did not release"):
+                    rt.release(enqueue=False)  # ... and so does the repair of a wrong enqueue=False
+            assert flags(rt) == [RESET] * LAYERS
+            time.sleep(0.01)
+            assert flags(rt) == [RESET] * LAYERS  # and no late raise either
+            served_step(rt, local, *random_step(gen, 4))
+
+
+def test_release_enqueue_false_after_an_eager_forward_is_that_steps_error(runtime, local):
+    gen = torch.Generator().manual_seed(5)
+    ids, hidden = random_step(gen, 3)
+    runtime.prepare(ids)
+    runtime.model(hidden, ids)
+    with pytest.raises(ple_ops.OffloadError, match=r"enqueue=False.*did not release \['blocks\.0\.ple'.*released them now") as e:
+        runtime.release(enqueue=False)
+    assert not e.value.fatal and flags(runtime) == [RESET] * LAYERS
+    served_step(runtime, local, *random_step(gen, 3))
+
+
+# --- D: a bad step is that step's error -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids, error, message",
+    [
+        (torch.tensor([1.7, 2.2]), TypeError, r"integer dtype, got torch.float32 \(ids are never rounded\)"),
+        (torch.tensor([True, False]), TypeError, "integer dtype, got torch.bool"),
+        (torch.arange(33), ValueError, r"1..32 ids, got shape \(33,\)"),
+        (torch.arange(6).view(2, 3), ValueError, r"1-D with 1..32 ids, got shape \(2, 3\)"),
+        (torch.zeros(0, dtype=torch.long), ValueError, r"got shape \(0,\)"),
+        ([1, 2, 3], TypeError, "must be a tensor"),
+    ],
+    ids=["float", "bool", "too-many", "2-d", "empty", "list"],
+)
+def test_bad_ids_are_refused_and_nothing_is_prepared(runtime, local, ids, error, message):
+    with pytest.raises(error, match=message):
+        runtime.prepare(ids)
+    served_step(runtime, local, *random_step(torch.Generator().manual_seed(6), 2))
+
+
+def test_integer_ids_of_any_width_are_served(runtime, local):
+    gen = torch.Generator().manual_seed(7)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        ids, hidden = random_step(gen, 5)
+        ids = ids % 250
+        runtime.prepare(ids.to(dtype))
+        torch.testing.assert_close(runtime.model(hidden, ids), local(hidden, ids), rtol=0, atol=0)
+        runtime.release()
+
+
+def test_a_forward_with_another_token_count_than_prepared_raises(runtime, local):
+    gen = torch.Generator().manual_seed(8)
+    ids, hidden = random_step(gen, 4)
+    runtime.prepare(ids)
+    with pytest.raises(ple_ops.OffloadError, match=r"the forward has 3 tokens but the prepared step has 4") as e:
+        runtime.model(hidden[:3], ids[:3])
+    assert not e.value.fatal
+    torch.testing.assert_close(runtime.model(hidden, ids), local(hidden, ids), rtol=0, atol=0)
+    runtime.release()
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["raised-by-the-forward", "raised-by-release"])
+def test_an_out_of_vocabulary_id_fails_that_step_only(runtime, local, forward):
+    gen = torch.Generator().manual_seed(9)
+    ids, hidden = random_step(gen, 6)
+    ids[4] = VOCAB + 17
+    runtime.prepare(ids)
+    match = r"(?s)step 1 failed in layer 'blocks\.0\.ple'.*keeps serving.*index 1017 is out of bounds"
+    if forward:
+        with pytest.raises(ple_ops.OffloadError, match=match) as e:
+            runtime.model(hidden, ids)
+        runtime.release()  # the step's error was raised once, by its forward
+    else:
+        with pytest.raises(ple_ops.OffloadError, match=match) as e:
+            runtime.release()
+    assert not e.value.fatal
+    assert all((ple_ops.lookup(n).slot[:6] == 0xFF).all() for n in NAMES)
+    runtime.check()
+    for n in (6, 2, 11):
+        served_step(runtime, local, *random_step(gen, n))
+
+
+def test_an_exception_in_the_offload_process_surfaces_with_its_traceback(local):
     rt = ple_ops.OffloadRuntime(make_failing_model, max_tokens=16, device="cpu")
     try:
         ids = torch.arange(8)
@@ -95,16 +277,104 @@ def test_an_exception_in_the_offload_process_surfaces_with_its_traceback():
         with pytest.raises(ple_ops.OffloadError, match="table shard unavailable"):
             rt.model(torch.zeros(8, 64), ids)
         assert time.perf_counter() - start < 1.0
+        rt.release()
+        served_step(rt, local, *random_step(torch.Generator().manual_seed(10), 5))  # <= 5 tokens: served
     finally:
         rt.close()
 
 
+# --- E: orderly shutdown --------------------------------------------------------------------
+
+
 def test_no_shared_file_outlives_start_up_and_close_unblocks_a_prepared_step():
     rt = ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu")
-    paths = [rt._control.handle.path, rt._flags_buf.handle.path] + [b.handle.path for b in rt._slot_bufs]
+    paths = [rt._control.buffer.handle.path] + [layer.slot_buffer.handle.path for layer in rt._layers]
     # Both processes hold their mappings; the names are gone, so a crash leaks nothing in /dev/shm.
-    assert not any(os.path.exists(p) for p in paths)
+    assert len(paths) == 1 + LAYERS and not any(os.path.exists(p) for p in paths)
     rt.prepare(torch.arange(4))
     rt.close()
     assert not rt.process.is_alive()
     assert ple_ops.armed_names() == []
+
+
+def test_close_is_idempotent_and_every_call_after_it_raises():
+    with ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu") as rt:
+        ids = torch.arange(3)
+        rt.prepare(ids)
+        rt.model(torch.zeros(3, 64), ids)
+    start = time.perf_counter()
+    rt.close()
+    rt.close()
+    assert time.perf_counter() - start < 0.1
+    calls = {
+        "prepare": lambda: rt.prepare(ids),
+        "release": rt.release,
+        "release(enqueue=False)": lambda: rt.release(enqueue=False),
+        "check": rt.check,
+        "served_steps": rt.served_steps,
+        "forward": lambda: rt.model(torch.zeros(3, 64), ids),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ple_ops.OffloadError, match="the OffloadRuntime is closed") as e:
+            call()
+        assert e.value.fatal, what
+
+
+# --- F: construction ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(max_tokens=0), ValueError, "max_tokens must be an integer >= 1, got 0"),
+        (dict(max_tokens=2.5), ValueError, "max_tokens must be an integer >= 1"),
+        (dict(max_tokens=True), ValueError, "max_tokens must be an integer >= 1"),
+        (dict(step_timeout=0), ValueError, "step_timeout must be a finite number of seconds > 0, got 0"),
+        (dict(step_timeout=-1.0), ValueError, "step_timeout must be"),
+        (dict(step_timeout=float("nan")), ValueError, "step_timeout must be"),
+        (dict(start_timeout=float("inf")), ValueError, "start_timeout must be"),
+        (dict(worker_threads=0), ValueError, "worker_threads must be"),
+        (dict(model_factory=make_model()), TypeError, "model_factory must be a callable that builds the model.*got TinyModel"),
+        (dict(model_factory="make_model"), TypeError, "model_factory must be a callable.*got str"),
+        (dict(model_factory=lambda: make_model()), TypeError, "model_factory must be picklable"),
+    ],
+    ids=["tokens-0", "tokens-float", "tokens-bool", "timeout-0", "timeout-neg", "timeout-nan", "start-inf", "threads-0", "module", "str", "lambda"],
+)
+def test_constructor_arguments_are_checked_before_anything_starts(kwargs, error, message):
+    before = set(multiprocessing.active_children())
+    start = time.perf_counter()
+    with pytest.raises(error, match=message):
+        ple_ops.OffloadRuntime(**{"model_factory": make_model, "max_tokens": 8, "device": "cpu", **kwargs})
+    assert time.perf_counter() - start < 1.0
+    assert set(multiprocessing.active_children()) == before and ple_ops.armed_names() == []
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import ple_ops
+            from ple_models import make_model
+
+            runtime = ple_ops.OffloadRuntime(make_model, max_tokens=4, device="cpu", start_timeout=120)
+            print("started")
+            runtime.close()
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "started" not in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ple_ops.runtime.OffloadError: the offload process exited"), result.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last and "bootstrapping" in last
+
+
+def test_the_worker_never_imports_the_runtime():
+    # The runtime names the worker's entry point (its spawn target); the worker needs nothing of
+    # the runtime: it shares only control.py (the block and the messages) and layer.py with it.
+    tree = ast.parse((ROOT / "ple_ops" / "worker.py").read_text())
+    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    assert "runtime" not in modules and "runtime" not in names and not any("runtime" in (m or "") for m in modules)

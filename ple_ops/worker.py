@@ -1,0 +1,171 @@
+"""The offload process: build the model, attach the shared memory (handshake), then serve steps.
+
+It has no CUDA context (``CUDA_VISIBLE_DEVICES`` is emptied before anything can make one). It
+talks to the runtime through the :class:`~ple_ops.control.ControlBlock` (steps, flags, progress)
+and the pipe (the handshake, and the tracebacks of failed steps and of its own death).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import layer as layer_mod
+from . import reference
+from .control import Attach, ControlBlock, LayersReport, LayerSpec, Phase, Ready, StepFailed, Word, WorkerFailed
+from .semaphore import RESET, CpuGpuSemaphore, release_fence, spin_wait
+from .shared_memory import SharedHostBuffer
+
+# A decode step follows the last one closely and this process exists to answer fast: spin this
+# long on a flag or a request before backing off to sleeps.
+_SPIN = 5e-3
+_TRACEBACK_CHARS = 16000  # a failed step's traceback on the pipe: its tail, where the error is
+
+
+class StopServing(Exception):
+    """The runtime asked the worker to exit (``Word.STOP``)."""
+
+
+@dataclass
+class ServedLayer:
+    """One PLE layer in the worker: its module, its flag and slot, and how much of the slot holds rows.
+
+    Slot rows at and past ``written`` hold 0xFF poison (the runtime poisons new slots), so a pull
+    of more rows than the step has (a graph captured for more tokens) reads NaN, never an older
+    step's rows.
+    """
+
+    index: int
+    spec: LayerSpec
+    module: layer_mod.PleOffloadLayer
+    flag: CpuGpuSemaphore
+    slot: torch.Tensor  # uint8 [max_tokens, row_bytes]
+    written: int = 0
+
+    def compute(self, ids: torch.Tensor) -> torch.Tensor:
+        """This step's rows, checked against the layer's reported shape and dtype."""
+        rows = self.module.forward_impl(ids)
+        n, dim, dtype = ids.shape[0], self.spec.dim, self.spec.dtype
+        if tuple(rows.shape) != (n, dim) or rows.dtype != dtype:
+            raise ValueError(f"{self.spec.name}.forward_impl returned {tuple(rows.shape)} {rows.dtype}, expected ({n}, {dim}) {dtype}")
+        return rows
+
+    def store(self, rows: torch.Tensor | None, n: int) -> None:
+        """Write a step's ``n`` rows into the slot (``None``: the step failed, poison instead)."""
+        if rows is None:
+            reference.poison_rows(self.slot[: max(n, self.written)])
+            self.written = 0
+            return
+        self.slot[:n].copy_(rows.contiguous().view(torch.uint8).view(n, -1))
+        if self.written > n:
+            reference.poison_rows(self.slot[n : self.written])  # the previous step's tail
+        self.written = n
+
+
+def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, threads: int = 1) -> None:
+    """Entry point of the offload process (``multiprocessing`` spawn target)."""
+    # No CUDA here, by construction: anything that tries fails loudly instead of making a context.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # A step's rows are small; a pool of intra-op threads spinning after each op would compete
+    # with the GPU process's launching thread for the cores.
+    torch.set_num_threads(threads)
+    try:
+        control, layers = handshake(model_factory, conn)
+
+        def orphaned() -> None:
+            if os.getppid() != parent_pid:
+                raise SystemExit("offload worker: the GPU process is gone")
+
+        serve(control, layers, conn.send, orphaned)
+    except StopServing:
+        return
+    except BaseException:
+        try:
+            conn.send(WorkerFailed(traceback.format_exc()))
+        finally:
+            raise
+
+
+def handshake(model_factory: Callable[[], nn.Module], conn) -> tuple[ControlBlock, list[ServedLayer]]:
+    """Build the model, report its PLE layers, attach what the runtime made for them, say ready."""
+    layer_mod.mark_offload_worker()
+    model = model_factory().eval()
+    modules = layer_mod.ple_layers(model)
+    specs = []
+    with torch.no_grad():
+        for name, module in modules:
+            probe = module.forward_impl(torch.zeros(1, dtype=torch.long))
+            specs.append(LayerSpec(name, probe.shape[-1], probe.dtype))
+    conn.send(LayersReport(tuple(specs)))
+    attach = conn.recv()
+    if not isinstance(attach, Attach):
+        raise RuntimeError(f"offload worker: expected Attach from the runtime, got {attach!r}")
+    control = ControlBlock.attach(attach.control)
+    layers = []
+    for i, ((_, module), spec, handle) in enumerate(zip(modules, specs, attach.slots)):
+        slot = SharedHostBuffer.attach(handle).view(0, (control.max_tokens, spec.row_bytes), torch.uint8)
+        layers.append(ServedLayer(i, spec, module, control.flags[i], slot))
+    conn.send(Ready())
+    return control, layers
+
+
+def serve(
+    control: ControlBlock,
+    layers: list[ServedLayer],
+    report: Callable[[StepFailed], None],
+    check: Callable[[], None] = lambda: None,
+) -> None:
+    """Serve requested steps until ``Word.STOP`` (raises :class:`StopServing`).
+
+    Per layer: compute the rows first, *then* wait for the consumer's reset of the previous
+    step's flag, store, fence, raise. The computation thus overlaps the GPU's pulls of the
+    previous step, and the slot changes only once nobody reads it. An exception in
+    ``forward_impl`` fails this step only: it is reported (``report``, then ``Word.FAILED``),
+    and this and every later layer of the step publishes poison (0xFF) instead of rows, so that
+    every wait of the step ends. ``check`` runs about every 10 ms while waiting and may raise.
+    """
+
+    def check_stop() -> None:
+        if control.get(Word.STOP):
+            raise StopServing()
+        check()
+
+    step = control.get(Word.SERVED)
+    with torch.no_grad():
+        while True:
+            control.set(Word.WORKER_PHASE, Phase.IDLE)
+            spin_wait(lambda: control.get(Word.REQUEST), step + 1, "offload worker", check_stop, spin=_SPIN)
+            step += 1
+            n = control.get(Word.NUM_TOKENS)
+            ids = control.ids[:n].clone()
+            release_fence()  # the copy completes before TAKEN is seen (Arm may reorder a load after a store)
+            control.set(Word.TAKEN, step)  # the runtime may write the next step's ids now
+            failed = False
+            for layer in layers:
+                control.set(Word.WORKER_LAYER, layer.index)
+                rows = None
+                if not failed:
+                    control.set(Word.WORKER_PHASE, Phase.COMPUTING)
+                    try:
+                        rows = layer.compute(ids)
+                    except Exception:
+                        failed = True
+                        report(StepFailed(step, layer.spec.name, traceback.format_exc()[-_TRACEBACK_CHARS:]))
+                        control.set(Word.FAILED, step)  # after the message: who sees this finds it
+                control.set(Word.WORKER_PHASE, Phase.AWAITING_RESET)
+                layer.flag.host_wait(RESET, check_stop, spin=_SPIN)
+                control.set(Word.WORKER_PHASE, Phase.PUBLISHING)
+                layer.store(rows, n)
+                layer.flag.host_signal()  # release fence, then flag = DONE
+                # After the flag: "delivered == REQUEST while the flag is reset" must only ever
+                # mean that the rows were published and consumed (the watchdog's stuck test).
+                control.set_delivered(layer.index, step)
+            control.set(Word.SERVED, step)
+
+
+__all__ = ["worker_main", "handshake", "serve", "ServedLayer", "StopServing"]
