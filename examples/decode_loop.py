@@ -365,6 +365,7 @@ class KVTraffic:
     loaded_bytes: int = 0
     store_seconds: float = 0.0
     load_seconds: float = 0.0
+    paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma)
 
 
 class Scheduler:
@@ -525,15 +526,18 @@ def pressure_blocks(cfg: Config) -> int:
 
 
 def make_engine(caches, cfg: Config, disk: str | None) -> kv_ops.OffloadEngine:
-    """An engine with room for every block of the workload, warmed up: the first transfer of each
-    direction compiles its copy kernel (a tenth of a second), which a server pays once at start."""
+    """An engine with room for every block of the workload, warmed up as a server would at start:
+    the first transfer of each direction compiles its copy kernel (a tenth of a second), and each
+    new size of id list costs a page-locked allocation. The caches hold nothing yet (a run zeroes
+    them before it starts), so any blocks will do."""
     num_blocks = next(iter(caches.values())).shape[1]
     block_bytes = kv_ops.block_bytes(kv_ops.infer_regions(caches, num_blocks))
     engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=blocks_needed(cfg) * block_bytes, disk_dir=disk)
-    for _ in range(2):
-        engine.store([0], [0])  # the null block, which holds nothing of any sequence
+    for count in range(1, cfg.max_blocks + 1):
+        ids = list(range(1, count + 1))
+        engine.store(ids, [i - 1 for i in ids])
         engine.flush()
-        engine.load([0], [0])
+        engine.load([i - 1 for i in ids], ids)
         engine.flush()
     return engine
 
@@ -653,9 +657,11 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
             results[primary] = reference
             torch.save({"logits": {k: v.cpu() for k, v in reference.logits.items()}, "tokens": reference.tokens}, expect)
             engine = make_engine(built.caches, cfg, args.disk)
+            warm_paths = dict(engine.path_counts)
             try:
                 pressured = decode(step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=reference.logits,
                                    label=f"{primary}, KV pressure")
+                pressured.traffic.paths = {k: n - warm_paths[k] for k, n in engine.path_counts.items()}
             finally:
                 engine.close()
             print(f"KV pressure ({pressure_blocks(cfg)} of {blocks_needed(cfg)} blocks): "
@@ -725,7 +731,8 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
     store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
     load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
     print(f"\nKV pressure: {kv.preemptions} preemptions, {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} "
-          f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock)")
+          f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock; "
+          f"paths {kv.paths})")
     if device.type == "cuda":
         from kv_ops import doctor
 

@@ -205,19 +205,21 @@ def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
     with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
         step_ids, step_hidden = torch.randint(0, VOCAB, (4,)), torch.randn(4, 64, device="cuda")
         rt.prepare(step_ids)
+        device_ids = step_ids.cuda()  # before the capture: a pageable copy is illegal inside one
         with pytest.raises(ple_ops.OffloadError, match="Capture with no step prepared") as e:
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
-                rt.model(step_hidden, step_ids.cuda())
+                rt.model(step_hidden, device_ids)
         assert not e.value.fatal
         # The prepared step is still served (eagerly), and the runtime goes on.
         torch.testing.assert_close(rt.model(step_hidden, step_ids.cuda()), local(step_hidden, step_ids.cuda()), rtol=1e-4, atol=1e-4)
         rt.release()
         hidden = torch.zeros(4, 64, device="cuda")
         ids = torch.zeros(4, dtype=torch.long, device="cuda")
+        host_ids = torch.zeros(4, dtype=torch.long)  # a device-to-host copy would break the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\) during CUDA-graph capture"):
-                rt.prepare(ids.cpu())
+                rt.prepare(host_ids)
             out = rt.model(hidden, ids)
             rt.release()
 
