@@ -363,8 +363,9 @@ class KVTraffic:
     resumptions: int = 0
     stored_bytes: int = 0
     loaded_bytes: int = 0
-    store_seconds: float = 0.0
+    store_seconds: float = 0.0  # from the call to the end of the flush
     load_seconds: float = 0.0
+    call_seconds: float = 0.0  # of both: inside the engine's store/load calls (host work)
     paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma)
 
 
@@ -400,6 +401,7 @@ class Scheduler:
         host = [self.free_host.pop() for _ in seq.blocks]
         start = time.perf_counter()
         self.engine.store(seq.blocks, host)
+        self.traffic.call_seconds += time.perf_counter() - start
         failed = self.engine.flush().failed  # the blocks are reused right after: wait for the copy
         self.traffic.store_seconds += time.perf_counter() - start
         if failed:
@@ -414,6 +416,7 @@ class Scheduler:
         blocks = [self.free.pop() for _ in seq.host_blocks]
         start = time.perf_counter()
         self.engine.load(seq.host_blocks, blocks)
+        self.traffic.call_seconds += time.perf_counter() - start
         failed = self.engine.flush().failed  # the next step reads them
         self.traffic.load_seconds += time.perf_counter() - start
         if failed:
@@ -733,6 +736,10 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
     print(f"\nKV pressure: {kv.preemptions} preemptions, {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} "
           f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock; "
           f"paths {kv.paths})")
+    transfers = kv.preemptions + kv.resumptions
+    wall = kv.store_seconds + kv.load_seconds
+    print(f"per transfer: {wall / transfers * 1e6:.0f} us from call to flush, of which {kv.call_seconds / transfers * 1e6:.0f} us "
+          f"inside the engine's store/load call (host work before the copy is enqueued)")
     if device.type == "cuda":
         from kv_ops import doctor
 

@@ -204,8 +204,12 @@ def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
     local = make_model().cuda()
     with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
         step_ids, step_hidden = torch.randint(0, VOCAB, (4,)), torch.randn(4, 64, device="cuda")
-        rt.prepare(step_ids)
         device_ids = step_ids.cuda()  # before the capture: a pageable copy is illegal inside one
+        # The warm-up every capture needs (cuBLAS makes its workspace on its first call).
+        rt.prepare(step_ids)
+        rt.model(step_hidden, device_ids)
+        rt.release()
+        rt.prepare(step_ids)
         with pytest.raises(ple_ops.OffloadError, match="Capture with no step prepared") as e:
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 rt.model(step_hidden, device_ids)
