@@ -153,8 +153,8 @@ class OffloadRuntime:
         Seconds (> 0) the offload process may take to build the model and attach.
     worker_threads : int
         Intra-op threads of the offload process (>= 1). One by default: a step's rows are a few
-        KiB of lookups, and idle thread pools spin between steps, taking the cores that this
-        process's launching thread needs.
+        KiB of lookups, too little for a thread pool to pay off, and an idle pool may spin
+        between steps on cores this process's launching thread needs.
 
     Raises
     ------

@@ -71,8 +71,8 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
     """Entry point of the offload process (``multiprocessing`` spawn target)."""
     # No CUDA here, by construction: anything that tries fails loudly instead of making a context.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    # A step's rows are small; a pool of intra-op threads spinning after each op would compete
-    # with the GPU process's launching thread for the cores.
+    # A step's rows are small: too little work for a pool of intra-op threads, which may spin
+    # between steps on the cores the GPU process's launching thread needs.
     torch.set_num_threads(threads)
     try:
         control, layers = handshake(model_factory, conn)
