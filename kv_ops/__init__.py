@@ -16,7 +16,18 @@ Where each piece lives:
 * ``doctor``      -- ``python -m kv_ops.doctor``: checks a machine, measures the link.
 """
 
-from . import dma
+import torch
+
+__version__ = "0.2.0"
+
+# The lowest torch the suite passes on (pyproject.toml says why); older ones fail in obscure ways.
+TORCH_FLOOR = (2, 11)
+if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < TORCH_FLOOR:
+    raise ImportError(
+        f"offload-ops needs torch >= {'.'.join(map(str, TORCH_FLOOR))}, found torch {torch.__version__}"
+    )
+
+from . import dma  # noqa: E402  (after the version check: the modules below need the newer torch)
 from .disk import BlockFile
 from .engine import AllRanks, Completed, EngineClosedError, OffloadEngine
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
@@ -25,6 +36,7 @@ from .ops import copy_blocks, gather_blocks, scatter_blocks
 from .validation import error_count, error_counter, id_checks, reset_error_count, set_id_checks
 
 __all__ = [
+    "__version__",
     "KVCacheTensorSpec",
     "resolve_regions",
     "infer_regions",

@@ -20,6 +20,8 @@ Where each piece lives:
 * ``reference``     -- pure-torch row pull and poison: the CPU path and the test oracle.
 """
 
+from kv_ops import __version__  # one version for the distribution, written in kv_ops
+
 from .host_table import gather_from_host
 from .layer import PleOffloadLayer, building_placeholders, mark_offload_worker
 from .ops import observe_copy_geometry, release, wait, wait_copy
@@ -29,6 +31,7 @@ from .semaphore import CpuGpuSemaphore, ProducerFailed
 from .shared_memory import SharedHandle, SharedHostBuffer
 
 __all__ = [
+    "__version__",
     "gather_from_host",
     "PleOffloadLayer",
     "building_placeholders",
