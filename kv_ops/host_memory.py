@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 # cuMemHostRegister pins page by page; very large single registrations have failed on some
-# drivers, so we register in pieces of at most 64 GiB (DESIGN.md). The pieces are adjacent in
+# drivers, so we register in pieces of at most 64 GiB (docs/design.md). The pieces are adjacent in
 # the virtual address space, and on devices that use the host pointer for registered memory
 # (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, every x86-64 and Grace system
 # we know) the device addresses are adjacent too, so one tensor may span several pieces.

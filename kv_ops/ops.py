@@ -118,8 +118,10 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     >>> host = {k: kv_ops.pinned_empty((num_host_blocks, r.shape[1])) for k, r in gpu.items()}
     >>> kv_ops.copy_blocks(gpu, host, gpu_ids, host_ids)      # store: GPU -> host
     """
-    if isinstance(src, Mapping) and isinstance(dst, Mapping) and list(src) != list(dst):
-        raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {list(src)} vs {list(dst)}")
+    if isinstance(src, Mapping) and isinstance(dst, Mapping):
+        if set(src) != set(dst):
+            raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {sorted(src)} vs {sorted(dst)}")
+        dst = {name: dst[name] for name in src}  # paired by name, whatever order each was built in
     torch.ops.kv_ops.copy_blocks(_region_list(src), _region_list(dst), src_ids, dst_ids)
 
 

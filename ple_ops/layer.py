@@ -19,11 +19,6 @@ from . import ops
 _role = "local"
 
 
-def role() -> str:
-    """``"local"``, ``"placeholder"`` (while the GPU process builds its model) or ``"worker"``."""
-    return _role
-
-
 @contextlib.contextmanager
 def building_placeholders():
     """Build a model whose PLE layers allocate nothing (the GPU side of an offloaded model)."""
@@ -130,4 +125,4 @@ def ple_layers(model: nn.Module) -> list[tuple[str, PleOffloadLayer]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, PleOffloadLayer)]
 
 
-__all__ = ["PleOffloadLayer", "building_placeholders", "mark_offload_worker", "ple_layers", "role"]
+__all__ = ["PleOffloadLayer", "building_placeholders", "mark_offload_worker", "ple_layers"]

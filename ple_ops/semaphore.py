@@ -73,7 +73,7 @@ class CpuGpuSemaphore:
       it through its device address; a process with no CUDA context signals it with a plain
       store after :func:`release_fence` (:meth:`host_signal`).
 
-    Stream operations (:meth:`signal`, :meth:`reset`, :meth:`wait_done`, :meth:`wait_reset`) are
+    Stream operations (:meth:`signal`, :meth:`reset`, :meth:`wait_done`) are
     enqueued on the caller's current stream at call time (``torch.cuda.graph`` captures on a
     stream of its own) and are capturable into CUDA graphs. The flag's address is held here, in
     the process that made or attached it, never in an op argument.
@@ -148,10 +148,6 @@ class CpuGpuSemaphore:
     def wait_done(self) -> None:
         """Enqueue a wait until ``flag == DONE`` on the current stream."""
         self._stream_op("wait", DONE)
-
-    def wait_reset(self) -> None:
-        """Enqueue a wait until ``flag == RESET`` on the current stream."""
-        self._stream_op("wait", RESET)
 
     # --- host operations (host form only; no CUDA) --------------------------------------------
 

@@ -91,8 +91,13 @@ def test_mappings_pair_by_name():
     dst = dict(zip(["k", "v"], make_regions([64, 32], 8, generator=gen)))
     kv_ops.copy_blocks(src, dst, torch.tensor([1, 2]), torch.tensor([5, 6]))
     assert torch.equal(dst["k"][5], src["k"][1]) and torch.equal(dst["v"][6], src["v"][2])
-    with pytest.raises(ValueError, match=r"src and dst name different regions: \['k', 'v'\] vs \['v', 'k'\]"):
-        kv_ops.copy_blocks(src, {"v": dst["v"], "k": dst["k"]}, torch.tensor([1]), torch.tensor([2]))
+    # Another key order pairs by name all the same (k with k), it does not pair by position.
+    before = {name: r.clone() for name, r in dst.items()}
+    kv_ops.copy_blocks(src, {"v": dst["v"], "k": dst["k"]}, torch.tensor([3]), torch.tensor([0]))
+    assert torch.equal(dst["k"][0], src["k"][3]) and torch.equal(dst["v"][0], src["v"][3])
+    assert all(torch.equal(dst[n][1:], before[n][1:]) for n in dst)
+    with pytest.raises(ValueError, match=r"src and dst name different regions: \['k', 'v'\] vs \['k', 'w'\]"):
+        kv_ops.copy_blocks(src, {"w": dst["v"], "k": dst["k"]}, torch.tensor([1]), torch.tensor([2]))
 
 
 # --- bad input ------------------------------------------------------------------------------------
