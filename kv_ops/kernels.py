@@ -27,7 +27,7 @@ import triton.language as tl
 from . import host_memory
 
 # At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
-# and eight SMs already saturate a PCIe Gen5 x16 link (docs/design.md: 93% of memcpy at 4 KiB).
+# and eight SMs already saturate a PCIe Gen5 x16 link (docs/design.md: 0.91-0.95 of memcpy).
 NUM_PROGRAMS = 8
 # Bytes one program moves per loop iteration, and the warps that move them. Host->GPU is the
 # hard direction: every load crosses PCIe (~1-2 us) before its store can issue, so each program
