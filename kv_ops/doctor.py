@@ -570,11 +570,12 @@ def check_shm(ple_bytes: int = 0, path: str = "/dev/shm") -> CheckResult:
 
 
 def check_o_direct(directory: str) -> CheckResult:
-    """Whether files in ``directory`` take O_DIRECT I/O, as the disk tier's ``BlockFile`` opens them.
+    """Whether files in ``directory`` take O_DIRECT I/O, which the disk tier's ``BlockFile`` uses.
 
     Creates a private file (``O_EXCL | O_NOFOLLOW``, mode 0600) with ``O_DIRECT``, unlinks it at
-    once, then writes 4 KiB from a page-aligned buffer and reads it back. Nothing is left behind,
-    whatever fails.
+    once, then writes 4 KiB from a page-aligned buffer and reads it back. (``BlockFile`` itself
+    prefers an unnamed ``O_TMPFILE`` and sets ``O_DIRECT`` after; the file system's answer is
+    the same.) Nothing is left behind, whatever fails.
 
     Parameters
     ----------
