@@ -70,6 +70,19 @@ def test_host_flag_stream_operations_and_host_signal():
     buf.unlink()
 
 
+def replayer(graph, hidden, ids, out):
+    """A step function over a captured graph: copy the inputs in, replay, return the output."""
+
+    def replay(h, i):
+        hidden.copy_(h)
+        ids.copy_(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    return replay
+
+
 def check_steps(rt, run_step, n=4, steps=40):
     local = make_model().cuda()
     gen = torch.Generator().manual_seed(3)
@@ -97,14 +110,7 @@ def test_decode_step_captured_in_a_cuda_graph_replays_with_new_ids():
                 rt.model.release_offloaded()
         assert copies == [(f"blocks.{i}.ple", 4, 4 * 256) for i in range(3)]
 
-        def replay(h, i):
-            hidden.copy_(h)
-            ids.copy_(i)
-            graph.replay()
-            torch.cuda.synchronize()
-            return out.clone()
-
-        check_steps(rt, replay)
+        check_steps(rt, replayer(graph, hidden, ids, out))
         assert [ple_ops.lookup(n).flag.host_value() for n in ple_ops.armed_names()] == [RESET] * 3
 
 
@@ -227,14 +233,7 @@ def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
             out = rt.model(hidden, ids)
             rt.release()
 
-        def replay(h, i):
-            hidden.copy_(h)
-            ids.copy_(i)
-            graph.replay()
-            torch.cuda.synchronize()
-            return out.clone()
-
-        check_steps(rt, replay, steps=10)
+        check_steps(rt, replayer(graph, hidden, ids, out), steps=10)
 
 
 def test_an_eager_forward_without_prepare_raises_at_once_and_enqueues_nothing():
