@@ -42,6 +42,9 @@ def test_device_flag_shared_over_cuda_ipc_releases_a_waiting_stream():
         torch.cuda.synchronize()
         to_child.put("done")
         child.join(30)
+        if child.is_alive():  # never leave a child behind a failed test
+            child.kill()
+            child.join(10)
     assert child.exitcode == 0
 
 

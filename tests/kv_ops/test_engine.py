@@ -308,12 +308,19 @@ def test_all_ranks_over_torch_distributed_gives_every_rank_the_same_answer(tmp_p
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, str(tmp_path / "init"), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    try:
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(60)
+    finally:
+        # A failed rank must not leave the other one (and pytest's exit) waiting for it.
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert [p.exitcode for p in procs] == [0, 0]
     assert got == {0: [[0], [1]], 1: [[0], [1]]}
 
 

@@ -85,9 +85,14 @@ def test_a_cuda_free_process_attaches_by_handle():
     block = ControlBlock.create(max_tokens=4, num_layers=1, map_for_gpu=False)
     child = multiprocessing.get_context("spawn").Process(target=_child_serves_one_word, args=(block.handle,))
     child.start()
-    block.set(Word.REQUEST, 21)
-    block.flags[0].host_signal()
-    child.join(60)
+    try:
+        block.set(Word.REQUEST, 21)
+        block.flags[0].host_signal()
+        child.join(60)
+    finally:
+        if child.is_alive():  # never leave a child behind a failed test
+            child.kill()
+            child.join(10)
     assert child.exitcode == 0
     assert block.get(Word.SERVED) == 42 and block.delivered(0) == 9
     block.unlink()

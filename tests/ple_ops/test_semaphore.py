@@ -28,10 +28,15 @@ def test_a_cuda_free_process_publishes_rows_through_shared_memory_and_the_flag()
     flag.host_reset()
     child = multiprocessing.get_context("spawn").Process(target=_child_writes_rows_then_signals, args=(buf.handle, 16, 32, 5))
     child.start()
-    flag.host_wait(DONE, timeout=60)
+    try:
+        flag.host_wait(DONE, timeout=60)
+        child.join(10)
+    finally:
+        if child.is_alive():  # never leave a child behind a failed wait
+            child.kill()
+            child.join(10)
     want = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
     assert torch.equal(buf.view(64, (16, 32), torch.float32), want)
-    child.join(10)
     assert child.exitcode == 0
     buf.unlink()
 
