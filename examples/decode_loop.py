@@ -395,17 +395,22 @@ class Scheduler:
     def _needs_block(self, seq: Sequence) -> bool:
         return seq.done == len(seq.blocks) * self.cfg.block_size
 
+    def _wait_for(self, what: str, seq: Sequence, transfer) -> float:
+        """Issue one engine transfer and flush it: the blocks are reused (a store) or read (a load)
+        right after. Returns the seconds from the call to the end of the flush."""
+        start = time.perf_counter()
+        transfer()
+        self.traffic.call_seconds += time.perf_counter() - start
+        failed = self.engine.flush().failed
+        if failed:
+            raise RuntimeError(f"{what} the blocks of sequence {seq.index} failed: {failed}")
+        return time.perf_counter() - start
+
     def _preempt(self, seq: Sequence) -> None:
         if self.engine is None or len(self.free_host) < len(seq.blocks):
             raise RuntimeError("out of KV blocks with nowhere to preempt to")
         host = [self.free_host.pop() for _ in seq.blocks]
-        start = time.perf_counter()
-        self.engine.store(seq.blocks, host)
-        self.traffic.call_seconds += time.perf_counter() - start
-        failed = self.engine.flush().failed  # the blocks are reused right after: wait for the copy
-        self.traffic.store_seconds += time.perf_counter() - start
-        if failed:
-            raise RuntimeError(f"storing the blocks of sequence {seq.index} failed: {failed}")
+        self.traffic.store_seconds += self._wait_for("storing", seq, lambda: self.engine.store(seq.blocks, host))
         self.traffic.stored_bytes += len(host) * self.engine.block_bytes
         self.traffic.preemptions += 1
         self.free += reversed(seq.blocks)
@@ -414,13 +419,7 @@ class Scheduler:
 
     def _resume(self, seq: Sequence) -> None:
         blocks = [self.free.pop() for _ in seq.host_blocks]
-        start = time.perf_counter()
-        self.engine.load(seq.host_blocks, blocks)
-        self.traffic.call_seconds += time.perf_counter() - start
-        failed = self.engine.flush().failed  # the next step reads them
-        self.traffic.load_seconds += time.perf_counter() - start
-        if failed:
-            raise RuntimeError(f"loading the blocks of sequence {seq.index} failed: {failed}")
+        self.traffic.load_seconds += self._wait_for("loading", seq, lambda: self.engine.load(seq.host_blocks, blocks))
         self.traffic.loaded_bytes += len(blocks) * self.engine.block_bytes
         self.traffic.resumptions += 1
         self.free_host += reversed(seq.host_blocks)
