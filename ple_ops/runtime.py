@@ -7,6 +7,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -97,9 +98,12 @@ def _capture_replays_at_once() -> bool:
     ``torch.cuda.graph`` capture with a prepared step is. Recognised by the stream: the trees
     record on their manager's own stream.
     """
+    # Never import Inductor here: a first import during a capture makes CUDA calls that
+    # invalidate it. Trees that were never imported are not recording.
+    cudagraph_trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if cudagraph_trees is None:
+        return False
     try:
-        from torch._inductor import cudagraph_trees
-
         manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     except Exception:
         return False

@@ -4,7 +4,10 @@ misuse that must end in an error and a free stream, never a hang or stale rows: 
 prepare, capture with a prepared step, a failed step, a release with no forward, double release."""
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,6 +240,21 @@ def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
             rt.release()
 
         check_steps(rt, replayer(graph, hidden, ids, out), steps=10)
+
+
+def test_capture_refusal_holds_in_a_process_that_never_imported_inductor():
+    # The refusal asks whether inductor's CUDA-graph trees are recording; a first import of
+    # Inductor during the capture makes CUDA calls that invalidate it (the test above passed
+    # only after a compile test had imported Inductor). A fresh process runs it cold.
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parents[1] / "tests")]))
+    code = (
+        "import sys, test_cuda_graph as t\n"
+        "t.test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused()\n"
+        "assert 'torch._inductor.cudagraph_trees' not in sys.modules, 'Inductor was imported: not a cold run'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_an_eager_forward_without_prepare_raises_at_once_and_enqueues_nothing():
