@@ -8,8 +8,10 @@ Where each piece lives:
 * ``kernels``     -- the Triton block-copy kernel and its launcher.
 * ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
 * ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
-* ``dma``         -- the DMA path: batched copy-engine calls, and the crossover with the kernel.
-* ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to an exact-size mirror.
+* ``dma``         -- copy plans for the copy engines and their launch (one batched driver call).
+* ``paths``       -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
+* ``crossover``   -- what ``path="auto"`` measured on the engine's own shape, and its pick.
+* ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
 * ``disk``        -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 * ``aot``         -- ``compile_step`` / ``load_step``: AOT-compiling a model's step that uses these ops.

@@ -1,4 +1,4 @@
-"""The DMA path: block copies as one batched copy-engine call, and its crossover with the kernel.
+"""Copy plans for the copy engines (pure, vectorised) and their launch: one batched driver call.
 
 A copy is planned on the host, vectorised: runs of ids that are consecutive on both sides merge
 into one copy where both regions keep their blocks back to back, and every copy becomes a
@@ -8,22 +8,20 @@ no Python object is built per block. Where the driver lacks the batched call (be
 the same plan runs as one ``cuMemcpyAsync`` per copy.
 
 Copy engines need no SMs and share the link better than kernels (both directions at once), but
-pay a cost per copy and cannot be captured into a CUDA graph. :func:`measure_crossover` times
-both paths on the device over block size x count x direction; :class:`Crossover` then picks the
-faster one per call.
+pay about 1-2 us per copy and cannot be captured into a CUDA graph. On the CPU,
+:func:`run_on_host` executes the same plan with ``memmove``, so the engine's copy-engine paths
+run, plan for plan, in CI.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .host_memory import check_driver, driver_context, pinned_empty
+from .host_memory import check_driver, driver_context
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
 # A module setting, read at every launch, so a benchmark can compare both.
@@ -248,6 +246,16 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
             _check(batch(*args, handle), f"cuMemcpyBatchAsync({hi - lo} copies)")
 
 
+def run_on_host(plan: Plan) -> None:
+    """Execute ``plan`` copy by copy with ``memmove``: what the copy engines do, for host memory.
+
+    Every address and size the driver would be handed is used as is, so a wrong plan corrupts
+    or crashes here as it would on the GPU.
+    """
+    for dst, src, size in zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist()):
+        ctypes.memmove(dst, src, size)
+
+
 def copy_blocks(
     src: list[torch.Tensor],
     dst: list[torch.Tensor],
@@ -262,136 +270,15 @@ def copy_blocks(
     return plan.count
 
 
-# --- the crossover -------------------------------------------------------------------------------
-
-SIZES = (4096, 16384, 65536, 262144, 1 << 20)
-COUNTS = (16, 128, 1024)
-MAX_BYTES = 64 << 20  # per timed copy: enough to reach the link rate, small enough to start fast
-# The DMA path is picked when it comes within this fraction of the kernel's rate: copy engines
-# leave every SM to the model (a concurrent bf16 matmul ran 38% slower beside the kernel path and
-# no slower beside the DMA path on the H200, benchmarks/engine.py).
-DMA_TOLERANCE = 0.05
-
-
-@dataclass
-class Crossover:
-    """Per-call path choice from start-up timings over block size x count x direction.
-
-    ``rows`` holds one dict per measured cell: direction (``"store"``: GPU to host, ``"load"``:
-    host to GPU), block_bytes, blocks, kernel_gbps, dma_gbps. Both paths are timed from the first
-    of a few back-to-back calls to the end of the last copy, so each path's host work counts
-    where it does not overlap copies.
-    """
-
-    rows: list[dict] = field(default_factory=list)
-
-    def use_dma(self, direction: str, copies: int, copy_bytes: float) -> bool:
-        """Whether the DMA path came within ``DMA_TOLERANCE`` of the kernel (or beat it) in the
-        measured cell nearest to ``copies`` copies of ``copy_bytes`` bytes each (log scales)."""
-        cells = [r for r in self.rows if r["direction"] == direction]
-        if not cells or copies == 0:
-            return False
-
-        def distance(r):
-            return abs(math.log2(r["block_bytes"]) - math.log2(max(copy_bytes, 1))) + abs(
-                math.log2(r["blocks"]) - math.log2(copies)
-            )
-
-        best = min(cells, key=distance)
-        return best["dma_gbps"] >= (1 - DMA_TOLERANCE) * best["kernel_gbps"]
-
-    def table(self) -> str:
-        lines = ["| direction | block | blocks | kernel GB/s | DMA GB/s | auto picks |", "| --- | ---: | ---: | ---: | ---: | --- |"]
-        for r in self.rows:
-            pick = "DMA" if self.use_dma(r["direction"], r["blocks"], r["block_bytes"]) else "kernel"
-            lines.append(
-                f"| {r['direction']} | {r['block_bytes']} | {r['blocks']} | {r['kernel_gbps']:.1f} | {r['dma_gbps']:.1f} | {pick} |"
-            )
-        return "\n".join(lines)
-
-
-def _sustained(enqueue, stream: torch.cuda.Stream, calls: int = 4, reps: int = 3) -> float:
-    """Seconds per call with ``calls`` calls issued back to back (as an engine issues them, so
-    host work overlaps earlier copies) until the last copy ends; best of ``reps`` after a warm-up."""
-    best = math.inf
-    for i in range(reps + 1):
-        stream.synchronize()
-        start = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for _ in range(calls):
-                enqueue()
-        stream.synchronize()
-        if i:
-            best = min(best, (time.perf_counter() - start) / calls)
-    return best
-
-
-def measure_crossover(device: torch.device | str | int | None = None, sizes=SIZES, counts=COUNTS) -> Crossover:
-    """Time the kernel and DMA paths on ``device`` over sizes x counts x both directions.
-
-    Blocks are copied between random, non-consecutive ids of one GPU and one page-locked
-    scratch region, so every block is its own DMA copy: the worst case for the DMA path, and
-    the case a merged run of consecutive blocks turns into fewer, larger copies. Takes a few
-    seconds.
-    """
-    from .ops import copy_blocks as kernel_copy
-    from .validation import id_checks
-
-    device = torch.device("cuda" if device is None else device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    lowest, _ = torch.cuda.Stream.priority_range()
-    stream = torch.cuda.Stream(device, priority=lowest)
-    gpu = torch.randint(0, 256, (MAX_BYTES,), dtype=torch.uint8, device=device)
-    host = pinned_empty(MAX_BYTES)
-    host.copy_(torch.randint(0, 256, (MAX_BYTES,), dtype=torch.uint8))
-    gen = torch.Generator().manual_seed(0)
-    out = Crossover()
-    for direction in ("store", "load"):
-        for size in sizes:
-            for count in sorted({min(c, MAX_BYTES // size) for c in counts}):
-                g, h = gpu[: count * size].view(count, size), host[: count * size].view(count, size)
-                src, dst = ([g], [h]) if direction == "store" else ([h], [g])
-                src_ids, dst_ids = torch.randperm(count, generator=gen), torch.randperm(count, generator=gen)
-                src_dev, dst_dev = src_ids.to(device), dst_ids.to(device)
-
-                def kernel():
-                    with id_checks(False):
-                        kernel_copy(src, dst, src_dev, dst_dev)
-
-                def dma():
-                    copy_blocks(src, dst, src_ids, dst_ids, stream)
-
-                nbytes = count * size
-                out.rows.append(
-                    dict(
-                        direction=direction,
-                        block_bytes=size,
-                        blocks=count,
-                        kernel_gbps=nbytes / _sustained(kernel, stream) / 1e9,
-                        dma_gbps=nbytes / _sustained(dma, stream) / 1e9,
-                    )
-                )
-    return out
-
-
-@functools.cache
-def crossover(device: torch.device) -> Crossover:
-    """:func:`measure_crossover` once per device and process (engines on one device share it)."""
-    return measure_crossover(device)
-
-
 __all__ = [
     "Plan",
-    "Crossover",
     "plan_copies",
     "run_starts",
     "back_to_back",
     "count_copies",
     "launch",
+    "run_on_host",
     "copy_blocks",
     "batched_copy_abi",
     "has_batched_copy",
-    "measure_crossover",
-    "crossover",
 ]

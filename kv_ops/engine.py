@@ -1,16 +1,20 @@
-"""OffloadEngine: stores and loads KV blocks between the GPU cache and an exact-size host mirror.
+"""OffloadEngine: stores and loads KV blocks between the GPU cache and a packed host mirror.
 
-The engine owns one low-priority stream per direction. Each call records an event on the
-caller's current stream and makes its copy wait on it, so a store reads blocks only after the
-compute enqueued before the call has written them, and a load overwrites blocks only after the
-readers enqueued before the call are done with them (the two races vLLM shipped). Completion is
-tracked per direction by events in issue order, so a transfer id is reported done only after its
-copy finished, and every earlier one of that direction too (a high-water mark).
+The mirror is one page-locked uint8 tensor ``[num_host_blocks, block_bytes]``: row ``h`` holds host
+block ``h`` of every region side by side, in region order (the rows ``gather_blocks`` writes, and
+the disk tier's file slots).
 
-Each transfer takes one of two paths, chosen per call: the Triton kernel behind ``kv_ops.copy_blocks``
-(zero-copy on a few SMs, capturable) or the copy engines (``kv_ops.dma``, one batched call, runs of
-consecutive blocks merged). With ``path="auto"`` the choice follows the crossover measured on the
-device when the first engine of the process starts there.
+The engine owns one low-priority copy stream per direction. Each call orders its transfer after
+an event (by default recorded on the caller's current stream, or ``after=``), so a store reads
+blocks only after the compute that wrote them, and a load overwrites blocks only after their
+readers (the two races vLLM shipped). Completion is tracked per direction by events in issue
+order, so a transfer id is reported done only after its copy finished, and every earlier one of
+that direction too (a high-water mark).
+
+Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.paths`):
+the zero-copy kernel, the staged path (gather into a GPU ring, then the copy engines), or direct
+DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.crossover` measured for this
+engine's shape on this device.
 
 Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
 transfer in flight, then frees the mirror or closes the disk tier's file and stops its thread;
@@ -27,11 +31,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import dma, kernels, reference
-from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+from . import crossover as crossover_mod
 from .disk import BlockFile, DiskJob, DiskTier, _round_up
+from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import pinned_empty
-from .validation import check_ids_meta, check_ids_values, error_counter
+from .paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath, mirror_views
+from .validation import check_ids_meta, check_ids_values
+
+PATHS = ("auto", "kernel", "staged", "dma")
+# GPU memory of each direction's staging ring, by default (the staged path's chunks pipeline
+# through it; a ring never holds more rows than one transfer can have).
+RING_BYTES = 128 << 20
 
 
 class EngineClosedError(RuntimeError):
@@ -102,10 +112,19 @@ class OffloadEngine:
         Buffered file I/O instead of ``O_DIRECT``.
     staging_slots, staging_blocks : int
         Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each.
-    path : {"auto", "kernel", "dma"}
-        How the mirror transfers move on a GPU: per call by the measured crossover
-        (:func:`kv_ops.dma.crossover`, kept in ``self.crossover``), always the Triton kernel,
-        or always the copy engines. The disk tier packs its staging buffers with the kernel.
+    path : {"auto", "kernel", "staged", "dma"}
+        How mirror transfers move (:mod:`kv_ops.paths`): per call by what was measured for this
+        shape (``self.crossover``; ``self.crossover.table()`` shows it), the zero-copy kernel,
+        gather into a GPU ring then the copy engines, or the copy engines straight between the
+        cache and the mirror (one descriptor per block where the cache is one cross-layer
+        region). ``auto`` on a CPU engine is the kernel path's reference copy. The disk tier
+        packs its staging buffers with the kernel.
+    ring_bytes : int
+        GPU memory of each direction's staging ring (128 MiB by default), made on the staged
+        path's first use.
+    crossover_file : str, optional
+        With ``path="auto"``: keep the measurement in this JSON file and reuse it while the
+        device model, the regions' widths, the ring and torch stay the same.
 
     Notes
     -----
@@ -132,9 +151,13 @@ class OffloadEngine:
         staging_slots: int = 2,
         staging_blocks: int = 64,
         path: str = "auto",
+        ring_bytes: int = RING_BYTES,
+        crossover_file: str | None = None,
     ):
-        if path not in ("auto", "kernel", "dma"):
-            raise ValueError(f"OffloadEngine: path must be 'auto', 'kernel' or 'dma', got {path!r}")
+        if path not in PATHS:
+            raise ValueError(f"OffloadEngine: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
+        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or ring_bytes < 1:
+            raise ValueError(f"OffloadEngine: ring_bytes must be a positive integer, got {ring_bytes!r}")
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
             raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
@@ -149,25 +172,36 @@ class OffloadEngine:
         self._streams = None
         if self.device.type == "cuda":
             lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
-            self._streams = {kind: torch.cuda.Stream(self.device, priority=lowest) for kind in ("store", "load")}
+            self._streams = {d: torch.cuda.Stream(self.device, priority=lowest) for d in Direction}
         self.path = path
-        self.crossover: dma.Crossover | None = None
-        if self.device.type == "cuda" and path == "auto" and disk_dir is None:
-            self.crossover = dma.crossover(self.device)
-        self.path_counts = {"kernel": 0, "dma": 0}  # transfers per path, for whoever tunes this
-        self._lanes = {"store": _Lane(), "load": _Lane()}
+        self.crossover: crossover_mod.Crossover | None = None
+        self.path_counts = {"kernel": 0, "staged": 0, "dma": 0}  # transfers per path, for whoever tunes this
+        self._lanes = {d: _Lane() for d in Direction}
         self._ids = itertools.count()
         self._closed = False
-        self.mirror: dict[str, torch.Tensor] | None = None
+        self.mirror: torch.Tensor | None = None
+        self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None
+        self._paths: dict[str, KernelPath | StagedPath | DirectDmaPath] = {}
         if disk_dir is None:
-            # One exact-size page-locked tensor per region, same names as the regions.
-            self.mirror = {name: pinned_empty((self.num_host_blocks, r.shape[1])) for name, r in self.regions.items()}
+            self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
+            # Each region's columns of the mirror, by the region's name.
+            self.mirror_regions = dict(zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()])))
+            gpu = list(self.regions.values())
+            self._paths = {
+                "kernel": KernelPath(gpu, self.mirror, self._streams),
+                "staged": StagedPath(gpu, self.mirror, self._streams, ring_bytes),
+                "dma": DirectDmaPath(gpu, self.mirror, self._streams),
+            }
+            if self.device.type == "cuda" and path == "auto":
+                widths = [r.shape[1] for r in gpu]
+                self.crossover = crossover_mod.crossover(self.device, widths, ring_bytes, crossover_file)
         else:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
             try:
-                self.disk = DiskTier(self.regions, file, self._streams, staging_slots, staging_blocks)
+                streams = None if self._streams is None else {d.value: s for d, s in self._streams.items()}
+                self.disk = DiskTier(self.regions, file, streams, staging_slots, staging_blocks)
             except BaseException:
                 file.close()
                 raise
@@ -200,68 +234,65 @@ class OffloadEngine:
         check_ids_values(op, what, t, limit, unique)
         return t
 
-    def _transfer(self, kind: str, gpu_ids, host_ids) -> int:
+    def _ready(self, op: str, after) -> torch.cuda.Event | None:
+        """The event the transfer waits for: ``after`` itself, or recorded now on ``after`` (a
+        stream) or on the caller's current stream. Nothing blocks the caller's thread."""
+        if self.device.type != "cuda":
+            if after is not None:
+                raise ValueError(f"{op}: after= orders GPU work; this engine's cache is on {self.device}")
+            return None
+        if isinstance(after, torch.cuda.Event):
+            return after
+        if after is None:
+            after = torch.cuda.current_stream(self.device)
+        if not isinstance(after, torch.cuda.Stream):
+            raise ValueError(f"{op}: after must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}")
+        if after.device != self.device:
+            raise ValueError(f"{op}: after is a stream of {after.device}, but the engine's cache is on {self.device}")
+        ready = torch.cuda.Event()
+        ready.record(after)
+        return ready
+
+    def _pick(self, blocks: Blocks) -> KernelPath | StagedPath | DirectDmaPath:
+        name = self.path
+        if name == "auto":
+            name = None
+            if self.crossover is not None:
+                engines = {n: p.copy_engines for n, p in self._paths.items()}
+                name = self.crossover.choose(blocks.direction, blocks.count, blocks.num_runs, engines)
+            name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
+        return self._paths[name]
+
+    def _transfer(self, direction: Direction, gpu_ids, host_ids, after) -> int:
+        kind = direction.value
         self._check_open(kind)
         op = f"OffloadEngine.{kind}"
         # Destinations must not repeat (which copy would win is undefined); sources may.
-        gpu = self._ids_tensor(op, "gpu_ids", gpu_ids, self.num_blocks, unique=kind == "load")
-        host = self._ids_tensor(op, "host_ids", host_ids, self.num_host_blocks, unique=kind == "store")
+        gpu = self._ids_tensor(op, "gpu_ids", gpu_ids, self.num_blocks, unique=direction is Direction.LOAD)
+        host = self._ids_tensor(op, "host_ids", host_ids, self.num_host_blocks, unique=direction is Direction.STORE)
         if gpu.numel() != host.numel():
             raise ValueError(f"{op}: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
             raise RuntimeError(f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead")
+        ready = self._ready(op, after)
         tid = next(self._ids)
-        ready = None
-        if self.device.type == "cuda":
-            # Order after everything the caller enqueued so far (writers for a store, readers
-            # for a load), without blocking the caller's thread.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
         if self.disk is not None:
             self.disk.submit(DiskJob(tid, kind, gpu, host, ready))
             return tid
-        src, dst = (self.regions, self.mirror) if kind == "store" else (self.mirror, self.regions)
-        src_ids, dst_ids = (gpu, host) if kind == "store" else (host, gpu)
-        src_list, dst_list = list(src.values()), list(dst.values())
-        if ready is None:
-            reference.copy_blocks(src_list, dst_list, src_ids, dst_ids)
-            self._lanes[kind].add(tid, None)
-            return tid
-        stream = self._streams[kind]
-        # The runs of consecutive ids that the DMA path merges: found once, for the choice and the plan.
-        runs = dma.run_starts(src_ids, dst_ids) if self.path != "kernel" else None
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            if self._use_dma(kind, src_list, dst_list, src_ids.numel(), runs):
-                # The copy engines read the source in stream order: after the wait above.
-                dma.copy_blocks(src_list, dst_list, src_ids, dst_ids, stream, runs)
-                self.path_counts["dma"] += 1
-            else:
-                # Both id lists in one small host-to-device copy, allocated on this stream so
-                # that the allocator reuses it only after the kernel ran.
-                ids_dev = torch.stack([src_ids, dst_ids]).pin_memory().to(self.device, non_blocking=True)
-                # The launcher directly: the engine built these regions and checked the ids above,
-                # so the op's argument checks (which would cost more than the launch) add nothing.
-                kernels.block_copy(src_list, dst_list, ids_dev[0], ids_dev[1], src_ids.numel(), error_counter(self.device))
-                self.path_counts["kernel"] += 1
-            done = torch.cuda.Event()
-            done.record(stream)
-        self._lanes[kind].add(tid, done)
+        blocks = Blocks.of(direction, gpu, host)
+        path = self._pick(blocks)
+        self._lanes[direction].add(tid, path.enqueue(blocks, ready))
+        self.path_counts[path.name] += 1
         return tid
 
-    def _use_dma(self, kind: str, src: list, dst: list, num_pairs: int, runs) -> bool:
-        if self.crossover is None:
-            return self.path == "dma"
-        copies = dma.count_copies(src, dst, num_pairs, runs)  # what the DMA path would issue
-        return self.crossover.use_dma(kind, copies, num_pairs * self.block_bytes / max(copies, 1))
-
-    def store(self, gpu_ids, host_ids) -> int:
+    def store(self, gpu_ids, host_ids, after=None) -> int:
         """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``.
 
-        The copy is ordered after the work enqueued on the caller's current stream before the
-        call (the compute that wrote those blocks). Nothing blocks the caller's thread.
+        The copy is ordered after ``after``, by default the work enqueued on the caller's current
+        stream before the call (the compute that wrote those blocks). Nothing blocks the
+        caller's thread.
 
         Parameters
         ----------
@@ -270,6 +301,9 @@ class OffloadEngine:
         host_ids : sequence of int or int32/int64 tensor
             Destination host blocks (disk-tier slots) in ``[0, num_host_blocks)``; distinct, as
             many as ``gpu_ids``.
+        after : torch.cuda.Event or torch.cuda.Stream, optional
+            Order the copy after this event, or after the work enqueued on this stream so far,
+            instead of after the caller's current stream.
 
         Returns
         -------
@@ -280,18 +314,20 @@ class OffloadEngine:
         ------
         ValueError
             Bad ids (out of range, repeated destination, float or meta, length mismatch), before
-            any byte moves and without using up a transfer id.
+            any byte moves and without using up a transfer id; a bad ``after``.
         EngineClosedError
             After :meth:`close`.
         """
-        return self._transfer("store", gpu_ids, host_ids)
+        return self._transfer(Direction.STORE, gpu_ids, host_ids, after)
 
-    def load(self, host_ids, gpu_ids) -> int:
+    def load(self, host_ids, gpu_ids, after=None) -> int:
         """Copy host blocks ``host_ids[i]`` to GPU blocks ``gpu_ids[i]``.
 
-        The copy is ordered after the work enqueued on the caller's current stream before the
-        call (every reader of the destination blocks). Make the consumer wait for it with
-        :meth:`poll` before it reads the loaded blocks.
+        The copy into the GPU blocks is ordered after ``after``, by default the work enqueued on
+        the caller's current stream before the call (every reader of the destination blocks).
+        A load issued while a forward is queued would then wait for the whole forward; to
+        overlap with it, record an event after the last reader of these blocks and pass it.
+        Make the consumer wait for the load with :meth:`poll` before it reads the loaded blocks.
 
         Parameters
         ----------
@@ -299,6 +335,9 @@ class OffloadEngine:
             Source host blocks (disk-tier slots) in ``[0, num_host_blocks)``; may repeat.
         gpu_ids : sequence of int or int32/int64 tensor
             Destination blocks in ``[0, num_blocks)``; distinct, as many as ``host_ids``.
+        after : torch.cuda.Event or torch.cuda.Stream, optional
+            Order the copy after this event, or after the work enqueued on this stream so far,
+            instead of after the caller's current stream.
 
         Returns
         -------
@@ -309,11 +348,11 @@ class OffloadEngine:
         ------
         ValueError
             Bad ids (out of range, repeated destination, float or meta, length mismatch), before
-            any byte moves and without using up a transfer id.
+            any byte moves and without using up a transfer id; a bad ``after``.
         EngineClosedError
             After :meth:`close`.
         """
-        return self._transfer("load", gpu_ids, host_ids)
+        return self._transfer(Direction.LOAD, gpu_ids, host_ids, after)
 
     # --- completion --------------------------------------------------------------------------
 
@@ -321,10 +360,10 @@ class OffloadEngine:
         if self.disk is not None:
             while not self.disk.results.empty():
                 r = self.disk.results.get()
-                self._lanes[r.kind].add(r.tid, r.event, r.error)
+                self._lanes[Direction(r.kind)].add(r.tid, r.event, r.error)
         out = Completed()
-        self._lanes["store"].poll(out, out.stores, wait)
-        self._lanes["load"].poll(out, out.loads, wait)
+        self._lanes[Direction.STORE].poll(out, out.stores, wait)
+        self._lanes[Direction.LOAD].poll(out, out.loads, wait)
         return out
 
     def poll(self) -> Completed:
@@ -400,12 +439,14 @@ class OffloadEngine:
                     disk.file.close()  # the last descriptor: the kernel frees the nameless file
             if self._streams is not None:
                 # Idle after a completed flush; after an interrupted one this keeps the copies
-                # from outliving the memory they read or write.
-                for stream in self._streams.values():
+                # (and the staged path's gathers and scatters) from outliving the memory they use.
+                staged = self._paths.get("staged")
+                for stream in [*self._streams.values(), *(staged.kernel_streams.values() if staged else ())]:
                     stream.synchronize()
         finally:
-            self.mirror = None
-            self._lanes = {"store": _Lane(), "load": _Lane()}
+            self.mirror = self.mirror_regions = None
+            self._paths = {}
+            self._lanes = {d: _Lane() for d in Direction}
 
     def __enter__(self) -> "OffloadEngine":
         return self

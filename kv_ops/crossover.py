@@ -1,0 +1,206 @@
+"""What ``path="auto"`` measured: each path's sustained rate on the engine's own shape, and its pick.
+
+The measurement copies scratch blocks shaped like the engine's (the same regions' widths, so the
+same descriptors and the same gather), never the user's cache. For each path, direction, call
+size (:data:`COUNTS` blocks, capped at :data:`MAX_CALL_BYTES`) and id pattern (random ids, or
+runs of :data:`RUN` consecutive ids), :data:`CALLS` calls are issued back to back, as a serving
+engine issues them, and the clock stops when the last copy has finished. The whole sweep takes
+about a second on the H200 (plus the kernels' first compile in a fresh cache). It is done once
+per device, shape and process, and can be kept in a JSON file that the user names.
+
+The pick: the fastest path in the nearest measured cell, except that a copy-engine path within
+:data:`TOLERANCE` of it wins, because it leaves every SM to the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .host_memory import pinned_empty
+from .paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+
+COUNTS = (4, 32, 256)
+RUN = 16
+CALLS = 4
+MAX_CALL_BYTES = 64 << 20
+TOLERANCE = 0.05
+PATH_NAMES = ("kernel", "staged", "dma")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: ``path`` moved ``blocks`` blocks in ``runs`` runs per call, ``direction``,
+    at ``gbps`` (sustained over back-to-back calls)."""
+
+    path: str
+    direction: str
+    blocks: int
+    runs: int
+    gbps: float
+
+
+@dataclass
+class Crossover:
+    """The measured cells of one engine shape, and the per-call choice they make.
+
+    ``key`` names what was measured (device, widths, ring), so that a cached file is used only
+    for the same shape on the same kind of device.
+    """
+
+    key: dict
+    cells: list[Cell] = field(default_factory=list)
+
+    def _nearest(self, direction: Direction, blocks: int, runs: int) -> list[Cell]:
+        """The cells (one per path) nearest to ``blocks`` blocks in ``runs`` runs: log scales of the
+        call size and of the mean run length."""
+        mine = [c for c in self.cells if c.direction == direction.value]
+        if not mine:
+            return []
+
+        def distance(c: Cell) -> float:
+            return abs(math.log2(c.blocks) - math.log2(max(blocks, 1))) + abs(
+                math.log2(c.blocks / c.runs) - math.log2(max(blocks, 1) / max(runs, 1))
+            )
+
+        best = min(distance(c) for c in mine)
+        return [c for c in mine if distance(c) == best]
+
+    def choose(self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool]) -> str | None:
+        """The path name for a call: the fastest in the nearest cell, or a copy-engine path
+        within :data:`TOLERANCE` of it (the fastest of those). None where nothing was measured."""
+        cells = [c for c in self._nearest(direction, blocks, runs) if c.path in copy_engines]
+        if not cells:
+            return None
+        best = max(c.gbps for c in cells)
+        engines = [c for c in cells if copy_engines[c.path] and c.gbps >= (1 - TOLERANCE) * best]
+        return max(engines or cells, key=lambda c: c.gbps).path
+
+    def table(self) -> str:
+        """The measured cells as a markdown table, one row per (direction, blocks, runs), with the pick."""
+        paths = [p for p in PATH_NAMES if any(c.path == p for c in self.cells)]
+        engines = {"kernel": False, "staged": True, "dma": True}
+        lines = [
+            "| direction | blocks | runs | " + " | ".join(f"{p} GB/s" for p in paths) + " | auto picks |",
+            "| --- | ---: | ---: | " + " | ".join("---:" for _ in paths) + " | --- |",
+        ]
+        keys = dict.fromkeys((c.direction, c.blocks, c.runs) for c in self.cells)
+        for direction, blocks, runs in keys:
+            rate = {c.path: c.gbps for c in self.cells if (c.direction, c.blocks, c.runs) == (direction, blocks, runs)}
+            pick = self.choose(Direction(direction), blocks, runs, {p: engines[p] for p in rate})
+            lines.append(f"| {direction} | {blocks} | {runs} | " + " | ".join(f"{rate.get(p, 0):.1f}" for p in paths) + f" | {pick} |")
+        return "\n".join(lines)
+
+    def save(self, path: str) -> None:
+        """Write the cells to ``path`` as JSON (atomically: a crash leaves the old file or none)."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"key": self.key, "cells": [asdict(c) for c in self.cells]}, f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, key: dict) -> "Crossover | None":
+        """The crossover kept in ``path`` if it was measured for ``key``; None if absent, unreadable
+        or of another shape or device."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if data.get("key") != key:
+                return None
+            return cls(key, [Cell(**c) for c in data["cells"]])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+
+def shape_key(device: torch.device, widths: list[int], ring_bytes: int) -> dict:
+    """What a measurement depends on: the device model, the region widths, the ring size, torch."""
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "widths": list(widths),
+        "ring_bytes": int(ring_bytes),
+        "torch": torch.__version__,
+    }
+
+
+def _call_ids(gen: torch.Generator, blocks: int, rows: int, runs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU and host ids of one call: ``blocks`` pairs in ``runs`` runs, drawn from ``rows`` rows."""
+    if runs == blocks:
+        return torch.randperm(rows, generator=gen)[:blocks], torch.randperm(rows, generator=gen)[:blocks]
+    length = blocks // runs
+    starts = torch.randperm(rows // length, generator=gen)[:runs] * length
+    gpu = (starts[:, None] + torch.arange(length)).flatten()
+    starts = torch.randperm(rows // length, generator=gen)[:runs] * length
+    return gpu, (starts[:, None] + torch.arange(length)).flatten()
+
+
+def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH_NAMES) -> Crossover:
+    """Time ``paths`` on scratch regions of ``widths`` over :data:`COUNTS` x patterns x directions."""
+    row_bytes = sum(widths)
+    cap = max(1, MAX_CALL_BYTES // row_bytes)
+    counts = sorted({min(c, cap) for c in COUNTS})
+    rows = 2 * counts[-1]  # random ids are then rarely consecutive
+    gpu = [torch.randint(0, 256, (rows, w), dtype=torch.uint8, device=device) for w in widths]
+    mirror = pinned_empty((rows, row_bytes))
+    lowest, _ = torch.cuda.Stream.priority_range()
+    streams = {d: torch.cuda.Stream(device, priority=lowest) for d in Direction}
+    made = {
+        "kernel": lambda: KernelPath(gpu, mirror, streams),
+        "staged": lambda: StagedPath(gpu, mirror, streams, ring_bytes),
+        "dma": lambda: DirectDmaPath(gpu, mirror, streams),
+    }
+    gen = torch.Generator().manual_seed(0)
+    out = Crossover(shape_key(device, widths, ring_bytes))
+    for name in paths:
+        path = made[name]()
+        for direction in Direction:
+            for blocks in counts:
+                for runs in sorted({blocks, max(1, blocks // RUN)}):
+                    calls = [Blocks.of(direction, *_call_ids(gen, blocks, rows, runs)) for _ in range(CALLS)]
+                    seconds = _sustained(path, calls, device)
+                    out.cells.append(Cell(name, direction.value, blocks, runs, blocks * row_bytes / seconds / 1e9))
+    return out
+
+
+def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = 2) -> float:
+    """Seconds per call, ``calls`` issued back to back until the last copy ends; best of ``reps``
+    after a warm-up."""
+    best = math.inf
+    for rep in range(reps + 1):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        for blocks in calls:
+            path.enqueue(blocks, ready)
+        torch.cuda.synchronize(device)
+        if rep:
+            best = min(best, (time.perf_counter() - start) / len(calls))
+    return best
+
+
+@functools.cache
+def _measured(device: torch.device, widths: tuple[int, ...], ring_bytes: int) -> Crossover:
+    return measure(device, list(widths), ring_bytes)
+
+
+def crossover(device: torch.device, widths: list[int], ring_bytes: int, cache_file: str | None = None) -> Crossover:
+    """The crossover of this shape on ``device``: measured once per process (engines of one shape
+    share it), or read from ``cache_file`` when it holds this shape's, and written there otherwise."""
+    key = shape_key(device, widths, ring_bytes)
+    if cache_file is not None:
+        kept = Crossover.load(cache_file, key)
+        if kept is not None:
+            return kept
+    found = _measured(device, tuple(widths), int(ring_bytes))
+    if cache_file is not None:
+        found.save(cache_file)
+    return found
+
+
+__all__ = ["Cell", "Crossover", "measure", "crossover", "shape_key", "COUNTS", "RUN", "TOLERANCE"]

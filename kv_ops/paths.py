@@ -1,0 +1,294 @@
+"""The engine's three ways to move blocks between the GPU cache and the packed host mirror.
+
+Every path moves one :class:`Blocks` (GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``)
+and has the same two members: ``enqueue(blocks, ready)``, which orders the transfer after the
+``ready`` event, launches it and returns the event that completes with it, and ``copy_engines``,
+whether it leaves the SMs to the model. :mod:`kv_ops.crossover` measures them on the engine's own
+shape; the engine picks one per call and launches it once.
+
+* :class:`KernelPath` -- the Triton kernel reads and writes the mirror over PCIe (zero-copy) on
+  a few SMs. No per-block cost: the choice for small, latency-bound transfers.
+* :class:`StagedPath` -- a kernel gathers the scattered per-layer blocks into packed rows of a GPU
+  ring (device to device, at TB/s), and the copy engines move each packed row, or run of rows,
+  as one descriptor of ``block_bytes`` or more. Loads are the reverse.
+* :class:`DirectDmaPath` -- the copy engines move each region's block (or run of blocks) straight
+  between the cache and the mirror. One descriptor per block for a cross-layer cache (one region,
+  packed like the mirror); one per region and block otherwise.
+
+On the CPU (an engine over CPU tensors) each path runs synchronously through the same plans:
+:func:`kv_ops.dma.run_on_host` executes what the copy engines would.
+
+The mirror is one page-locked uint8 tensor ``[num_host_blocks, block_bytes]``: row ``h`` holds
+host block ``h`` of every region side by side, in region order -- the rows ``gather_blocks``
+writes. The kernel and direct paths see it as per-region column views of it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import dma, kernels, reference
+from .validation import error_counter
+
+# Ring slots per direction: with four, a store's gather of chunk i+1 (and i+2) runs while the
+# copy engines drain chunk i, and calls issued back to back keep the pipeline full.
+RING_SLOTS = 4
+# Programs of the staging gather and scatter. Device-to-device, 32 programs move ~0.86 TB/s on
+# the H200: the SMs are busy about 6% of the time the link needs for the same bytes (8 programs:
+# 23%; all SMs: 3.5%, for 4x the SMs taken from the model while they run).
+STAGE_PROGRAMS = 32
+
+
+class Direction(enum.Enum):
+    STORE = "store"  # GPU cache -> host mirror
+    LOAD = "load"  # host mirror -> GPU cache
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One transfer: GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``, ids checked.
+
+    ``gpu_ids`` and ``host_ids`` are int64 CPU tensors of equal length; ``runs`` is
+    :func:`kv_ops.dma.run_starts` of the pairs (start and length of each stretch in which both ids
+    go up by one), found once for the choice and the plans.
+    """
+
+    direction: Direction
+    gpu_ids: torch.Tensor
+    host_ids: torch.Tensor
+    runs: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, direction: Direction, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> "Blocks":
+        return cls(direction, gpu_ids, host_ids, dma.run_starts(gpu_ids, host_ids))
+
+    @property
+    def count(self) -> int:
+        return self.gpu_ids.numel()
+
+    @property
+    def num_runs(self) -> int:
+        return self.runs[0].numel()
+
+    def sides(self, gpu, host):
+        """(src, dst, src_ids, dst_ids) for this direction, given the GPU and the host side."""
+        if self.direction is Direction.STORE:
+            return gpu, host, self.gpu_ids, self.host_ids
+        return host, gpu, self.host_ids, self.gpu_ids
+
+
+def mirror_views(mirror: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    """Region r's blocks in the mirror: columns ``[sum(widths[:r]), +widths[r])`` of every row."""
+    views, column = [], 0
+    for width in widths:
+        views.append(mirror[:, column : column + width])
+        column += width
+    return views
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _ids_on(device: torch.device, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` on ``device``, copied on the current stream (the allocator then reuses the memory
+    only after the work enqueued on that stream, the kernel that reads it, has run)."""
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
+class KernelPath:
+    """The Triton block-copy kernel between the cache regions and the mirror's region views."""
+
+    name = "kernel"
+    copy_engines = False
+
+    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None):
+        self.regions = list(regions)
+        self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
+        self.streams = streams
+        self.device = self.regions[0].device
+
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
+        if self.streams is None:
+            reference.copy_blocks(src, dst, src_ids, dst_ids)
+            return None
+        stream = self.streams[blocks.direction]
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            ids = _ids_on(self.device, torch.stack([src_ids, dst_ids]))
+            # The launcher directly: the engine checked the ids, so the op's checks add nothing.
+            kernels.block_copy(src, dst, ids[0], ids[1], blocks.count, error_counter(self.device))
+            return _record(stream)
+
+
+class DirectDmaPath:
+    """The copy engines, region by region, straight between the cache and the mirror."""
+
+    name = "dma"
+    copy_engines = True
+
+    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None):
+        self.regions = list(regions)
+        self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
+        self.streams = streams
+
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
+        # Runs merge into one copy only where a region's blocks are back to back on both sides:
+        # a one-region (cross-layer) cache, whose mirror view is the whole mirror.
+        plan = dma.plan_copies(src, dst, src_ids, dst_ids, blocks.runs)
+        if self.streams is None:
+            dma.run_on_host(plan)
+            return None
+        stream = self.streams[blocks.direction]
+        stream.wait_event(ready)
+        dma.launch(plan, stream)  # reads the source in stream order: after the wait
+        return _record(stream)
+
+
+class StagedPath:
+    """Gather into a GPU ring of packed rows, then one copy-engine descriptor per row or run.
+
+    Each direction has its own ring of :data:`RING_SLOTS` slots of ``chunk`` rows and its own
+    kernel stream beside the engine's copy stream. A transfer is cut into chunks of ``chunk``
+    pairs, dealt round-robin over the slots (across calls too):
+
+    * store: kernel stream waits for ``ready`` and for the slot's last DMA, gathers the chunk into
+      the slot; the copy stream waits for that gather and copies the slot's rows to the mirror,
+      one descriptor per run of consecutive host ids;
+    * load: the copy stream waits for the slot's last scatter and copies mirror rows into the
+      slot (not ordered after ``ready``: the ring is the engine's own, so the copy overlaps the
+      caller's compute); the kernel stream waits for that copy and, once, for ``ready``, then
+      scatters the slot into the cache.
+
+    A slot is reused only after the work that reads it (a store's DMA, a load's scatter) has
+    finished: ordered by events on the GPU, never by the host waiting.
+
+    Parameters
+    ----------
+    regions : sequence of Tensor
+        The cache regions ``[num_blocks, width_r]`` (uint8), on one device.
+    mirror : Tensor
+        The packed mirror ``[num_host_blocks, sum(width_r)]`` (uint8, page-locked on CUDA).
+    streams : dict of Direction to Stream, or None
+        The engine's copy streams (None on the CPU).
+    ring_bytes : int
+        GPU memory of each direction's ring; a slot holds at least one row, and no more rows
+        than a transfer can have.
+    """
+
+    name = "staged"
+    copy_engines = True
+
+    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int):
+        self.regions = list(regions)
+        self.mirror = mirror
+        self.streams = streams
+        self.device = self.regions[0].device
+        row_bytes = mirror.shape[1]
+        most_pairs = max(mirror.shape[0], self.regions[0].shape[0])
+        self.chunk = max(1, min(ring_bytes // (RING_SLOTS * row_bytes), -(-most_pairs // RING_SLOTS)))
+        self._rings: dict[Direction, torch.Tensor] = {}  # made on first use: auto may never pick this path
+        self._free: dict[Direction, list[torch.cuda.Event | None]] = {d: [None] * RING_SLOTS for d in Direction}
+        self._next = {d: 0 for d in Direction}
+        # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
+        self.kernel_streams = None
+        if streams is not None:
+            lowest, _ = torch.cuda.Stream.priority_range()
+            self.kernel_streams = {d: torch.cuda.Stream(self.device, priority=lowest) for d in Direction}
+
+    @property
+    def ring_bytes(self) -> int:
+        """GPU bytes of one direction's ring."""
+        return RING_SLOTS * self.chunk * self.mirror.shape[1]
+
+    def _slot(self, direction: Direction, rows: int) -> tuple[int, torch.Tensor]:
+        ring = self._rings.get(direction)
+        if ring is None:
+            ring = torch.empty((RING_SLOTS * self.chunk, self.mirror.shape[1]), dtype=torch.uint8, device=self.device)
+            self._rings[direction] = ring
+        slot = self._next[direction]
+        self._next[direction] = (slot + 1) % RING_SLOTS
+        return slot, ring[slot * self.chunk : slot * self.chunk + rows]
+
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        if blocks.count == 0:
+            return None if self.streams is None else self._empty(blocks.direction, ready)
+        if blocks.direction is Direction.STORE:
+            return self._store(blocks, ready)
+        return self._load(blocks, ready)
+
+    def _empty(self, direction: Direction, ready: torch.cuda.Event | None) -> torch.cuda.Event:
+        stream = self.streams[direction]
+        stream.wait_event(ready)
+        return _record(stream)
+
+    def _chunks(self, blocks: Blocks):
+        for start in range(0, blocks.count, self.chunk):
+            stop = min(start + self.chunk, blocks.count)
+            yield start, stop, torch.arange(stop - start)
+
+    def _store(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        d = Direction.STORE
+        if self.streams is None:
+            for start, stop, rows in self._chunks(blocks):
+                _, staged = self._slot(d, stop - start)
+                reference.gather_blocks(self.regions, blocks.gpu_ids[start:stop], staged)
+                dma.run_on_host(dma.plan_copies([staged], [self.mirror], rows, blocks.host_ids[start:stop]))
+            return None
+        gather, copy = self.kernel_streams[d], self.streams[d]
+        with torch.cuda.stream(gather):
+            gather.wait_event(ready)  # after the compute that wrote the blocks
+            gpu_ids = _ids_on(self.device, blocks.gpu_ids)
+        for start, stop, rows in self._chunks(blocks):
+            slot, staged = self._slot(d, stop - start)
+            if self._free[d][slot] is not None:
+                gather.wait_event(self._free[d][slot])  # the slot's last DMA has read it
+            with torch.cuda.stream(gather):
+                kernels.block_copy(
+                    self.regions, staged, gpu_ids[start:stop], None, stop - start, error_counter(self.device),
+                    num_programs=STAGE_PROGRAMS,
+                )
+            copy.wait_event(_record(gather))
+            # Slot rows are consecutive, so each run of consecutive host ids is one descriptor.
+            dma.launch(dma.plan_copies([staged], [self.mirror], rows, blocks.host_ids[start:stop]), copy)
+            self._free[d][slot] = _record(copy)
+        return self._free[d][slot]
+
+    def _load(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        d = Direction.LOAD
+        if self.streams is None:
+            for start, stop, rows in self._chunks(blocks):
+                _, staged = self._slot(d, stop - start)
+                dma.run_on_host(dma.plan_copies([self.mirror], [staged], blocks.host_ids[start:stop], rows))
+                reference.scatter_blocks(staged, blocks.gpu_ids[start:stop], self.regions)
+            return None
+        scatter, copy = self.kernel_streams[d], self.streams[d]
+        with torch.cuda.stream(scatter):
+            scatter.wait_event(ready)  # after every reader of the destination blocks
+            gpu_ids = _ids_on(self.device, blocks.gpu_ids)
+        for start, stop, rows in self._chunks(blocks):
+            slot, staged = self._slot(d, stop - start)
+            if self._free[d][slot] is not None:
+                copy.wait_event(self._free[d][slot])  # the slot's last scatter has read it
+            dma.launch(dma.plan_copies([self.mirror], [staged], blocks.host_ids[start:stop], rows), copy)
+            scatter.wait_event(_record(copy))
+            with torch.cuda.stream(scatter):
+                kernels.block_copy(
+                    staged, self.regions, None, gpu_ids[start:stop], stop - start, error_counter(self.device),
+                    num_programs=STAGE_PROGRAMS,
+                )
+            self._free[d][slot] = _record(scatter)
+        return self._free[d][slot]
+
+
+Path = KernelPath | StagedPath | DirectDmaPath
+
+__all__ = ["Direction", "Blocks", "KernelPath", "StagedPath", "DirectDmaPath", "Path", "mirror_views", "RING_SLOTS", "STAGE_PROGRAMS"]
