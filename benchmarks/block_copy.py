@@ -30,33 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kv_ops  # noqa: E402
 from kv_ops import kernels  # noqa: E402
+from kv_ops.driver import driver as cuda_driver  # noqa: E402
+from common import time_graph  # noqa: E402  (this script's own directory)
 
 BLOCK_BYTES = [256, 1024, 4096, 16384, 65536, 262144, 2 << 20]
 COUNTS = [16, 256, 2048, 16384]
 MAX_TOTAL = 1 << 30  # skip combinations that would move more than 1 GiB per call
-
-
-def time_graph(fn, reps: int = 15) -> float:
-    """Median seconds of one call of ``fn``, captured in a CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside capture (compilation, tables)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def time_eager(fn, reps: int = 3) -> float:
@@ -118,7 +97,7 @@ class Setup:
         return d2h_fn if d2h else h2d_fn
 
     def per_block(self, d2h: bool):
-        from cuda.bindings import driver
+        driver = cuda_driver()
 
         gpu_ids, host_ids = self.gpu_ids.tolist(), self.host_ids.tolist()
         g0, h0, b = self.gpu.data_ptr(), self.host.data_ptr(), self.block

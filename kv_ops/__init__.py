@@ -4,6 +4,8 @@ Where each piece lives:
 
 * ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
                      to block-strided byte regions ``[num_blocks, block_bytes]``.
+* ``driver``      -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
+                     ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
 * ``host_memory`` -- ``pinned_empty`` (exact-size page-locked memory), ``device_view``.
 * ``kernels``     -- the Triton block-copy kernel and its launcher.
 * ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.

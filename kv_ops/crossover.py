@@ -111,11 +111,19 @@ class Crossover:
         try:
             with open(path) as f:
                 data = json.load(f)
-            if data.get("key") != key:
+            if not isinstance(data, dict) or data.get("key") != key:
                 return None
-            return cls(key, [Cell(**c) for c in data["cells"]])
-        except (OSError, ValueError, TypeError, KeyError):
+            cells = [Cell(**c) for c in data["cells"]]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return None
+        directions = {d.value for d in Direction}
+        for c in cells:  # a hand-edited or damaged file must not reach the per-call choice
+            counts = [v for v in (c.blocks, c.runs) if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+            if c.path not in PATH_NAMES or c.direction not in directions or len(counts) != 2:
+                return None
+            if not (isinstance(c.gbps, (int, float)) and math.isfinite(c.gbps) and c.gbps > 0):
+                return None
+        return cls(key, cells) if cells else None
 
 
 def shape_key(device: torch.device, widths: list[int], ring_bytes: int) -> dict:
@@ -163,7 +171,8 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
                 for runs in sorted({blocks, max(1, blocks // RUN)}):
                     calls = [Blocks.of(direction, *_call_ids(gen, blocks, rows, runs)) for _ in range(CALLS)]
                     seconds = _sustained(path, calls, device)
-                    out.cells.append(Cell(name, direction.value, blocks, runs, blocks * row_bytes / seconds / 1e9))
+                    moved = calls[0].count  # runs x (blocks // runs): what was really copied
+                    out.cells.append(Cell(name, direction.value, moved, runs, moved * row_bytes / seconds / 1e9))
     return out
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_memory import check_driver, driver_context
+from .driver import check_driver, driver, driver_context
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
 # A module setting, read at every launch, so a benchmark can compare both.
@@ -145,7 +145,7 @@ _P, _N = ctypes.c_void_p, ctypes.c_size_t
 @functools.cache
 def _entry_points() -> tuple[object | None, object, int]:
     """(batched call or None, per-copy cuMemcpyAsync, CUDA version of the batched signature)."""
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     (version,) = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
     flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
@@ -177,7 +177,7 @@ def _stream_order_attributes(prefer_overlap: bool):
     STREAM order is what makes a store correct: the source is GPU memory that the compute
     before the copy writes. (ANY would let the engine read it early.)
     """
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     attrs = drv.CUmemcpyAttributes()
     attrs.srcAccessOrder = drv.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
@@ -200,7 +200,7 @@ def has_batched_copy() -> bool:
 
 def _check(code: int, what: str) -> None:
     if code:
-        from cuda.bindings import driver as drv
+        drv = driver()
 
         check_driver((drv.CUresult(code),), what)
 
@@ -215,7 +215,7 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
         return
     if stream.cuda_stream == 0:
         raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     (status,) = check_driver(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
     if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_memory import check_driver, device_pointer, device_view, driver_context, pinned_empty
+from .driver import check_driver, device_pointer, driver, driver_context
+from .host_memory import device_view, pinned_empty
 
 _kept_alive: list[torch.Tensor] = []
 
@@ -134,7 +135,7 @@ def check_driver_version(device: torch.device | str | int | None = None) -> Chec
         else:
             fix = "torch has CUDA but sees no device: check nvidia-smi and CUDA_VISIBLE_DEVICES"
         return _skip_no_cuda("driver", fix)
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     device = _cuda_device(device)
     with driver_context(device):
@@ -180,7 +181,7 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
     """
     if not torch.cuda.is_available():
         return _skip_no_cuda("stream memory ops")
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     device = _cuda_device(device)
     attrs = {}
@@ -250,7 +251,7 @@ def check_host_register(device: torch.device | str | int | None = None) -> Check
     name = "host register"
     if not torch.cuda.is_available():
         return _skip_no_cuda(name)
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     device = _cuda_device(device)
     supported = _attribute(drv, "CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED", device.index)
@@ -473,7 +474,7 @@ def check_pcie_link(device: torch.device | str | int | None = None, seconds: flo
     name = "PCIe link"
     if not torch.cuda.is_available():
         return _skip_no_cuda(name)
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     device = _cuda_device(device)
     with driver_context(device):

@@ -177,18 +177,20 @@ class OffloadEngine:
         self.crossover: crossover_mod.Crossover | None = None
         self.path_counts = {"kernel": 0, "staged": 0, "dma": 0}  # transfers per path, for whoever tunes this
         self._lanes = {d: _Lane() for d in Direction}
+        # Per direction, the path and completion event of the last transfer (see _transfer).
+        self._last: dict[Direction, tuple[object, torch.cuda.Event | None]] = {}
         self._ids = itertools.count()
         self._closed = False
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None
-        self._paths: dict[str, KernelPath | StagedPath | DirectDmaPath] = {}
+        self.paths: dict[str, KernelPath | StagedPath | DirectDmaPath] = {}
         if disk_dir is None:
             self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
             # Each region's columns of the mirror, by the region's name.
             self.mirror_regions = dict(zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()])))
             gpu = list(self.regions.values())
-            self._paths = {
+            self.paths = {
                 "kernel": KernelPath(gpu, self.mirror, self._streams),
                 "staged": StagedPath(gpu, self.mirror, self._streams, ring_bytes),
                 "dma": DirectDmaPath(gpu, self.mirror, self._streams),
@@ -258,10 +260,10 @@ class OffloadEngine:
         if name == "auto":
             name = None
             if self.crossover is not None:
-                engines = {n: p.copy_engines for n, p in self._paths.items()}
+                engines = {n: p.copy_engines for n, p in self.paths.items()}
                 name = self.crossover.choose(blocks.direction, blocks.count, blocks.num_runs, engines)
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
-        return self._paths[name]
+        return self.paths[name]
 
     def _transfer(self, direction: Direction, gpu_ids, host_ids, after) -> int:
         kind = direction.value
@@ -283,7 +285,15 @@ class OffloadEngine:
             return tid
         blocks = Blocks.of(direction, gpu, host)
         path = self._pick(blocks)
-        self._lanes[direction].add(tid, path.enqueue(blocks, ready))
+        last = self._last.get(direction)
+        if last is not None and last[0] is not path and last[1] is not None:
+            # Transfers of one direction land in issue order whatever their paths: a staged load
+            # ends on the path's own kernel stream, and a later kernel or DMA load (which run
+            # on the copy stream) into the same blocks must not overtake it.
+            self._streams[direction].wait_event(last[1])
+        done = path.enqueue(blocks, ready)
+        self._last[direction] = (path, done)
+        self._lanes[direction].add(tid, done)
         self.path_counts[path.name] += 1
         return tid
 
@@ -440,12 +450,12 @@ class OffloadEngine:
             if self._streams is not None:
                 # Idle after a completed flush; after an interrupted one this keeps the copies
                 # (and the staged path's gathers and scatters) from outliving the memory they use.
-                staged = self._paths.get("staged")
+                staged = self.paths.get("staged")
                 for stream in [*self._streams.values(), *(staged.kernel_streams.values() if staged else ())]:
                     stream.synchronize()
         finally:
             self.mirror = self.mirror_regions = None
-            self._paths = {}
+            self.paths = {}
             self._lanes = {d: _Lane() for d in Direction}
 
     def __enter__(self) -> "OffloadEngine":

@@ -3,7 +3,6 @@ long-lived device tensors the ops cache (kept out of CUDA-graph memory pools).""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import mmap
@@ -13,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .driver import check_driver, device_pointer, driver, driver_context
+
 # cuMemHostRegister pins page by page; very large single registrations have failed on some
 # drivers, so we register in pieces of at most 64 GiB (docs/design.md). The pieces are adjacent in
 # the virtual address space, and on devices that use the host pointer for registered memory
@@ -21,36 +22,6 @@ import torch
 REGISTER_CHUNK_BYTES = 64 << 30
 
 _warned_no_cuda = False
-
-
-def _driver():
-    # Imported lazily: cuda-bindings loads libcuda on first use and fails where no driver exists.
-    from cuda.bindings import driver
-
-    return driver
-
-
-def check_driver(result, what: str):
-    """Raise on a cuda-bindings driver error code; return the call's remaining outputs."""
-    drv = _driver()
-    err = result[0]
-    if err != drv.CUresult.CUDA_SUCCESS:
-        _, text = drv.cuGetErrorString(err)
-        text = text.decode() if isinstance(text, bytes) else text
-        raise RuntimeError(f"{what} failed: {err.name} ({int(err)}): {text}")
-    return result[1:]
-
-
-@contextlib.contextmanager
-def driver_context(device: torch.device):
-    """Bind ``device``'s primary context to this thread for driver calls, then restore.
-
-    The driver API acts on the calling thread's current context, which torch creates lazily; a
-    one-element allocation is the cheapest way to make torch create and bind it.
-    """
-    with torch.cuda.device(device):
-        torch.empty(1, device=device)
-        yield
 
 
 class _Pinned:
@@ -71,7 +42,7 @@ class _Pinned:
             self._register(nbytes)
 
     def _register(self, nbytes: int) -> None:
-        drv = _driver()
+        drv = driver()
         flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
         if nbytes > REGISTER_CHUNK_BYTES:
             dev = torch.cuda.current_device()
@@ -95,7 +66,7 @@ class _Pinned:
             raise
 
     def release(self) -> None:
-        drv = _driver() if self.registered else None
+        drv = driver() if self.registered else None
         while self.registered:
             # A failure here cannot be raised from a finalizer; the mapping is freed regardless.
             drv.cuMemHostUnregister(self.registered.pop())
@@ -202,22 +173,6 @@ def lasting_copy(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return made[0]
 
 
-def device_pointer(host: torch.Tensor) -> int:
-    """The device address at which the GPU reaches a page-locked host tensor's first byte.
-
-    Raises ``ValueError`` if the memory is not page-locked and mapped for the device.
-    """
-    drv = _driver()
-    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
-    err, ptr = drv.cuPointerGetAttribute(attr, host.data_ptr())
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise ValueError(
-            "host tensor at 0x%x is not page-locked memory mapped for the GPU (%s); allocate it "
-            "with kv_ops.pinned_empty or torch.empty(..., pin_memory=True)" % (host.data_ptr(), err.name)
-        )
-    return int(ptr)
-
-
 class _CudaArrayInterface:
     """Describes ``nbytes`` at a device address as a flat uint8 array; holds ``owner`` alive."""
 
@@ -302,10 +257,7 @@ __all__ = [
     "pinned_empty",
     "pin_mapping",
     "device_view",
-    "device_pointer",
     "lasting_copy",
     "alias_bytes",
-    "check_driver",
-    "driver_context",
     "REGISTER_CHUNK_BYTES",
 ]

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import host_memory
+from . import driver, host_memory
 
 # At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
 # and eight SMs already saturate a PCIe Gen5 x16 link (docs/design.md: 0.91-0.95 of memcpy).
@@ -146,7 +146,7 @@ def _interpreting() -> bool:
 def _address(t: torch.Tensor, device: torch.device) -> int:
     """Where a kernel on ``device`` finds ``t``'s first byte (host memory: its mapped address)."""
     if t.device.type == "cpu" and device.type == "cuda":
-        return host_memory.device_pointer(t)
+        return driver.device_pointer(t)
     return t.data_ptr()
 
 

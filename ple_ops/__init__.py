@@ -1,7 +1,7 @@
 """ple_ops: per-layer-embedding rows computed in a CUDA-free CPU process, pulled by GPU streams.
 
-Built on kv_ops: its driver helpers (``kv_ops.host_memory``) and, for the gather transport, its
-zero-copy gather kernel.
+Built on kv_ops: its driver helpers (``kv_ops.driver``), page-locking (``kv_ops.host_memory``) and,
+for the gather transport, its zero-copy gather kernel.
 
 Where each piece lives:
 

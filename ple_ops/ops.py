@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kv_ops.host_memory import check_driver
+from kv_ops.driver import check_driver, driver
 
 from . import reference, registry
 from .control import IDLE, WAITING
@@ -162,7 +162,7 @@ def _(out, dep, num_tokens, name):
 
 @_wait_copy.register_kernel("cuda")
 def _(out, dep, num_tokens, name):
-    from cuda.bindings import driver as drv
+    drv = driver()
 
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from kv_ops.host_memory import check_driver, device_pointer
+from kv_ops.driver import check_driver, device_pointer, driver
 
 RESET = 0
 DONE = 1
@@ -123,7 +123,7 @@ class CpuGpuSemaphore:
         return self._device_address
 
     def _stream_op(self, op: str, value: int) -> None:
-        from cuda.bindings import driver as drv
+        drv = driver()
 
         stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
         address = drv.CUdeviceptr(self.device_address)

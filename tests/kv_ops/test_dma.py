@@ -1,11 +1,10 @@
-"""The DMA path: plans against the reference, run merging, the driver calls, the crossover.
+"""The copy-engine plans: against the reference, run merging, the driver calls.
 
-On the CPU a plan is executed with ``ctypes.memmove``, copy by copy, exactly as the copy engines
-would execute it: that checks every address and size the driver would be handed. On the GPU the
-same plans go through ``cuMemcpyBatchAsync``.
+On the CPU a plan is executed by ``kv_ops.dma.run_on_host`` with ``ctypes.memmove``, copy by
+copy, exactly as the copy engines would execute it: that checks every address and size the
+driver would be handed. On the GPU the same plans go through ``cuMemcpyBatchAsync``. (What
+``path="auto"`` measures and picks is tested in test_crossover.py.)
 """
-
-import ctypes
 
 import pytest
 import torch
@@ -16,11 +15,6 @@ from hypothesis import strategies as st
 from kv_ops import dma, reference
 
 gpu = pytest.mark.gpu
-
-
-def run_on_host(plan: dma.Plan) -> None:
-    for dst, src, size in zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist()):
-        ctypes.memmove(dst, src, size)
 
 
 def random_pairs(gen, n, src_blocks, dst_blocks, runs: bool):
@@ -52,7 +46,7 @@ def test_a_plan_copies_exactly_the_chosen_blocks_and_nothing_else(seed, widths, 
     want = clone_views(dst)
     reference.copy_blocks(src, want, src_ids, dst_ids)
     plan = dma.plan_copies(src, dst, src_ids, dst_ids)
-    run_on_host(plan)
+    dma.run_on_host(plan)
     assert_same_storages(dst, want)  # gaps between strided blocks included
     if n:
         # What the engine uses: the runs found once, and the copy count it decides by.
@@ -96,25 +90,6 @@ def test_mismatched_block_sizes_are_refused():
         dma.plan_copies(make_regions([48], 4), make_regions([32], 4), torch.tensor([0]), torch.tensor([0]))
 
 
-def test_the_crossover_picks_the_path_that_won_the_nearest_measured_cell():
-    rows = [
-        dict(direction="store", block_bytes=4096, blocks=16, kernel_gbps=20.0, dma_gbps=5.0),
-        dict(direction="store", block_bytes=1 << 20, blocks=16, kernel_gbps=50.0, dma_gbps=54.0),
-        dict(direction="load", block_bytes=4096, blocks=16, kernel_gbps=20.0, dma_gbps=25.0),
-        dict(direction="load", block_bytes=1 << 20, blocks=16, kernel_gbps=50.0, dma_gbps=48.0),
-        dict(direction="load", block_bytes=1 << 20, blocks=1024, kernel_gbps=50.0, dma_gbps=47.0),
-    ]
-    table = dma.Crossover(rows)
-    assert table.use_dma("load", 16, 1 << 20)  # 4% slower: close enough to spare the SMs
-    assert not table.use_dma("load", 1024, 1 << 20)  # 6% slower: the kernel
-    assert not table.use_dma("store", 16, 4096)
-    assert not table.use_dma("store", 8, 2048)  # nearest: 4 KiB x 16
-    assert table.use_dma("store", 32, 4 << 20)  # nearest: 1 MiB x 16
-    assert table.use_dma("load", 16, 4096)  # each direction has its own cells
-    assert not table.use_dma("store", 0, 0)
-    assert "| store | 1048576 | 16 | 50.0 | 54.0 | DMA |" in table.table()
-
-
 # --- on the GPU ----------------------------------------------------------------------------------
 
 
@@ -151,12 +126,3 @@ def test_the_dma_path_refuses_capture_and_the_legacy_stream_before_enqueueing():
             dma.launch(plan, stream)
     torch.cuda.synchronize()
     assert torch.equal(dst[0], before)
-
-
-@gpu
-def test_the_measured_crossover_covers_every_cell_with_real_rates():
-    table = dma.measure_crossover(sizes=(4096, 1 << 20), counts=(16, 256))
-    cells = {(r["direction"], r["block_bytes"], r["blocks"]) for r in table.rows}
-    assert cells == {(d, s, c) for d in ("store", "load") for s in (4096, 1 << 20) for c in (16, 256 if s == 4096 else 64)}
-    for r in table.rows:
-        assert 0.01 < r["kernel_gbps"] < 200 and 0.01 < r["dma_gbps"] < 200, r

@@ -1,7 +1,9 @@
 """OffloadEngine: exact sizing, round trips byte for byte, completion never early, ordering.
 
 The CPU tests run the engine's CPU path everywhere; the tests marked gpu force the two races
-with torch.cuda._sleep on the caller's stream and must come out right every time.
+with torch.cuda._sleep on the caller's stream, on each of the three paths (kernel, staged, dma),
+and must come out right every time. The staged path gets a ring of 3 rows per slot, so that a
+transfer of 4 or more blocks crosses chunk boundaries and its slots are reused across calls.
 """
 
 import os
@@ -14,35 +16,56 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_ops
+from kv_ops.paths import RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
 gpu = pytest.mark.gpu
-PATHS = pytest.mark.parametrize("path", ["kernel", "dma"])
+PATHS = pytest.mark.parametrize("path", ["kernel", "staged", "dma"])
+PER_BLOCK = 2 * 256 + 192
+COPY_ENGINES = {p.name: p.copy_engines for p in (KernelPath, StagedPath, DirectDmaPath)}
 
 
 def make_engine(device="cpu", capacity_blocks=40, seed=0, path="kernel"):
+    """K/V-first attention (2 regions of 256 B) and MLA (192 B); the staged path's ring holds 3
+    rows per slot (an auto engine keeps the default ring it measured with)."""
     gen = torch.Generator().manual_seed(seed)
     kv = {
         "attn0": torch.randint(-99, 99, (2, 32, 4, 2, 16), generator=gen).to(device, torch.bfloat16),  # 2 x 256 B
         "mla1": torch.randint(-99, 99, (32, 4, 24), generator=gen).to(device, torch.float16),  # 192 B
     }
-    per_block = 2 * 256 + 192
+    ring = {} if path == "auto" else {"ring_bytes": RING_SLOTS * 3 * PER_BLOCK}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity_blocks * per_block + per_block - 1, path=path)
+        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity_blocks * PER_BLOCK + PER_BLOCK - 1, path=path, **ring)
     return engine, kv
 
 
 def test_mirror_is_sized_exactly_from_the_capacity():
     engine, _ = make_engine(capacity_blocks=40)
-    assert engine.block_bytes == 2 * 256 + 192
+    assert engine.block_bytes == PER_BLOCK
     assert engine.num_host_blocks == 40  # floor(capacity / block_bytes), no power-of-two rounding
-    assert {n: tuple(m.shape) for n, m in engine.mirror.items()} == {
-        "attn0.0": (40, 256),
-        "attn0.1": (40, 256),
-        "mla1": (40, 192),
+    assert engine.mirror.dtype == torch.uint8 and tuple(engine.mirror.shape) == (40, PER_BLOCK)
+    assert engine.mirror.is_contiguous()
+    # Each region's columns of the one mirror, side by side in region order: views, not copies.
+    base = engine.mirror.data_ptr()
+    assert {n: (tuple(m.shape), m.stride(), m.data_ptr() - base) for n, m in engine.mirror_regions.items()} == {
+        "attn0.0": ((40, 256), (PER_BLOCK, 1), 0),
+        "attn0.1": ((40, 256), (PER_BLOCK, 1), 256),
+        "mla1": ((40, 192), (PER_BLOCK, 1), 512),
     }
     with pytest.raises(ValueError, match="holds no block of 704 bytes"):
         kv_ops.OffloadEngine({"l": torch.zeros(32, 352, dtype=torch.float16)}, 32, capacity_bytes=703)
+
+
+def test_a_stored_block_is_one_mirror_row_of_every_region_side_by_side():
+    engine, _ = make_engine()
+    gen = torch.Generator().manual_seed(8)
+    engine.mirror.copy_(torch.randint(0, 256, engine.mirror.shape, dtype=torch.uint8, generator=gen))
+    poison = engine.mirror.clone()
+    engine.store([7, 3], [0, 39])
+    engine.flush()
+    for h, g in [(0, 7), (39, 3)]:
+        assert torch.equal(engine.mirror[h], torch.cat([r[g] for r in engine.regions.values()]))
+    assert torch.equal(engine.mirror[1:39], poison[1:39])  # no other row touched
 
 
 def round_trip(engine, device):
@@ -61,9 +84,18 @@ def round_trip(engine, device):
         assert torch.equal(r[new_ids.to(device)], before[n])
 
 
-def test_store_then_load_round_trips_on_cpu():
-    engine, _ = make_engine()
+@PATHS
+def test_store_then_load_round_trips_on_cpu(path):
+    engine, _ = make_engine(path=path)
     round_trip(engine, "cpu")
+    assert engine.path_counts == {p: 2 * (p == path) for p in ("kernel", "staged", "dma")}
+
+
+def test_an_auto_engine_on_the_cpu_measures_nothing_and_takes_the_kernel_paths_reference_copy():
+    engine, _ = make_engine(path="auto")
+    assert engine.crossover is None
+    round_trip(engine, "cpu")
+    assert engine.path_counts == {"kernel": 2, "staged": 0, "dma": 0}
 
 
 def random_cache(gen, device, num_blocks):
@@ -158,13 +190,12 @@ def test_poll_reports_each_transfer_once_in_issue_order():
 def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
     engine, kv = make_engine()
     gen = torch.Generator().manual_seed(3)
-    for m in engine.mirror.values():  # poison: any byte written shows
-        m.copy_(torch.randint(0, 256, m.shape, dtype=torch.uint8, generator=gen))
-    before = {n: m.clone() for n, m in engine.mirror.items()}
+    engine.mirror.copy_(torch.randint(0, 256, engine.mirror.shape, dtype=torch.uint8, generator=gen))  # poison
+    before = engine.mirror.clone()
     cache = {n: t.clone() for n, t in kv.items()}
     with pytest.raises(ValueError, match=message):
         call(engine)
-    assert all(torch.equal(m, before[n]) for n, m in engine.mirror.items())
+    assert torch.equal(engine.mirror, before)
     assert all(torch.equal(t.view(torch.uint8), cache[n].view(torch.uint8)) for n, t in kv.items())
     assert engine.poll() == kv_ops.Completed()
     assert engine.store([0], [0]) == 0  # the refused call used up no transfer id
@@ -185,7 +216,7 @@ def test_ids_may_be_lists_int32_or_int64_tensors_or_numpy_arrays():
         assert engine.store(gpu_ids, host_ids) == i
     assert engine.flush().stores == [0, 1, 2, 3]
     for n, r in engine.regions.items():
-        assert torch.equal(engine.mirror[n][host[:6]], r[4:10])
+        assert torch.equal(engine.mirror_regions[n][host[:6]], r[4:10])
 
 
 @gpu
@@ -193,13 +224,15 @@ def test_ids_may_be_lists_int32_or_int64_tensors_or_numpy_arrays():
 def test_store_then_load_round_trips_on_gpu(path):
     engine, _ = make_engine("cuda", path=path)
     round_trip(engine, "cuda")
-    assert engine.path_counts == {"kernel": 2 * (path == "kernel"), "dma": 2 * (path == "dma")}
+    assert engine.path_counts == {p: 2 * (p == path) for p in ("kernel", "staged", "dma")}
 
 
 @gpu
 @PATHS
 def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_early(path):
     engine, kv = make_engine("cuda", path=path)
+    # A first store compiles the path's kernels; inside the loop that would outlast the sleep.
+    assert engine.flush().stores == [engine.store([0, 1, 2, 3], [0, 1, 2, 3])]
     region = engine.regions["mla1"]
     for _ in range(5):
         fresh = torch.randint(0, 256, (4, 192), dtype=torch.uint8, device="cuda")
@@ -209,7 +242,7 @@ def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_ea
         assert engine.poll().stores == []  # cannot be done: the copy waits behind the compute
         done = engine.flush()
         assert done.stores == [tid]
-        assert torch.equal(engine.mirror["mla1"][10:14], fresh.cpu())
+        assert torch.equal(engine.mirror_regions["mla1"][10:14], fresh.cpu())
 
 
 @gpu
@@ -218,7 +251,7 @@ def test_load_waits_for_readers_of_the_destination_blocks(path):
     engine, _ = make_engine("cuda", path=path)
     region = engine.regions["mla1"]
     for _ in range(5):
-        engine.mirror["mla1"][20:24] = torch.randint(0, 256, (4, 192), dtype=torch.uint8)
+        engine.mirror_regions["mla1"][20:24] = torch.randint(0, 256, (4, 192), dtype=torch.uint8)
         old = region[4:8].clone()
         torch.cuda._sleep(50_000_000)  # a reader of blocks 4..7 is still queued...
         seen = region[4:8].clone()  # ...and reads them only after the sleep
@@ -226,7 +259,7 @@ def test_load_waits_for_readers_of_the_destination_blocks(path):
         engine.flush()
         torch.cuda.synchronize()
         assert torch.equal(seen, old)  # the reader saw the old blocks, not the loaded ones
-        assert torch.equal(region[4:8].cpu(), engine.mirror["mla1"][20:24])
+        assert torch.equal(region[4:8].cpu(), engine.mirror_regions["mla1"][20:24])
 
 
 @gpu
@@ -246,39 +279,62 @@ def test_flush_under_load_returns_everything_in_flight(path):
 @gpu
 def test_a_transfer_during_capture_is_refused_before_anything_moves():
     engine, _ = make_engine("cuda", path="auto")
-    before = {n: m.clone() for n, m in engine.mirror.items()}
+    before = engine.mirror.clone()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with pytest.raises(RuntimeError, match="OffloadEngine.store cannot be captured"):
         with torch.cuda.graph(graph, stream=stream):
             engine.store([0, 1], [0, 1])
     torch.cuda.synchronize()
     assert engine.flush() == kv_ops.Completed()
-    assert all(torch.equal(m, before[n]) for n, m in engine.mirror.items())
+    assert torch.equal(engine.mirror, before)
 
 
 @gpu
 def test_an_auto_engine_measures_the_crossover_and_follows_it_per_call():
     engine, _ = make_engine("cuda", path="auto")
-    assert {r["direction"] for r in engine.crossover.rows} == {"store", "load"}
-    expected = {"kernel": 0, "dma": 0}
+    measured = engine.crossover
+    assert measured.key["widths"] == [256, 256, 192]  # its own shape, region by region
+    assert {(c.path, c.direction) for c in measured.cells} == {(p, d) for p in COPY_ENGINES for d in ("store", "load")}
+    expected = dict.fromkeys(COPY_ENGINES, 0)
     gen = torch.Generator().manual_seed(11)
-    for gpu_ids, host_ids in [
-        (torch.randperm(32, generator=gen)[:16], torch.randperm(40, generator=gen)[:16]),  # 3 x 16 copies
-        (torch.arange(0, 32), torch.arange(4, 36)),  # one run per region: 3 copies
-    ]:
-        copies = 3 * kv_ops.dma.run_starts(gpu_ids, host_ids)[0].numel()  # every region is back to back
-        use = engine.crossover.use_dma("store", copies, gpu_ids.numel() * engine.block_bytes / copies)
-        expected["dma" if use else "kernel"] += 1
-        before = {n: r[gpu_ids.cuda()].cpu() for n, r in engine.regions.items()}
-        engine.store(gpu_ids, host_ids)
-        engine.flush()
-        assert engine.path_counts == expected
-        assert all(torch.equal(engine.mirror[n][host_ids], before[n]) for n in before)
+    calls = [
+        (Direction.STORE, torch.randperm(32, generator=gen)[:16], torch.randperm(40, generator=gen)[:16]),  # random
+        (Direction.STORE, torch.arange(0, 32), torch.arange(4, 36)),  # one run
+        (Direction.STORE, torch.tensor([5, 9]), torch.tensor([30, 2])),  # small
+        (Direction.LOAD, torch.randperm(32, generator=gen)[:16], torch.randperm(40, generator=gen)[:16]),
+        (Direction.LOAD, torch.arange(0, 32), torch.arange(8, 40)),
+        (Direction.LOAD, torch.tensor([31]), torch.tensor([0])),
+    ]
+    for direction, gpu_ids, host_ids in calls:
+        blocks = Blocks.of(direction, gpu_ids, host_ids)
+        pick = measured.choose(direction, blocks.count, blocks.num_runs, COPY_ENGINES)
+        assert pick in COPY_ENGINES
+        expected[pick] += 1
+        if direction is Direction.STORE:
+            want = torch.cat([r[gpu_ids.cuda()].cpu() for r in engine.regions.values()], dim=1)
+            engine.store(gpu_ids, host_ids)
+            engine.flush()
+            assert torch.equal(engine.mirror[host_ids], want), pick
+        else:
+            fresh = torch.randint(0, 256, (host_ids.numel(), PER_BLOCK), dtype=torch.uint8, generator=gen)
+            engine.mirror[host_ids] = fresh
+            engine.load(host_ids, gpu_ids)
+            engine.flush()
+            got = torch.cat([r[gpu_ids.cuda()].cpu() for r in engine.regions.values()], dim=1)
+            assert torch.equal(got, engine.mirror[host_ids]), pick
+        assert engine.path_counts == expected, (direction, blocks.count, blocks.num_runs)
+    assert engine.crossover is measured  # measured once, at construction
 
 
 def test_an_unknown_path_is_refused():
-    with pytest.raises(ValueError, match="path must be 'auto', 'kernel' or 'dma', got 'fast'"):
+    with pytest.raises(ValueError, match="path must be one of 'auto', 'kernel', 'staged', 'dma', got 'fast'"):
         kv_ops.OffloadEngine({"l": torch.zeros(4, 32)}, 4, capacity_bytes=1024, path="fast")
+
+
+@pytest.mark.parametrize("ring_bytes", [0, -4096, 1.5, True, "1M"], ids=["zero", "negative", "float", "bool", "string"])
+def test_a_ring_size_that_is_not_a_positive_integer_is_refused(ring_bytes):
+    with pytest.raises(ValueError, match=f"ring_bytes must be a positive integer, got {ring_bytes!r}"):
+        kv_ops.OffloadEngine({"l": torch.zeros(4, 32)}, 4, capacity_bytes=1024, path="staged", ring_bytes=ring_bytes)
 
 
 def test_all_ranks_reports_a_transfer_once_every_rank_has_finished_it():

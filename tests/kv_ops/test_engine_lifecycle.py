@@ -17,9 +17,10 @@ import torch
 
 import kv_ops
 from kv_ops.engine import EngineClosedError
+from kv_ops.paths import RING_SLOTS
 
 gpu = pytest.mark.gpu
-PATHS = pytest.mark.parametrize("path", ["kernel", "dma"])
+PATHS = pytest.mark.parametrize("path", ["kernel", "staged", "dma"])
 ROOT = os.path.dirname(os.path.dirname(kv_ops.__file__))
 
 
@@ -28,7 +29,8 @@ def random_bytes(shape, gen, device="cpu"):
 
 
 def make_engine(device="cpu", path="kernel", disk_dir=None, seed=0, **disk):
-    """Two regions of 256 B (K/V of one layer) and one of 192 B, filled with random bytes."""
+    """Two regions of 256 B (K/V of one layer) and one of 192 B, filled with random bytes; the
+    staged path's ring holds 2 rows per slot, so a 4-block transfer is two chunks."""
     gen = torch.Generator().manual_seed(seed)
     kv = {
         "attn0": random_bytes((2, 32, 4, 2, 32), gen, device).view(torch.bfloat16),
@@ -37,10 +39,10 @@ def make_engine(device="cpu", path="kernel", disk_dir=None, seed=0, **disk):
     capacity = 40 * 4096 if disk_dir is not None else 40 * 704
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no CUDA: pinned_empty warns that it returns plain memory
-        engine = kv_ops.OffloadEngine(kv, 32, capacity, disk_dir=disk_dir, path=path, **disk)
+        ring = RING_SLOTS * 2 * 704
+        engine = kv_ops.OffloadEngine(kv, 32, capacity, disk_dir=disk_dir, path=path, ring_bytes=ring, **disk)
     if engine.mirror is not None:
-        for m in engine.mirror.values():  # poison: a block never written shows
-            m.copy_(random_bytes(m.shape, gen))
+        engine.mirror.copy_(random_bytes(engine.mirror.shape, gen))  # poison: a block never written shows
     return engine
 
 
@@ -69,7 +71,7 @@ def test_close_reports_what_is_left_frees_everything_and_is_idempotent(tmp_path,
     done = engine.close()
     # Everything not reported before, exactly once, in issue order per direction.
     assert done == kv_ops.Completed(stores=[rest[0], rest[2]], loads=[rest[1]])
-    assert engine.mirror is None and engine.disk is None
+    assert engine.mirror is None and engine.mirror_regions is None and engine.disk is None
     if tier == "disk":
         assert not thread.is_alive() and os.listdir(tmp_path) == []
     assert engine.close() == kv_ops.Completed()  # a second close does nothing
@@ -209,7 +211,7 @@ def test_close_waits_for_a_store_queued_behind_the_callers_compute(path):
     gen = torch.Generator().manual_seed(7)
     for _ in range(3):
         engine = make_engine("cuda", path=path)
-        mirror = engine.mirror  # close() drops the engine's reference; the memory lives on with this one
+        mirror = engine.mirror_regions  # close() drops the engine's references; the memory lives on with these views
         fresh = random_bytes((4, 192), gen)
         fresh_dev = fresh.cuda()
         torch.cuda.synchronize()
@@ -227,7 +229,7 @@ def test_close_waits_for_a_load_queued_behind_the_callers_compute(path):
     side = torch.cuda.Stream()
     for seed in range(3):
         engine = make_engine("cuda", path=path, seed=seed)
-        want = engine.mirror["mla1"][20:24].clone()  # random poison from make_engine
+        want = engine.mirror_regions["mla1"][20:24].clone()  # random poison from make_engine
         region = engine.regions["mla1"]
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)  # readers of blocks 4..7 are still queued

@@ -1,6 +1,7 @@
 """A hypothesis state machine drives OffloadEngine on the CPU: random sequences of store, load,
-poll, flush, close and writes by "compute", with valid and invalid ids, the mirror or the disk
-tier, checked against a plain model of what every GPU block and host block (file slot) holds.
+poll, flush, close and writes by "compute", with valid and invalid ids, the mirror (on the
+kernel, staged or dma path; the staged ring of 1 or 2 rows per slot) or the disk tier, checked
+against a plain model of what every GPU block and host block (file slot) holds.
 
 Invariants:
 
@@ -8,6 +9,8 @@ Invariants:
   for byte; loads read the host side back through the engine throughout;
 * every transfer id is reported exactly once, in issue order per direction, and ids are issued
   consecutively (an id used up by a refused call would show as a gap);
+* a mirror engine counts every accepted transfer on its own path (``path_counts``), a refused
+  one on none;
 * an invalid call raises ValueError naming the argument and changes nothing: no byte of the
   cache or the host side, no transfer id, no report;
 * after close every call raises EngineClosedError, and a second close does nothing.
@@ -29,10 +32,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import kv_ops
 from kv_ops.engine import EngineClosedError
+from kv_ops.paths import RING_SLOTS
 
 NUM_BLOCKS = 6
 HOST_BLOCKS = 5
 KINDS = ("store", "load")
+PATHS = ("kernel", "staged", "dma")
 DEFECTS = ("gpu_range", "host_range", "negative", "repeated_destination", "lengths", "float", "bool", "meta")
 
 
@@ -52,9 +57,18 @@ class EngineMachine(RuleBasedStateMachine):
 
     DISK = False
 
-    @initialize(direct=st.booleans(), staging_blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
-    def start(self, direct, staging_blocks, seed):
+    @initialize(
+        direct=st.booleans(),
+        staging_blocks=st.integers(1, 3),
+        seed=st.integers(0, 2**32 - 1),
+        path=st.sampled_from(PATHS),
+        ring_rows=st.integers(1, 2),
+    )
+    def start(self, direct, staging_blocks, seed, path, ring_rows):
         disk = self.DISK
+        self.path, self.ring_rows = path, ring_rows
+        if not disk:
+            event(f"path {path}, ring of {ring_rows} rows per slot")
         self.gen = torch.Generator().manual_seed(seed)
         self.kv = {
             "attn0": self.random((2, NUM_BLOCKS, 2, 2, 16)).view(torch.float16),  # K/V-first: 2 regions of 64 B
@@ -81,8 +95,7 @@ class EngineMachine(RuleBasedStateMachine):
             slots.copy_(self.random(slots.shape))
             engine.disk.file.write(list(range(HOST_BLOCKS)), slots)  # the file starts random, too
         else:
-            for m in engine.mirror.values():
-                m.copy_(self.random(m.shape))
+            engine.mirror.copy_(self.random(engine.mirror.shape))
         self.mirror = engine.mirror  # kept: close() drops the engine's reference, not the memory
         self.gpu = list(self.read_cache())  # the model: bytes of each GPU block...
         self.host = list(self.read_host())  # ...and of each host block
@@ -98,7 +111,11 @@ class EngineMachine(RuleBasedStateMachine):
                 self.kv, NUM_BLOCKS, HOST_BLOCKS * 4096 + 4095, disk_dir=self.dir, page_cache=page_cache,
                 staging_blocks=staging_blocks,
             )
-        return kv_ops.OffloadEngine(self.kv, NUM_BLOCKS, HOST_BLOCKS * 192 + 191)
+        # The mirror on one of the three paths; the staged path with a ring of 1 or 2 rows per
+        # slot, so transfers cross chunk boundaries and slots are reused across calls.
+        return kv_ops.OffloadEngine(
+            self.kv, NUM_BLOCKS, HOST_BLOCKS * 192 + 191, path=self.path, ring_bytes=RING_SLOTS * self.ring_rows * 192
+        )
 
     def teardown(self):
         engine = getattr(self, "engine", None)
@@ -126,7 +143,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def read_host(self) -> torch.Tensor:
         if self.mirror is not None:
-            return torch.cat(list(self.mirror.values()), dim=1).clone()
+            return self.mirror.clone()
         stride = 4096
         raw = os.pread(self.reader, HOST_BLOCKS * stride, 0)
         assert len(raw) == HOST_BLOCKS * stride
@@ -149,6 +166,9 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.reported[kind] == self.issued[kind][: len(self.reported[kind])], (kind, self.reported, self.issued)
         if everything:
             assert self.reported == self.issued
+        if not self.DISK:
+            issued = sum(len(ids) for ids in self.issued.values())
+            assert self.engine.path_counts == {p: issued * (p == self.path) for p in PATHS}, self.engine.path_counts
 
     # --- rules ---------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import torch
 
 import kv_ops
 from kv_ops import host_memory
+from kv_ops.driver import driver as cuda_driver
 
 gpu = pytest.mark.gpu
 
@@ -64,8 +65,7 @@ def test_device_view_aliases_host_memory_both_ways():
 
 @gpu
 def test_memory_is_unregistered_when_the_last_view_dies():
-    from cuda.bindings import driver
-
+    driver = cuda_driver()
     t = kv_ops.pinned_empty(1 << 20)
     view = t[10:20]
     address = t.data_ptr()

@@ -1,0 +1,132 @@
+"""Every CUDA driver call kv_ops and ple_ops make goes through here: the lazily imported bindings, checked."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+
+def driver() -> ModuleType:
+    """The ``cuda.bindings.driver`` module, imported on first use.
+
+    Imported lazily because cuda-bindings is absent on CPU-only installs and loads libcuda when
+    first used, which fails where no driver exists; importing kv_ops must work on both.
+
+    Returns
+    -------
+    module
+        ``cuda.bindings.driver``.
+
+    Raises
+    ------
+    ImportError
+        Where cuda-bindings is not installed (its ``name`` starts with ``"cuda"``).
+
+    Examples
+    --------
+    >>> drv = driver()
+    >>> (version,) = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
+    """
+    from cuda.bindings import driver as drv
+
+    return drv
+
+
+def check_driver(result: tuple, what: str) -> tuple:
+    """Raise on a cuda-bindings driver error code; return the call's remaining outputs.
+
+    Parameters
+    ----------
+    result : tuple
+        What a ``cuda.bindings.driver`` call returned: a ``CUresult`` first, then its outputs.
+    what : str
+        The call, for the error message.
+
+    Returns
+    -------
+    tuple
+        ``result[1:]``, the call's outputs.
+
+    Raises
+    ------
+    RuntimeError
+        If the ``CUresult`` is not ``CUDA_SUCCESS``; the message names the call and the error.
+
+    Examples
+    --------
+    >>> (count,) = check_driver(driver().cuDeviceGetCount(), "cuDeviceGetCount")
+    """
+    drv = driver()
+    err = result[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, text = drv.cuGetErrorString(err)
+        text = text.decode() if isinstance(text, bytes) else text
+        raise RuntimeError(f"{what} failed: {err.name} ({int(err)}): {text}")
+    return result[1:]
+
+
+@contextlib.contextmanager
+def driver_context(device: torch.device) -> Iterator[None]:
+    """Bind ``device``'s primary context to this thread for driver calls, then restore.
+
+    The driver API acts on the calling thread's current context, which torch creates lazily; a
+    one-element allocation is the cheapest way to make torch create and bind it.
+
+    Parameters
+    ----------
+    device : torch.device
+        The CUDA device whose primary context the calls inside the block use.
+
+    Examples
+    --------
+    >>> with driver_context(torch.device("cuda", 0)):
+    ...     address = device_pointer(host)
+    """
+    with torch.cuda.device(device):
+        torch.empty(1, device=device)
+        yield
+
+
+def device_pointer(host: torch.Tensor) -> int:
+    """The device address at which the GPU reaches a page-locked host tensor's first byte.
+
+    Parameters
+    ----------
+    host : torch.Tensor
+        A CPU tensor in page-locked memory mapped for the device (``kv_ops.pinned_empty``,
+        ``pin_memory=True``, or ``ple_ops.SharedHostBuffer``).
+
+    Returns
+    -------
+    int
+        The device address of ``host.data_ptr()``.
+
+    Raises
+    ------
+    ValueError
+        If the memory is not page-locked and mapped for the device.
+
+    Examples
+    --------
+    >>> address = device_pointer(kv_ops.pinned_empty(4096))
+    """
+    drv = driver()
+    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+    err, ptr = drv.cuPointerGetAttribute(attr, host.data_ptr())
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise ValueError(
+            "host tensor at 0x%x is not page-locked memory mapped for the GPU (%s); allocate it "
+            "with kv_ops.pinned_empty or torch.empty(..., pin_memory=True)" % (host.data_ptr(), err.name)
+        )
+    return int(ptr)
+
+
+__all__ = [
+    "driver",
+    "check_driver",
+    "driver_context",
+    "device_pointer",
+]

@@ -1,0 +1,345 @@
+"""What ``path="auto"`` measures and picks (kv_ops.crossover).
+
+On the CPU: the pick from hand-made cells (the fastest path of the nearest cell; a copy-engine
+path within 5% of it wins), the table that shows it, the JSON file (round trip, another shape's
+file or a corrupt one is ignored), crossover()'s use of the file, and an auto engine that follows
+its crossover call by call over all three paths, byte for byte. On the GPU: a real measurement
+covers every cell with plausible rates, quickly, and an auto engine keeps it in a file that a
+second engine reads back instead of measuring.
+"""
+
+import json
+import os
+import time
+import warnings
+
+import pytest
+import torch
+
+import kv_ops
+from kv_ops import crossover as crossover_mod
+from kv_ops.crossover import COUNTS, RUN, TOLERANCE, Cell, Crossover, measure, shape_key
+from kv_ops.paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+
+gpu = pytest.mark.gpu
+COPY_ENGINES = {p.name: p.copy_engines for p in (KernelPath, StagedPath, DirectDmaPath)}
+KEY = {"device": "NVIDIA H200", "widths": [256, 256, 192], "ring_bytes": 1 << 20, "torch": "2.13.0"}
+STORE, LOAD = Direction.STORE, Direction.LOAD
+
+
+def cells_of(direction, blocks, runs, **gbps):
+    return [Cell(path, direction, blocks, runs, rate) for path, rate in gbps.items()]
+
+
+def sample_crossover():
+    """Stores: small calls favour the kernel, large random ones the staged path, large runs DMA.
+    Loads, cells of their own: small ones the staged path, 32 random the kernel, runs DMA."""
+    return Crossover(
+        dict(KEY),
+        cells_of("store", 4, 4, kernel=10.0, staged=3.0, dma=2.0)
+        + cells_of("store", 256, 256, kernel=20.0, staged=30.0, dma=8.0)
+        + cells_of("store", 256, 16, kernel=20.0, staged=25.0, dma=40.0)
+        + cells_of("load", 4, 4, kernel=5.0, staged=9.0, dma=1.0)
+        + cells_of("load", 32, 32, kernel=30.0, staged=5.0, dma=2.0)
+        + cells_of("load", 256, 16, kernel=20.0, staged=10.0, dma=50.0),
+    )
+
+
+# --- the pick --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "direction, blocks, runs, pick",
+    [
+        (STORE, 4, 4, "kernel"),
+        (STORE, 3, 3, "kernel"),  # nearest: 4 blocks in 4 runs
+        (STORE, 300, 300, "staged"),  # nearest: 256 random blocks
+        (STORE, 256, 16, "dma"),
+        (STORE, 200, 12, "dma"),  # nearest: 256 blocks in runs of 16 (the run length counts too)
+        (STORE, 256, 1, "dma"),  # one long run: still nearer the runs cell than the random one
+        (STORE, 0, 1, "kernel"),  # an empty call: the smallest cell
+        (LOAD, 4, 4, "staged"),  # each direction has its own cells
+        (LOAD, 40, 40, "kernel"),
+        (LOAD, 64, 4, "dma"),  # nearest: runs of 16
+        (LOAD, 1024, 1024, "kernel"),  # larger than any cell: the largest random one
+    ],
+    ids=["store-4", "store-3", "store-300-random", "store-256-runs", "store-200-runs-of-17", "store-one-run",
+         "store-empty", "load-4", "load-40-random", "load-64-runs", "load-1024-random"],
+)
+def test_choose_picks_the_fastest_path_of_the_nearest_cell(direction, blocks, runs, pick):
+    assert sample_crossover().choose(direction, blocks, runs, COPY_ENGINES) == pick
+
+
+def test_choose_says_none_where_nothing_was_measured_and_only_considers_the_paths_it_is_given():
+    assert Crossover(dict(KEY)).choose(STORE, 16, 16, COPY_ENGINES) is None
+    only_loads = Crossover(dict(KEY), cells_of("load", 4, 4, kernel=5.0, staged=9.0, dma=1.0))
+    assert only_loads.choose(STORE, 4, 4, COPY_ENGINES) is None
+    x = sample_crossover()
+    assert x.choose(STORE, 256, 16, {"kernel": False, "staged": True}) == "staged"  # dma (40) is not offered
+    assert x.choose(STORE, 256, 16, {"kernel": False}) == "kernel"
+    assert x.choose(STORE, 256, 16, {}) is None
+
+
+@pytest.mark.parametrize(
+    "rates, engines, pick",
+    [
+        (dict(kernel=100.0, staged=95.5, dma=90.0), COPY_ENGINES, "staged"),  # 4.5% slower: spares the SMs
+        (dict(kernel=100.0, staged=94.5, dma=94.0), COPY_ENGINES, "kernel"),  # 5.5% slower: the kernel
+        (dict(kernel=100.0, staged=96.0, dma=99.0), COPY_ENGINES, "dma"),  # the fastest copy-engine path
+        (dict(kernel=100.0, staged=101.0, dma=50.0), COPY_ENGINES, "staged"),  # simply the fastest
+        (dict(kernel=50.0, staged=100.0, dma=97.0), COPY_ENGINES, "staged"),
+        (dict(kernel=100.0, staged=50.0, dma=97.0), {"kernel": False, "staged": True, "dma": False}, "kernel"),
+    ],
+    ids=["staged-within-5pct", "staged-beyond-5pct", "fastest-of-two-within", "staged-fastest", "kernel-slowest",
+         "dma-counted-as-kernel"],
+)
+def test_a_copy_engine_path_within_5_percent_of_the_fastest_wins(rates, engines, pick):
+    assert TOLERANCE == 0.05
+    x = Crossover(dict(KEY), cells_of("store", 32, 32, **rates))
+    assert x.choose(STORE, 32, 32, engines) == pick
+
+
+def test_the_table_shows_every_cell_and_the_pick():
+    x = sample_crossover()
+    lines = x.table().splitlines()
+    assert lines[0] == "| direction | blocks | runs | kernel GB/s | staged GB/s | dma GB/s | auto picks |"
+    assert lines[2:] == [
+        "| store | 4 | 4 | 10.0 | 3.0 | 2.0 | kernel |",
+        "| store | 256 | 256 | 20.0 | 30.0 | 8.0 | staged |",
+        "| store | 256 | 16 | 20.0 | 25.0 | 40.0 | dma |",
+        "| load | 4 | 4 | 5.0 | 9.0 | 1.0 | staged |",
+        "| load | 32 | 32 | 30.0 | 5.0 | 2.0 | kernel |",
+        "| load | 256 | 16 | 20.0 | 10.0 | 50.0 | dma |",
+    ]
+    # A path never measured has no column.
+    only_two = Crossover(dict(KEY), cells_of("load", 8, 1, kernel=10.0, dma=9.6))
+    assert only_two.table().splitlines()[2:] == ["| load | 8 | 1 | 10.0 | 9.6 | dma |"]
+    assert "staged" not in only_two.table()
+
+
+# --- the file --------------------------------------------------------------------------------------
+
+
+def test_save_and_load_round_trip_the_cells_exactly(tmp_path):
+    x = sample_crossover()
+    x.cells.append(Cell("dma", "load", 32, 2, 1 / 3))  # a rate that needs every digit
+    file = str(tmp_path / "crossover.json")
+    x.save(file)
+    assert os.listdir(tmp_path) == ["crossover.json"]  # written through a temporary, renamed
+    kept = Crossover.load(file, dict(KEY))
+    assert kept == x and kept is not x
+    for direction in Direction:
+        for blocks, runs in [(1, 1), (4, 4), (64, 64), (256, 16), (1000, 2)]:
+            assert kept.choose(direction, blocks, runs, COPY_ENGINES) == x.choose(direction, blocks, runs, COPY_ENGINES)
+    x.cells[0] = Cell("kernel", "store", 4, 4, 99.0)
+    x.save(file)  # replaces the file
+    assert Crossover.load(file, dict(KEY)).cells[0].gbps == 99.0 and os.listdir(tmp_path) == ["crossover.json"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(device="NVIDIA A100-SXM4-80GB"), dict(widths=[256, 256]), dict(ring_bytes=2 << 20), dict(torch="2.14.0")],
+    ids=["device", "widths", "ring", "torch"],
+)
+def test_a_file_measured_for_another_shape_or_device_is_not_used(tmp_path, change):
+    file = str(tmp_path / "crossover.json")
+    sample_crossover().save(file)
+    assert Crossover.load(file, {**KEY, **change}) is None
+    assert Crossover.load(file, dict(KEY)) is not None
+    assert Crossover.load(str(tmp_path / "absent.json"), dict(KEY)) is None
+
+
+CORRUPT = [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"{", id="truncated-object"),
+    pytest.param(b"not json", id="text"),
+    pytest.param(b"\xff\xfe\x00garbage", id="binary"),
+    pytest.param(json.dumps({"key": KEY}).encode(), id="no-cells"),
+    pytest.param(json.dumps({"key": KEY, "cells": 5}).encode(), id="cells-not-a-list"),
+    pytest.param(json.dumps({"key": KEY, "cells": [{"path": "kernel"}]}).encode(), id="cell-missing-fields"),
+    pytest.param(json.dumps({"key": KEY, "cells": [[1, 2]]}).encode(), id="cell-not-an-object"),
+    pytest.param(
+        json.dumps({"key": KEY, "cells": [dict(path="dma", direction="load", blocks=4, runs=4, gbps=1, extra=1)]}).encode(),
+        id="cell-unknown-field",
+    ),
+    # Valid JSON that is not an object.
+    pytest.param(b"[]", id="json-list"),
+    pytest.param(b"null", id="json-null"),
+    # Cells that would break the per-call choice later (log of 0, an unknown path, no rate).
+    *[
+        pytest.param(json.dumps({"key": KEY, "cells": [dict(dict(path="dma", direction="load", blocks=4, runs=4, gbps=1.5), **bad)]}).encode(), id=name)
+        for name, bad in [
+            ("zero-blocks", {"blocks": 0}),
+            ("zero-runs", {"runs": 0}),
+            ("float-blocks", {"blocks": 4.5}),
+            ("unknown-path", {"path": "warp"}),
+            ("unknown-direction", {"direction": "sideways"}),
+            ("negative-rate", {"gbps": -1.0}),
+            ("text-rate", {"gbps": "fast"}),
+        ]
+    ],
+]
+
+
+@pytest.mark.parametrize("content", CORRUPT)
+def test_a_corrupt_file_is_ignored(tmp_path, content):
+    file = tmp_path / "crossover.json"
+    file.write_bytes(content)
+    assert Crossover.load(str(file), dict(KEY)) is None
+
+
+def test_a_file_cut_short_is_ignored(tmp_path):
+    file = tmp_path / "crossover.json"
+    sample_crossover().save(str(file))
+    whole = file.read_bytes()
+    file.write_bytes(whole[: len(whole) // 2])
+    assert Crossover.load(str(file), dict(KEY)) is None
+
+
+def test_crossover_measures_once_writes_the_file_and_then_reads_it(tmp_path, monkeypatch):
+    # The GPU parts stubbed out: the device name in the key, and the measurement (counted).
+    measured = []
+
+    def fake_measured(device, widths, ring_bytes):
+        measured.append((device, widths, ring_bytes))
+        return Crossover({**KEY, "widths": list(widths)}, sample_crossover().cells)
+
+    monkeypatch.setattr(crossover_mod, "shape_key", lambda device, widths, ring_bytes: {**KEY, "widths": list(widths)})
+    monkeypatch.setattr(crossover_mod, "_measured", fake_measured)
+    device, file = torch.device("cuda", 0), str(tmp_path / "crossover.json")
+    first = crossover_mod.crossover(device, [256, 256, 192], 1 << 20, file)
+    assert measured == [(device, (256, 256, 192), 1 << 20)] and first == sample_crossover()
+    written = os.stat(file).st_mtime_ns
+    assert Crossover.load(file, dict(KEY)) == first
+    again = crossover_mod.crossover(device, [256, 256, 192], 1 << 20, file)
+    assert len(measured) == 1 and again == first  # read back, not measured
+    assert os.stat(file).st_mtime_ns == written  # and not rewritten
+    # Another shape: the file does not fit, so it is measured and the file now holds the new shape.
+    other = crossover_mod.crossover(device, [512], 1 << 20, file)
+    assert len(measured) == 2 and other.cells == first.cells
+    assert Crossover.load(file, {**KEY, "widths": [512]}) is not None and Crossover.load(file, dict(KEY)) is None
+    # No file named: measured (this process's cache is the stub's business), nothing written.
+    crossover_mod.crossover(device, [256, 256, 192], 1 << 20)
+    assert len(measured) == 3 and os.listdir(tmp_path) == ["crossover.json"]
+
+
+# --- an auto engine follows its crossover per call --------------------------------------------------
+
+
+def test_an_auto_engine_follows_its_crossover_call_by_call_on_every_path():
+    """On the CPU an auto engine measures nothing; given the sample crossover, small stores go to
+    the kernel, large random ones to the staged path, runs to DMA; small loads to the staged path,
+    larger random ones to the kernel, runs to DMA. The counts follow choose() after every call,
+    and every byte arrives."""
+    gen = torch.Generator().manual_seed(21)
+    nb, hosts = 300, 300
+    kv = {
+        "attn0": torch.randint(0, 256, (2, nb, 2, 2, 32), dtype=torch.uint8, generator=gen).view(torch.bfloat16),
+        "mla1": torch.randint(0, 256, (nb, 2, 48), dtype=torch.uint8, generator=gen).view(torch.float16),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA: pinned_empty warns that it returns plain memory
+        engine = kv_ops.OffloadEngine(kv, nb, hosts * 352, path="auto", ring_bytes=4 * 16 * 352)
+    assert engine.crossover is None and engine.block_bytes == 352
+    engine.crossover = sample_crossover()
+    engine.mirror.copy_(torch.randint(0, 256, engine.mirror.shape, dtype=torch.uint8, generator=gen))
+    mirror = engine.mirror.clone()
+    cache = torch.cat(list(engine.regions.values()), dim=1).clone()
+
+    def runs_of(count, length, limit):
+        starts = torch.randperm(limit // length, generator=gen)[: count // length] * length
+        return (starts[:, None] + torch.arange(length)).flatten()
+
+    calls = [
+        (STORE, torch.randperm(nb, generator=gen)[:3], torch.randperm(hosts, generator=gen)[:3], "kernel"),
+        (STORE, torch.randperm(nb, generator=gen)[:250], torch.randperm(hosts, generator=gen)[:250], "staged"),
+        (STORE, runs_of(240, 16, nb), runs_of(240, 16, hosts), "dma"),
+        (LOAD, torch.randperm(nb, generator=gen)[:5], torch.randperm(hosts, generator=gen)[:5], "staged"),
+        (STORE, torch.randperm(nb, generator=gen)[:4], torch.randperm(hosts, generator=gen)[:4], "kernel"),
+        (LOAD, runs_of(64, 16, nb), runs_of(64, 16, hosts), "dma"),
+        (LOAD, torch.randperm(nb, generator=gen)[:40], torch.randperm(hosts, generator=gen)[:40], "kernel"),
+    ]
+    expected = dict.fromkeys(COPY_ENGINES, 0)
+    for direction, gpu_ids, host_ids, pick in calls:
+        blocks = Blocks.of(direction, gpu_ids, host_ids)
+        assert engine.crossover.choose(direction, blocks.count, blocks.num_runs, COPY_ENGINES) == pick
+        expected[pick] += 1
+        if direction is STORE:
+            tid = engine.store(gpu_ids, host_ids)
+            mirror[host_ids] = cache[gpu_ids]
+            assert engine.flush().stores == [tid]
+        else:
+            tid = engine.load(host_ids, gpu_ids)
+            cache[gpu_ids] = mirror[host_ids]
+            assert engine.flush().loads == [tid]
+        assert engine.path_counts == expected, pick
+        assert torch.equal(engine.mirror, mirror), pick
+        assert torch.equal(torch.cat(list(engine.regions.values()), dim=1), cache), pick
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+
+
+@gpu
+def test_a_measurement_covers_every_cell_with_plausible_rates_in_under_3_seconds():
+    device = torch.device("cuda", torch.cuda.current_device())
+    widths, ring = [4096, 4096, 1024], 1 << 20
+    measure(device, widths, ring)  # warm-up: the kernels' first compile, the rings, pinned memory
+    start = time.perf_counter()
+    x = measure(device, widths, ring)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 3.0, f"a measurement took {elapsed:.2f} s"
+    assert x.key == shape_key(device, widths, ring)
+    want = sorted(
+        (path, direction, blocks, runs)
+        for path in COPY_ENGINES
+        for direction in ("store", "load")
+        for blocks in COUNTS  # 9 KiB rows: no count is capped
+        for runs in {blocks, max(1, blocks // RUN)}
+    )
+    assert sorted((c.path, c.direction, c.blocks, c.runs) for c in x.cells) == want  # each cell once
+    for c in x.cells:
+        assert 0.01 < c.gbps < 200, c
+    picks = {x.choose(Direction(c.direction), c.blocks, c.runs, COPY_ENGINES) for c in x.cells}
+    assert picks <= set(COPY_ENGINES)
+    print(x.table())
+
+
+@gpu
+def test_an_auto_engine_keeps_its_crossover_in_a_file_that_a_second_engine_reads(tmp_path, monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    kv = {
+        "attn0": torch.randint(0, 256, (2, 32, 4, 2, 32), dtype=torch.uint8, generator=gen).cuda().view(torch.bfloat16),
+        "mla1": torch.randint(0, 256, (32, 4, 48), dtype=torch.uint8, generator=gen).cuda().view(torch.float16),
+    }
+    file = str(tmp_path / "crossover.json")
+
+    def auto_engine():
+        return kv_ops.OffloadEngine(kv, 32, 40 * 704, path="auto", crossover_file=file)
+
+    first = auto_engine()
+    key = shape_key(first.device, [256, 256, 192], kv_ops.engine.RING_BYTES)
+    assert first.crossover.key == key and len(first.crossover.cells) > 0
+    assert Crossover.load(file, key) == first.crossover  # written, for this shape
+    written = os.stat(file).st_mtime_ns
+
+    def refuse(*args):
+        raise AssertionError("measured although the file holds this shape's crossover")
+
+    monkeypatch.setattr(crossover_mod, "_measured", refuse)
+    second = auto_engine()
+    assert second.crossover.cells == first.crossover.cells
+    assert os.stat(file).st_mtime_ns == written and os.listdir(tmp_path) == ["crossover.json"]
+
+    # What the file says is what the engine does: made-up cells in which only DMA was measured.
+    made_up = Crossover(key, [Cell("dma", d, 4, 4, 1.0) for d in ("store", "load")])
+    made_up.save(file)
+    third = auto_engine()
+    assert third.crossover == made_up
+    want = torch.cat([r[[1, 2, 3]].cpu() for r in third.regions.values()], dim=1)
+    third.store([1, 2, 3], [7, 8, 9])
+    third.flush()
+    assert third.path_counts == {"kernel": 0, "staged": 0, "dma": 1}
+    assert torch.equal(third.mirror[7:10], want)
+    for engine in (first, second, third):
+        engine.close()

@@ -1,0 +1,75 @@
+"""kv_ops.driver: the one place the CUDA driver bindings are imported, lazily, and every call checked."""
+
+import enum
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_ops import driver as driver_module
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Result(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+
+
+def _fake_driver(**calls) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        CUresult=_Result,
+        cuGetErrorString=lambda err: (_Result.CUDA_SUCCESS, b"invalid argument"),
+        CUpointer_attribute=types.SimpleNamespace(CU_POINTER_ATTRIBUTE_DEVICE_POINTER=1),
+        **calls,
+    )
+
+
+def test_check_driver_returns_the_outputs_and_raises_naming_the_call(monkeypatch):
+    monkeypatch.setattr(driver_module, "driver", _fake_driver)
+    assert driver_module.check_driver((_Result.CUDA_SUCCESS, 7, 8), "cuThing") == (7, 8)
+    with pytest.raises(RuntimeError, match=r"cuThing failed: CUDA_ERROR_INVALID_VALUE \(1\): invalid argument"):
+        driver_module.check_driver((_Result.CUDA_ERROR_INVALID_VALUE,), "cuThing")
+
+
+def test_device_pointer_refuses_memory_not_mapped_for_the_gpu(monkeypatch):
+    fake = _fake_driver(cuPointerGetAttribute=lambda attr, ptr: (_Result.CUDA_ERROR_INVALID_VALUE, 0))
+    monkeypatch.setattr(driver_module, "driver", lambda: fake)
+    with pytest.raises(ValueError, match="not page-locked memory mapped for the GPU"):
+        driver_module.device_pointer(torch.zeros(4))
+
+
+def test_both_packages_import_without_cuda_bindings_and_the_error_names_it():
+    # A CPU-only install may lack cuda-bindings; only a driver call may need it, and the doctor
+    # turns an ImportError whose name starts with "cuda" into "pip install cuda-bindings".
+    probe = (
+        "import sys\n"
+        "for name in ('cuda', 'cuda.bindings', 'cuda.bindings.driver'):\n"
+        "    sys.modules[name] = None\n"
+        "import kv_ops, kv_ops.doctor, ple_ops\n"
+        "from kv_ops.driver import driver\n"
+        "try:\n"
+        "    driver()\n"
+        "except ImportError as e:\n"
+        "    print(e.name)\n"
+    )
+    run = [sys.executable, "-c", probe]
+    out = subprocess.run(run, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().startswith("cuda")
+
+
+def test_no_module_imports_the_bindings_but_kv_ops_driver():
+    inline = re.compile(r"^\s*(from\s+cuda(\.bindings)?\s+import|import\s+cuda\b)", re.M)
+    offenders = [
+        str(path.relative_to(ROOT))
+        for folder in ("kv_ops", "ple_ops", "examples", "benchmarks", "tests", "compile_tests")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != ROOT / "kv_ops" / "driver.py" and inline.search(path.read_text())
+    ]
+    assert not offenders, f"import the driver through kv_ops.driver, not directly: {offenders}"
