@@ -232,7 +232,8 @@ def test_store_then_load_round_trips_on_gpu(path):
 def test_store_waits_for_the_compute_that_writes_the_blocks_and_poll_is_never_early(path):
     engine, kv = make_engine("cuda", path=path)
     # A first store compiles the path's kernels; inside the loop that would outlast the sleep.
-    assert engine.flush().stores == [engine.store([0, 1, 2, 3], [0, 1, 2, 3])]
+    warm = engine.store([0, 1, 2, 3], [0, 1, 2, 3])
+    assert engine.flush().stores == [warm]
     region = engine.regions["mla1"]
     for _ in range(5):
         fresh = torch.randint(0, 256, (4, 192), dtype=torch.uint8, device="cuda")

@@ -434,7 +434,8 @@ def test_a_transfer_after_an_event_recorded_before_a_long_sleep_completes_during
 def test_a_store_after_a_stream_waits_for_that_streams_compute(path):
     engine, kv, layers, gen = gpu_engine(path)
     # A first store compiles the path's kernels; inside the loop that would outlast the sleep.
-    assert engine.flush().stores == [engine.store([4, 5, 6, 7], [10, 11, 12, 13])]
+    warm = engine.store([4, 5, 6, 7], [10, 11, 12, 13])
+    assert engine.flush().stores == [warm]
     side = torch.cuda.Stream()
     region = engine.regions["l1"]  # the MLA layer's 192-byte blocks
     for _ in range(3):
