@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -86,8 +87,15 @@ def driver_context(device: torch.device) -> Iterator[None]:
     ...     address = device_pointer(host)
     """
     with torch.cuda.device(device):
-        torch.empty(1, device=device)
+        bound = _bound.__dict__.setdefault("devices", set())
+        if device not in bound:  # once per thread and device: the copy paths call this per launch
+            torch.empty(1, device=device)
+            bound.add(device)
         yield
+
+
+# Per thread: the devices whose primary context torch has created and bound here.
+_bound = threading.local()
 
 
 def device_pointer(host: torch.Tensor) -> int:

@@ -26,6 +26,7 @@ writes. The kernel and direct paths see it as per-region column views of it.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,19 +53,22 @@ class Direction(enum.Enum):
 class Blocks:
     """One transfer: GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``, ids checked.
 
-    ``gpu_ids`` and ``host_ids`` are int64 CPU tensors of equal length; ``runs`` is
+    ``gpu_ids`` and ``host_ids`` are int64 CPU tensors of equal length. ``runs`` is
     :func:`kv_ops.dma.run_starts` of the pairs (start and length of each stretch in which both ids
-    go up by one), found once for the choice and the plans.
+    go up by one), found on first use and kept for the choice and the plans.
     """
 
     direction: Direction
     gpu_ids: torch.Tensor
     host_ids: torch.Tensor
-    runs: tuple[torch.Tensor, torch.Tensor]
 
     @classmethod
     def of(cls, direction: Direction, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> "Blocks":
-        return cls(direction, gpu_ids, host_ids, dma.run_starts(gpu_ids, host_ids))
+        return cls(direction, gpu_ids, host_ids)
+
+    @functools.cached_property
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return dma.run_starts(self.gpu_ids, self.host_ids)
 
     @property
     def count(self) -> int:
@@ -209,84 +213,101 @@ class StagedPath:
         """GPU bytes of one direction's ring."""
         return RING_SLOTS * self.chunk * self.mirror.shape[1]
 
-    def _slot(self, direction: Direction, rows: int) -> tuple[int, torch.Tensor]:
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        if blocks.count == 0:
+            if self.streams is None:
+                return None
+            stream = self.streams[blocks.direction]
+            stream.wait_event(ready)
+            return _record(stream)
+        d = blocks.direction
+        ring = self._ring(d)
+        # Slots for every chunk up front, so that the whole transfer is planned in one pass.
+        slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]
+        plans = self._plans(blocks, ring, slots)
+        if self.streams is None:
+            for (start, stop), slot, plan in zip(self._bounds(blocks), slots, plans):
+                staged = ring[slot * self.chunk : slot * self.chunk + stop - start]
+                if d is Direction.STORE:
+                    reference.gather_blocks(self.regions, blocks.gpu_ids[start:stop], staged)
+                    dma.run_on_host(plan)
+                else:
+                    dma.run_on_host(plan)
+                    reference.scatter_blocks(staged, blocks.gpu_ids[start:stop], self.regions)
+            return None
+        kernel, copy, free = self.kernel_streams[d], self.streams[d], self._free[d]
+        errors = error_counter(self.device)
+        # One stream context for the whole transfer (each costs host time); the copies and
+        # events name their streams explicitly.
+        with torch.cuda.stream(kernel):
+            kernel.wait_event(ready)  # store: after the blocks' writers; load: after their readers
+            gpu_ids = _ids_on(self.device, blocks.gpu_ids)
+            for (start, stop), slot, plan in zip(self._bounds(blocks), slots, plans):
+                staged = ring[slot * self.chunk : slot * self.chunk + stop - start]
+                ids = gpu_ids[start:stop]
+                if d is Direction.STORE:
+                    if free[slot] is not None:
+                        kernel.wait_event(free[slot])  # the slot's last DMA has read it
+                    kernels.block_copy(self.regions, staged, ids, None, stop - start, errors, num_programs=STAGE_PROGRAMS)
+                    copy.wait_event(_record(kernel))
+                    dma.launch(plan, copy)  # slot rows -> mirror rows, one descriptor per run
+                    free[slot] = _record(copy)
+                else:
+                    # Into the ring without waiting for ``ready``: the ring is the engine's own, so
+                    # the copy overlaps the caller's compute; only the scatter waits for it.
+                    if free[slot] is not None:
+                        copy.wait_event(free[slot])  # the slot's last scatter has read it
+                    dma.launch(plan, copy)
+                    kernel.wait_event(_record(copy))
+                    kernels.block_copy(staged, self.regions, None, ids, stop - start, errors, num_programs=STAGE_PROGRAMS)
+                    free[slot] = _record(kernel)
+        return free[slots[-1]]
+
+    def _ring(self, direction: Direction) -> torch.Tensor:
         ring = self._rings.get(direction)
         if ring is None:
             ring = torch.empty((RING_SLOTS * self.chunk, self.mirror.shape[1]), dtype=torch.uint8, device=self.device)
             self._rings[direction] = ring
+        return ring
+
+    def _take_slot(self, direction: Direction) -> int:
         slot = self._next[direction]
         self._next[direction] = (slot + 1) % RING_SLOTS
-        return slot, ring[slot * self.chunk : slot * self.chunk + rows]
+        return slot
 
-    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        if blocks.count == 0:
-            return None if self.streams is None else self._empty(blocks.direction, ready)
-        if blocks.direction is Direction.STORE:
-            return self._store(blocks, ready)
-        return self._load(blocks, ready)
+    def _bounds(self, blocks: Blocks):
+        return [(start, min(start + self.chunk, blocks.count)) for start in range(0, blocks.count, self.chunk)]
 
-    def _empty(self, direction: Direction, ready: torch.cuda.Event | None) -> torch.cuda.Event:
-        stream = self.streams[direction]
-        stream.wait_event(ready)
-        return _record(stream)
+    def _plans(self, blocks: Blocks, ring: torch.Tensor, slots: list[int]) -> list[dma.Plan]:
+        """Each chunk's copies between its ring slot and the mirror, planned in one pass.
 
-    def _chunks(self, blocks: Blocks):
-        for start in range(0, blocks.count, self.chunk):
-            stop = min(start + self.chunk, blocks.count)
-            yield start, stop, torch.arange(stop - start)
-
-    def _store(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        d = Direction.STORE
-        if self.streams is None:
-            for start, stop, rows in self._chunks(blocks):
-                _, staged = self._slot(d, stop - start)
-                reference.gather_blocks(self.regions, blocks.gpu_ids[start:stop], staged)
-                dma.run_on_host(dma.plan_copies([staged], [self.mirror], rows, blocks.host_ids[start:stop]))
-            return None
-        gather, copy = self.kernel_streams[d], self.streams[d]
-        with torch.cuda.stream(gather):
-            gather.wait_event(ready)  # after the compute that wrote the blocks
-            gpu_ids = _ids_on(self.device, blocks.gpu_ids)
-        for start, stop, rows in self._chunks(blocks):
-            slot, staged = self._slot(d, stop - start)
-            if self._free[d][slot] is not None:
-                gather.wait_event(self._free[d][slot])  # the slot's last DMA has read it
-            with torch.cuda.stream(gather):
-                kernels.block_copy(
-                    self.regions, staged, gpu_ids[start:stop], None, stop - start, error_counter(self.device),
-                    num_programs=STAGE_PROGRAMS,
-                )
-            copy.wait_event(_record(gather))
-            # Slot rows are consecutive, so each run of consecutive host ids is one descriptor.
-            dma.launch(dma.plan_copies([staged], [self.mirror], rows, blocks.host_ids[start:stop]), copy)
-            self._free[d][slot] = _record(copy)
-        return self._free[d][slot]
-
-    def _load(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        d = Direction.LOAD
-        if self.streams is None:
-            for start, stop, rows in self._chunks(blocks):
-                _, staged = self._slot(d, stop - start)
-                dma.run_on_host(dma.plan_copies([self.mirror], [staged], blocks.host_ids[start:stop], rows))
-                reference.scatter_blocks(staged, blocks.gpu_ids[start:stop], self.regions)
-            return None
-        scatter, copy = self.kernel_streams[d], self.streams[d]
-        with torch.cuda.stream(scatter):
-            scatter.wait_event(ready)  # after every reader of the destination blocks
-            gpu_ids = _ids_on(self.device, blocks.gpu_ids)
-        for start, stop, rows in self._chunks(blocks):
-            slot, staged = self._slot(d, stop - start)
-            if self._free[d][slot] is not None:
-                copy.wait_event(self._free[d][slot])  # the slot's last scatter has read it
-            dma.launch(dma.plan_copies([self.mirror], [staged], blocks.host_ids[start:stop], rows), copy)
-            scatter.wait_event(_record(copy))
-            with torch.cuda.stream(scatter):
-                kernels.block_copy(
-                    staged, self.regions, None, gpu_ids[start:stop], stop - start, error_counter(self.device),
-                    num_programs=STAGE_PROGRAMS,
-                )
-            self._free[d][slot] = _record(scatter)
-        return self._free[d][slot]
+        Pair i sits in row ``i % chunk`` of its chunk's slot, so a run of consecutive host ids
+        within a chunk is one descriptor: ``mirror[h0 : h0 + n] <-> slot[r0 : r0 + n]``.
+        """
+        host, n, chunk, row = blocks.host_ids, blocks.count, self.chunk, self.mirror.shape[1]
+        # Few tensor operations: on the host each costs microseconds, and this runs every call.
+        begins = torch.empty(n, dtype=torch.bool)
+        begins[0] = True
+        torch.ne(host[1:] - host[:-1], 1, out=begins[1:])
+        if n > chunk:
+            begins[::chunk] = True  # a run never crosses into the next chunk's slot
+        first = begins.nonzero().flatten()
+        ends = torch.empty_like(first)
+        ends[:-1] = first[1:]
+        ends[-1] = n
+        sizes = (ends - first) * row
+        if len(slots) == 1:
+            ring_at = first * row + (ring.data_ptr() + slots[0] * chunk * row)
+        else:
+            ring_at = (torch.tensor(slots)[first // chunk] * chunk + first % chunk) * row + ring.data_ptr()
+        mirror_at = host[first] * row + self.mirror.data_ptr()
+        dsts, srcs = (mirror_at, ring_at) if blocks.direction is Direction.STORE else (ring_at, mirror_at)
+        # Where each chunk's descriptors begin: the runs are in pair order, and every chunk's
+        # first pair begins a run.
+        if len(slots) == 1:
+            return [dma.Plan(dsts, srcs, sizes)]
+        cut = torch.searchsorted(first, torch.arange(0, n, chunk)).tolist() + [first.numel()]
+        return [dma.Plan(dsts[a:b], srcs[a:b], sizes[a:b]) for a, b in zip(cut[:-1], cut[1:])]
 
 
 Path = KernelPath | StagedPath | DirectDmaPath
