@@ -7,7 +7,7 @@ a GPU ring, then the copy engines), ``dma`` (the copy engines per region and blo
 (the engine's per-call pick from its measured crossover; what it picked is read from
 ``engine.path_counts``).
 
-Every figure is sustained: CALLS calls of 32 MiB each are issued back to back (each ordered after
+Every figure is sustained: CALLS calls of 64 MiB each are issued back to back (each ordered after
 the caller's stream, as a serving engine issues them) and the clock stops when ``flush()``
 returns; 512 MiB per direction per measurement, median of REPS after a warm-up. The baseline is
 one contiguous pinned memcpy of the same bytes on a created stream, timed the same way in the same
@@ -64,8 +64,8 @@ PATHS = ("kernel", "staged", "dma", "auto")
 FIXED = ("kernel", "staged", "dma")  # the paths auto chooses from
 IDS = ("random", "run")
 DIRECTIONS = ("store", "load", "duplex")
-CALLS = 16  # calls per measurement, back to back
-CALL_BYTES = 32 << 20  # bytes per call (a whole number of packed blocks)
+CALLS = 8  # calls per measurement, back to back
+CALL_BYTES = 64 << 20  # bytes per call (a whole number of packed blocks): 64 blocks of 1 MiB
 RUN = 16  # ids per run in the "run" pattern
 REPS = 5
 QUICK_REPS = 3

@@ -56,6 +56,9 @@ class Crossover:
 
     key: dict
     cells: list[Cell] = field(default_factory=list)
+    # Picks already made, by (direction, blocks, runs, paths): calls of one shape recur, and the
+    # pick sits on every call's host path.
+    _picks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _nearest(self, direction: Direction, blocks: int, runs: int) -> list[Cell]:
         """The cells (one per path) nearest to ``blocks`` blocks in ``runs`` runs: log scales of the
@@ -75,6 +78,12 @@ class Crossover:
     def choose(self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool]) -> str | None:
         """The path name for a call: the fastest in the nearest cell, or a copy-engine path
         within :data:`TOLERANCE` of it (the fastest of those). None where nothing was measured."""
+        key = (direction, blocks, runs, tuple(sorted(copy_engines.items())))
+        if key not in self._picks:
+            self._picks[key] = self._choose(direction, blocks, runs, copy_engines)
+        return self._picks[key]
+
+    def _choose(self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool]) -> str | None:
         cells = [c for c in self._nearest(direction, blocks, runs) if c.path in copy_engines]
         if not cells:
             return None

@@ -161,13 +161,21 @@ def check_ids_values(op: str, what: str, ids: torch.Tensor, limit: int, unique: 
     """Every id lies in ``[0, limit)``; with ``unique``, no id repeats. One host sync."""
     if ids.numel() == 0:
         return
-    bad = (ids < 0) | (ids >= limit)
-    flags = [bad.any()]
-    if unique:
-        ordered = ids.sort().values
-        flags.append((ordered[1:] == ordered[:-1]).any())
-    found = torch.stack(flags).tolist()
+    if ids.device.type == "cpu":
+        # Host ids (the engine's every call): the fewest tensor operations, each costs microseconds.
+        lo, hi = torch.aminmax(ids)
+        found = [int(lo) < 0 or int(hi) >= limit, False]
+        if unique and not found[0] and ids.numel() > 1:
+            ordered = ids.sort().values
+            found[1] = bool((ordered[1:] == ordered[:-1]).any())
+    else:
+        flags = [((ids < 0) | (ids >= limit)).any()]
+        if unique:
+            ordered = ids.sort().values
+            flags.append((ordered[1:] == ordered[:-1]).any())
+        found = torch.stack(flags).tolist() + [False]
     if found[0]:
+        bad = (ids < 0) | (ids >= limit)
         i = int(bad.nonzero()[0])
         raise ValueError(f"{op}: {what}[{i}] = {int(ids[i])} is outside [0, {limit})")
     if unique and found[1]:
