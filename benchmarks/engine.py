@@ -79,7 +79,7 @@ COLUMNS = [
     "bytes", "seconds", "gbps", "memcpy_gbps", "ratio", "memcpy_duplex_ratio", "auto_vs_best",
     "seconds_before", "seconds_after", "drift",
     "staged_ratio", "gather_us", "sm_us_per_gb", "link_fraction", "dma_only_gbps", "dma_only_ratio",
-    "chunk_rows", "ring_bytes", "limit",
+    "chunk_rows", "ring_bytes", "issue_us_per_call", "issue_fraction", "limit",
     "run", "matmul_ms", "baseline_ms", "slowdown", "duplex_ratio",
     "blocks", "runs",
 ]  # fmt: skip
@@ -189,8 +189,14 @@ class Cache:
             return kv_ops.OffloadEngine(self.tensors, self.num_blocks, capacity_bytes=self.num_blocks * self.per_id, path=path)
 
 
+# Host seconds spent inside the store/load calls of each issue() (flush excluded): when they are
+# close to the whole wall time, the host's issue time, not the link, limits the row.
+ISSUED: list[float] = []
+
+
 def issue(engine, store_calls, load_calls) -> None:
     """Every call back to back (stores and loads interleaved when both), then ``flush()``."""
+    start = time.perf_counter()
     for c in range(CALLS):
         if store_calls is not None:
             gpu_ids, host_ids = store_calls[c]
@@ -198,6 +204,7 @@ def issue(engine, store_calls, load_calls) -> None:
         if load_calls is not None:
             gpu_ids, host_ids = load_calls[c]
             engine.load(host_ids, gpu_ids)
+    ISSUED.append(time.perf_counter() - start)
     engine.flush()
 
 
@@ -241,6 +248,7 @@ class State:
         self.ring: dict[int, tuple[int, int]] = {}  # block -> staged chunk rows, ring bytes
         self.crossover: dict[int, object] = {}  # block -> kv_ops.crossover.Crossover
         self.overlap: list[dict] = []
+        self.issued: dict[tuple[int, str, str, str], float] = {}  # (block, ids, direction, path) -> host issue s
 
     def base(self, block: int) -> dict[str, float] | None:
         """The memcpy baseline of a size: the mean of its before and after runs."""
@@ -305,8 +313,10 @@ def measure_path(cache: Cache, path: str, state: State) -> None:
                 stores = cache.calls[ids, "store"] if direction != "load" else None
                 loads = cache.calls[ids, "load"] if direction != "store" else None
                 before = dict(engine.path_counts)
+                ISSUED.clear()
                 seconds = wall(lambda s=stores, ld=loads: issue(engine, s, ld), state.reps)
                 state.sustained[cache.block, ids, direction, path] = (seconds, picked(before, engine.path_counts))
+                state.issued[cache.block, ids, direction, path] = statistics.median(ISSUED[1:])  # after the warm-up
                 moved = cache.bytes * (2 if direction == "duplex" else 1)
                 ratio = ""
                 if base is not None:
@@ -434,9 +444,11 @@ def target(packed: int) -> tuple[float, float | None]:
     return 0.88, None
 
 
-def limit(staged: float, dma_only: float, link_fraction: float, needed: float) -> str:
+def limit(staged: float, dma_only: float, link_fraction: float, needed: float, issue_fraction: float) -> str:
     if staged >= needed:
         return "meets"
+    if issue_fraction > 0.85:
+        return "host issue time"  # the calls took nearly the whole wall time to issue
     if dma_only < needed:
         return "descriptors"  # the copy engines alone fall short on these rows
     if link_fraction > 0.5:
@@ -471,7 +483,7 @@ def build_rows(state: State) -> list[dict]:
                     seconds, pick = state.sustained[block, ids, d, path]
                     gbps = moved / seconds / 1e9
                     row = dict(kind="bandwidth", **shape, ids=ids, direction=d, path=path, picked=pick, bytes=moved,
-                               seconds=seconds, gbps=gbps)
+                               seconds=seconds, gbps=gbps, issue_fraction=state.issued[block, ids, d, path] / seconds)
                     if d == "duplex":
                         row.update(memcpy_gbps=one_way, ratio=gbps / one_way,
                                    memcpy_duplex_ratio=moved / base["duplex"] / 1e9 / one_way)
@@ -486,12 +498,15 @@ def build_rows(state: State) -> list[dict]:
                     gather_s, dma_s = state.stage[block, ids, d]
                     staged, fraction = found["staged"]["ratio"], gather_s / base[d]
                     chunk, ring = state.ring.get(block, ("", ""))
+                    issue_fraction = state.issued[block, ids, d, "staged"] / found["staged"]["seconds"]
                     stage_rows.append(dict(kind="stage", **shape, ids=ids, direction=d, path="staged", bytes=cache.bytes,
                                            staged_ratio=staged, gather_us=gather_s * 1e6,
                                            sm_us_per_gb=paths.STAGE_PROGRAMS * gather_s * 1e6 / (cache.bytes / 1e9),
                                            link_fraction=fraction, dma_only_gbps=cache.bytes / dma_s / 1e9,
                                            dma_only_ratio=base[d] / dma_s, chunk_rows=chunk, ring_bytes=ring,
-                                           limit=limit(staged, base[d] / dma_s, fraction, target(cache.per_id)[0])))
+                                           issue_us_per_call=state.issued[block, ids, d, "staged"] / CALLS * 1e6,
+                                           issue_fraction=issue_fraction,
+                                           limit=limit(staged, base[d] / dma_s, fraction, target(cache.per_id)[0], issue_fraction)))
     rows += stage_rows + state.overlap
     for block, cross in state.crossover.items():
         per_id = state.shape[block].per_id
@@ -532,14 +547,16 @@ def markdown(rows: list[dict], state: State) -> str:
                                + cells(block, ids, d))
     out += ["", "Both directions at once (bytes both ways / time / the faster one-direction memcpy rate; 2.0 at most; "
             "'memcpy' is contiguous memcpy both ways at once, the hardware's figure):", "",
-            "| per region | packed | ids | one-way memcpy GB/s | memcpy | kernel | staged | dma | auto | auto picks | auto / best |",
-            "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+            "| per region | packed | ids | one-way memcpy GB/s | memcpy | kernel | staged | dma | auto | auto picks | auto / best | staged: issue / wall |",
+            "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for block in blocks:
         for ids in IDS:
             any_row = next((bw[block, ids, "duplex", p] for p in PATHS if (block, ids, "duplex", p) in bw), None)
             if any_row:
+                staged_row = bw.get((block, ids, "duplex", "staged"))
+                issue = f" {staged_row['issue_fraction']:.2f} |" if staged_row else " - |"
                 out.append(f"| {kib(block)} | {kib(any_row['packed_bytes'])} | {ids} | {any_row['memcpy_gbps']:.1f} | "
-                           f"{any_row['memcpy_duplex_ratio']:.2f} | " + cells(block, ids, "duplex"))
+                           f"{any_row['memcpy_duplex_ratio']:.2f} | " + cells(block, ids, "duplex") + issue)
     drift = [r["drift"] for r in rows if r["kind"] == "memcpy" and r["drift"] != ""]
     if drift:
         out += ["", f"memcpy drift over each size's measurements (after / before - 1): {min(drift):+.1%} to {max(drift):+.1%}"]
@@ -566,14 +583,15 @@ def markdown(rows: list[dict], state: State) -> str:
         out += ["", f"The staged path's halves alone, per staged row: the gather (store) or scatter (load) device to device "
                 f"with {paths.STAGE_PROGRAMS} programs (CUDA events), as SM-us per GB and as a fraction of the link (memcpy) "
                 "time; the packed-row DMA alone (contiguous GPU buffer <-> the same mirror rows). Limit: 'descriptors' when "
-                "the DMA alone falls short of the target, 'gather SMs' when the gather takes over half the link time, else "
-                "'ring/pipeline'.", "",
-                "| per region | packed | ids | direction | staged | DMA alone | gather us | SM-us/GB | gather / link | chunk rows | limit |",
-                "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                "the DMA alone falls short of the target, 'gather SMs' when the gather takes over half the link time, "
+                "'host issue time' when issuing the calls (host microseconds per call, flush excluded) took over 85% of "
+                "the wall time, else 'ring/pipeline'.", "",
+                "| per region | packed | ids | direction | staged | DMA alone | gather us | SM-us/GB | gather / link | chunk rows | issue us/call | issue / wall | limit |",
+                "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in st:
             out.append(f"| {kib(r['block_bytes'])} | {kib(r['packed_bytes'])} | {r['ids']} | {r['direction']} | {r['staged_ratio']:.2f} | "
                        f"{r['dma_only_ratio']:.2f} | {r['gather_us']:.0f} | {r['sm_us_per_gb']:.0f} | {r['link_fraction']:.3f} | "
-                       f"{r['chunk_rows']} | {r['limit']} |")
+                       f"{r['chunk_rows']} | {r['issue_us_per_call']:.0f} | {r['issue_fraction']:.2f} | {r['limit']} |")
 
     out += ["", "Targets (random ids; best of kernel/staged/dma, and auto):", "",
             "| target | needed | best path | auto | best meets | auto meets |", "| --- | ---: | --- | ---: | --- | --- |"]

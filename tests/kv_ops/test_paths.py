@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops import dma
-from kv_ops.paths import RING_SLOTS
+from kv_ops.paths import RING_SLOTS, Blocks, Direction
 
 gpu = pytest.mark.gpu
 PATH_NAMES = ("kernel", "staged", "dma")
@@ -35,6 +35,15 @@ PATHS = pytest.mark.parametrize("path", PATH_NAMES)
 KINDS = ("kv_first", "blocks_first", "mla", "cross_layer")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(-2, 3), st.integers(-2, 3)), min_size=1, max_size=40))
+def test_the_run_count_auto_picks_by_is_the_number_of_runs_the_plans_merge(steps):
+    # num_runs is counted apart from run_starts (fewer operations on every auto call); they must agree.
+    gpu = torch.tensor([g for g, _ in steps]).cumsum(0) + 100
+    host = torch.tensor([h for _, h in steps]).cumsum(0) + 100
+    assert Blocks.of(Direction.LOAD, gpu, host).num_runs == dma.run_starts(gpu, host)[0].numel()
 
 # --- layouts and their bytes, read through the typed tensors ---------------------------------------
 
