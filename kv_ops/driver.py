@@ -86,9 +86,13 @@ def driver_context(device: torch.device) -> Iterator[None]:
     >>> with driver_context(torch.device("cuda", 0)):
     ...     address = device_pointer(host)
     """
+    bound = _bound.__dict__.setdefault("devices", set())
+    index = torch.device(device).index
+    if device in bound and (index is None or torch.cuda.current_device() == index):
+        yield  # bound before and current: the copy paths call this per launch, keep it cheap
+        return
     with torch.cuda.device(device):
-        bound = _bound.__dict__.setdefault("devices", set())
-        if device not in bound:  # once per thread and device: the copy paths call this per launch
+        if device not in bound:  # once per thread and device
             torch.empty(1, device=device)
             bound.add(device)
         yield

@@ -199,6 +199,85 @@ def _alignment(values: Sequence[int]) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
+class BoundCopy:
+    """One side-to-side copy with everything but the ids and the packed rows fixed.
+
+    Binding builds (or finds) the region table and works out the tile shape once; each call then
+    only sizes the grid and launches. The engine's paths bind their copies once and launch one
+    per transfer, where rebuilding this per call cost more host time than the launch itself.
+
+    ``src`` and ``dst`` are each a list of uint8 regions ``[num_blocks, block_bytes]`` or ``None``
+    for the packed side (rows of every region's block side by side). Not both packed.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        src: Sequence[torch.Tensor] | None,
+        dst: Sequence[torch.Tensor] | None,
+        *,
+        num_programs: int = NUM_PROGRAMS,
+        tile_bytes: int = TILE_BYTES,
+        num_warps: int = NUM_WARPS,
+    ):
+        if device.type == "cpu" and not _interpreting():
+            raise RuntimeError("kv_ops.kernels.block_copy runs on CPU tensors only under TRITON_INTERPRET=1")
+        self.device = device
+        self.src_packed, self.dst_packed = src is None, dst is None
+        regions = dst if self.src_packed else src
+        self.widths = [r.shape[1] for r in regions]
+        self.table, self.align = _geometry_table(device, src, dst, self.widths)
+        self.anchor = self.table.view(torch.uint8)
+        self.src_limit = None if self.src_packed else min(r.shape[0] for r in src)
+        self.dst_limit = None if self.dst_packed else min(r.shape[0] for r in dst)
+        self.cols = min(tile_bytes, triton.next_power_of_2(max(1, min(self.widths))))
+        self.rows = max(1, tile_bytes // self.cols)
+        self.chunks = [-(-w // self.cols) for w in self.widths]  # tile rows per block, per region
+        self.num_programs, self.num_warps = num_programs, num_warps
+
+    def __call__(
+        self,
+        packed: torch.Tensor | None,
+        src_ids: torch.Tensor | None,
+        dst_ids: torch.Tensor | None,
+        num_pairs: int,
+        errors: torch.Tensor,
+    ):
+        """Launch on the current stream; returns Triton's handle, or None when nothing was launched."""
+        if num_pairs == 0:
+            return None
+        align, packed_stride = self.align, 0
+        if packed is None:
+            packed = self.anchor  # a copy never reads it
+        else:
+            packed_stride = packed.stride(0)
+            align = min(align, _alignment([_address(packed, self.device), packed_stride]))
+        tiles = sum(-(-num_pairs * c // self.rows) for c in self.chunks)
+        grid = (max(1, min(self.num_programs, tiles)),)
+        on_device = self.device.type == "cuda" and torch.cuda.current_device() != self.device.index
+        with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
+            return _block_copy_kernel[grid](
+                self.table,
+                self.anchor,
+                packed,
+                packed_stride,
+                len(self.widths),
+                src_ids if src_ids is not None else self.table,
+                dst_ids if dst_ids is not None else self.table,
+                num_pairs,
+                num_pairs if self.src_packed else self.src_limit,
+                num_pairs if self.dst_packed else self.dst_limit,
+                errors,
+                COLS=self.cols,
+                ROWS=self.rows,
+                ALIGN=align,
+                SRC_PACKED=self.src_packed,
+                DST_PACKED=self.dst_packed,
+                LANES=CHECK_LANES,
+                num_warps=self.num_warps,
+            )
+
+
 def block_copy(
     src: Sequence[torch.Tensor] | torch.Tensor,
     dst: Sequence[torch.Tensor] | torch.Tensor,
@@ -220,46 +299,17 @@ def block_copy(
     """
     if num_pairs == 0:
         return None
-    device = errors.device
     src_packed, dst_packed = isinstance(src, torch.Tensor), isinstance(dst, torch.Tensor)
-    regions = dst if src_packed else src
-    widths = [r.shape[1] for r in regions]
-    if device.type == "cpu" and not _interpreting():
-        raise RuntimeError("kv_ops.kernels.block_copy runs on CPU tensors only under TRITON_INTERPRET=1")
-    table, align = _geometry_table(device, None if src_packed else src, None if dst_packed else dst, widths)
-    anchor = table.view(torch.uint8)
-    packed = src if src_packed else dst if dst_packed else anchor  # copy never reads it
-    packed_stride = packed.stride(0) if (src_packed or dst_packed) else 0
-    src_limit = num_pairs if src_packed else min(r.shape[0] for r in src)
-    dst_limit = num_pairs if dst_packed else min(r.shape[0] for r in dst)
-
-    if src_packed or dst_packed:
-        align = min(align, _alignment([_address(packed, device), packed_stride]))
-    cols = min(tile_bytes, triton.next_power_of_2(max(1, min(widths))))
-    rows = max(1, tile_bytes // cols)
-    tiles = sum(-(-num_pairs * -(-w // cols) // rows) for w in widths)
-    grid = (max(1, min(num_programs, tiles)),)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return _block_copy_kernel[grid](
-            table,
-            anchor,
-            packed,
-            packed_stride,
-            len(widths),
-            src_ids if src_ids is not None else table,
-            dst_ids if dst_ids is not None else table,
-            num_pairs,
-            src_limit,
-            dst_limit,
-            errors,
-            COLS=cols,
-            ROWS=rows,
-            ALIGN=align,
-            SRC_PACKED=src_packed,
-            DST_PACKED=dst_packed,
-            LANES=CHECK_LANES,
-            num_warps=num_warps,
-        )
+    bound = BoundCopy(
+        errors.device,
+        None if src_packed else src,
+        None if dst_packed else dst,
+        num_programs=num_programs,
+        tile_bytes=tile_bytes,
+        num_warps=num_warps,
+    )
+    packed = src if src_packed else dst if dst_packed else None
+    return bound(packed, src_ids, dst_ids, num_pairs, errors)
 
 
-__all__ = ["block_copy", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]
+__all__ = ["block_copy", "BoundCopy", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]

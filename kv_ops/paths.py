@@ -121,18 +121,22 @@ class KernelPath:
         self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
         self.streams = streams
         self.device = self.regions[0].device
+        self._launch: dict[Direction, kernels.BoundCopy] = {}  # bound on first use, per direction
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
         if self.streams is None:
             reference.copy_blocks(src, dst, src_ids, dst_ids)
             return None
+        launch = self._launch.get(blocks.direction)
+        if launch is None:
+            launch = self._launch[blocks.direction] = kernels.BoundCopy(self.device, src, dst)
         stream = self.streams[blocks.direction]
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             ids = _ids_on(self.device, torch.stack([src_ids, dst_ids]))
-            # The launcher directly: the engine checked the ids, so the op's checks add nothing.
-            kernels.block_copy(src, dst, ids[0], ids[1], blocks.count, error_counter(self.device))
+            # The kernel directly: the engine checked the ids, so the op's checks add nothing.
+            launch(None, ids[0], ids[1], blocks.count, error_counter(self.device))
             return _record(stream)
 
 
@@ -206,6 +210,8 @@ class StagedPath:
         self._rings: dict[Direction, torch.Tensor] = {}  # made on first use: auto may never pick this path
         self._free: dict[Direction, list[torch.cuda.Event | None]] = {d: [None] * RING_SLOTS for d in Direction}
         self._next = {d: 0 for d in Direction}
+        self._gather: kernels.BoundCopy | None = None  # bound on first GPU use
+        self._scatter: kernels.BoundCopy | None = None
         # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
         self.kernel_streams = None
         if streams is not None:
@@ -241,6 +247,9 @@ class StagedPath:
             return None
         kernel, copy, free = self.kernel_streams[d], self.streams[d], self._free[d]
         errors = error_counter(self.device)
+        if self._gather is None:
+            self._gather = kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS)
+            self._scatter = kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS)
         # One stream context for the whole transfer (each costs host time); the copies and
         # events name their streams explicitly.
         with torch.cuda.stream(kernel):
@@ -252,7 +261,7 @@ class StagedPath:
                 if d is Direction.STORE:
                     if free[slot] is not None:
                         kernel.wait_event(free[slot])  # the slot's last DMA has read it
-                    kernels.block_copy(self.regions, staged, ids, None, stop - start, errors, num_programs=STAGE_PROGRAMS)
+                    self._gather(staged, ids, None, stop - start, errors)
                     copy.wait_event(_record(kernel))
                     dma.launch(plan, copy)  # slot rows -> mirror rows, one descriptor per run
                     free[slot] = _record(copy)
@@ -263,7 +272,7 @@ class StagedPath:
                         copy.wait_event(free[slot])  # the slot's last scatter has read it
                     dma.launch(plan, copy)
                     kernel.wait_event(_record(copy))
-                    kernels.block_copy(staged, self.regions, None, ids, stop - start, errors, num_programs=STAGE_PROGRAMS)
+                    self._scatter(staged, None, ids, stop - start, errors)
                     free[slot] = _record(kernel)
         return free[slots[-1]]
 
@@ -290,16 +299,13 @@ class StagedPath:
         """
         host, n, chunk, row = blocks.host_ids, blocks.count, self.chunk, self.mirror.shape[1]
         # Few tensor operations: on the host each costs microseconds, and this runs every call.
-        begins = torch.empty(n, dtype=torch.bool)
-        begins[0] = True
-        torch.ne(host[1:] - host[:-1], 1, out=begins[1:])
+        begins = torch.ones(n + 1, dtype=torch.bool)  # [n] stays True: the end of the last run
+        torch.ne(host[1:] - host[:-1], 1, out=begins[1:n])
         if n > chunk:
-            begins[::chunk] = True  # a run never crosses into the next chunk's slot
-        first = begins.nonzero().flatten()
-        ends = torch.empty_like(first)
-        ends[:-1] = first[1:]
-        ends[-1] = n
-        sizes = (ends - first) * row
+            begins[:n:chunk] = True  # a run never crosses into the next chunk's slot
+        edges = begins.nonzero()[:, 0]
+        first = edges[:-1]
+        sizes = edges.diff() * row
         if len(slots) == 1:
             ring_at = first * row + (ring.data_ptr() + slots[0] * chunk * row)
         else:
