@@ -38,9 +38,10 @@ from .validation import error_counter
 # Ring slots per direction: with four, a store's gather of chunk i+1 (and i+2) runs while the
 # copy engines drain chunk i, and calls issued back to back keep the pipeline full.
 RING_SLOTS = 4
-# Programs of the staging gather and scatter. Device-to-device, 32 programs move ~0.86 TB/s on
-# the H200: the SMs are busy about 6% of the time the link needs for the same bytes (8 programs:
-# 23%; all SMs: 3.5%, for 4x the SMs taken from the model while they run).
+# Programs of the staging gather and scatter. Device-to-device, 32 programs move about 1 TB/s on
+# the H200 (benchmarks/engine.py: 32,000 SM-us per GB): the SMs work 5.5% of the time the link
+# needs for the same bytes. A probe measured 8 programs at 23% and all SMs at 3.5%, which takes
+# 4x the SMs from the model while they run.
 STAGE_PROGRAMS = 32
 
 
