@@ -19,14 +19,16 @@ import torch
 from . import reference
 from .host_memory import pinned_empty
 from .ops import gather_blocks, scatter_blocks
-from .validation import id_checks
+from .paths import Direction
+from .validation import check_ids_meta, check_ids_values, id_checks
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block size; 4 KiB covers every common device, and pages are 4 KiB anyway.
 ALIGN = 4096
 
 
-def _round_up(n: int, to: int = ALIGN) -> int:
+def aligned(n: int, to: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``to``: the bytes of a file slot holding ``n`` bytes."""
     return -(-n // to) * to
 
 
@@ -140,7 +142,7 @@ class BlockFile:
         self.directory = directory
         # What error messages call the file; it has no name on disk.
         self.label = f"{os.path.join(directory, f'kv_offload.{tag}')} (unlinked)"
-        self.slot_stride = _round_up(slot_bytes)
+        self.slot_stride = aligned(slot_bytes)
         self.num_slots = num_slots
         self.direct = not page_cache
         try:
@@ -192,9 +194,10 @@ class BlockFile:
             raise ValueError(f"BlockFile: buffer must be contiguous with at least {len(slots)} rows")
         if self.direct and buf.data_ptr() % ALIGN:
             raise ValueError(f"BlockFile: O_DIRECT needs a {ALIGN}-byte aligned buffer (kv_ops.pinned_empty gives one)")
-        for i, s in enumerate(slots):
-            if not 0 <= s < self.num_slots:
-                raise ValueError(f"BlockFile: slots[{i}] = {s} is outside [0, {self.num_slots})")
+        if len(slots):
+            ids = torch.as_tensor(slots)
+            check_ids_meta("BlockFile", "slots", ids)
+            check_ids_values("BlockFile", "slots", ids, self.num_slots)
 
     def _io(self, write: bool, slots: Sequence[int], buf: torch.Tensor) -> None:
         self._check(slots, buf)
@@ -262,7 +265,7 @@ class DiskJob:
     """One store (regions -> file) or load (file -> regions) of the disk tier."""
 
     tid: int
-    kind: str  # "store" or "load"
+    direction: Direction
     gpu_ids: torch.Tensor  # int64, on the host
     disk_ids: torch.Tensor  # int64, on the host
     ready: torch.cuda.Event | None  # recorded on the caller's stream at the call
@@ -274,7 +277,7 @@ class DiskResult:
     run: the last scatter of a load, or whatever a failed job had enqueued before its error."""
 
     tid: int
-    kind: str
+    direction: Direction
     error: BaseException | None
     event: torch.cuda.Event | None
 
@@ -297,7 +300,7 @@ class DiskTier:
         self,
         regions: Mapping[str, torch.Tensor],
         file: BlockFile,
-        streams: Mapping[str, torch.cuda.Stream] | None,
+        streams: Mapping[Direction, torch.cuda.Stream] | None,
         staging_slots: int = 2,
         staging_blocks: int = 64,
     ):
@@ -364,19 +367,19 @@ class DiskTier:
             try:
                 if setup_error is not None:
                     raise setup_error
-                event = self._store(job) if job.kind == "store" else self._load(job)
-                self.results.put(DiskResult(job.tid, job.kind, None, event))
+                event = self._store(job) if job.direction is Direction.STORE else self._load(job)
+                self.results.put(DiskResult(job.tid, job.direction, None, event))
             except BaseException as error:  # reported as a failed transfer, never as done
-                self.results.put(DiskResult(job.tid, job.kind, error, self._fence(job.kind)))
+                self.results.put(DiskResult(job.tid, job.direction, error, self._fence(job.direction)))
 
-    def _fence(self, kind: str) -> torch.cuda.Event | None:
-        """An event after the GPU work enqueued so far on ``kind``'s stream: a failed job is
+    def _fence(self, direction: Direction) -> torch.cuda.Event | None:
+        """An event after the GPU work enqueued so far on ``direction``'s stream: a failed job is
         reported only once none of its chunks still runs."""
         if self.device.type != "cuda":
             return None
         try:
             event = torch.cuda.Event()
-            event.record(self.streams[kind])
+            event.record(self.streams[direction])
             return event
         except BaseException:  # the device itself failed: nothing better to wait for
             return None
@@ -393,9 +396,9 @@ class DiskTier:
             stop = start + self.chunk
             yield i % len(self.staging), job.gpu_ids[start:stop], job.disk_ids[start:stop].tolist()
 
-    def _on_gpu(self, kind: str, job: DiskJob, first: bool):
+    def _on_gpu(self, direction: Direction, job: DiskJob, first: bool):
         """Context for GPU work of ``job``: its stream, ordered after the caller's event once."""
-        stream = self.streams[kind]
+        stream = self.streams[direction]
         if first and job.ready is not None:
             stream.wait_event(job.ready)
         return torch.cuda.stream(stream)
@@ -414,7 +417,7 @@ class DiskTier:
             self._claim(slot)  # a scatter of an earlier load may still be reading it
             packed = self.staging[slot][: len(disk_ids), : self.width]
             if self.device.type == "cuda":
-                with self._on_gpu("store", job, first=i == 0), id_checks(False):
+                with self._on_gpu(Direction.STORE, job, first=i == 0), id_checks(False):
                     gather_blocks(self.regions, gpu_ids.to(self.device, non_blocking=True), packed)
                     self._last_use[slot] = torch.cuda.Event()
                     self._last_use[slot].record()
@@ -432,7 +435,7 @@ class DiskTier:
             self.file.read(disk_ids, rows)
             packed = rows[:, : self.width]
             if self.device.type == "cuda":
-                with self._on_gpu("load", job, first=i == 0), id_checks(False):
+                with self._on_gpu(Direction.LOAD, job, first=i == 0), id_checks(False):
                     scatter_blocks(packed, gpu_ids.to(self.device, non_blocking=True), self.regions)
                     self._last_use[slot] = torch.cuda.Event()
                     self._last_use[slot].record()
@@ -441,8 +444,8 @@ class DiskTier:
         if self.device.type != "cuda":
             return None
         done = torch.cuda.Event()
-        done.record(self.streams["load"])
+        done.record(self.streams[Direction.LOAD])
         return done
 
 
-__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN"]
+__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN", "aligned"]

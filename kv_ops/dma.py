@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .driver import check_driver, driver, driver_context
+from .validation import check_ids_values, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
 # A module setting, read at every launch, so a benchmark can compare both.
@@ -31,6 +32,8 @@ PREFER_OVERLAP_WITH_COMPUTE = True
 # no limit, this keeps each descriptor array modest).
 MAX_COPIES_PER_CALL = 1 << 16
 
+
+OP = "kv_ops.dma"  # how errors name this module
 
 # --- planning ------------------------------------------------------------------------------------
 
@@ -46,13 +49,6 @@ class Plan:
     @property
     def count(self) -> int:
         return self.sizes.numel()
-
-
-def _check_ids(ids: torch.Tensor, limit: int, what: str) -> None:
-    # The last guard before raw addresses: an id outside the region would be a wild copy.
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-        bad = ids[(ids < 0) | (ids >= limit)][0]
-        raise ValueError(f"kv_ops.dma: {what} holds {int(bad)}, outside [0, {limit}) (the smallest region's blocks)")
 
 
 def run_starts(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,17 +99,14 @@ def plan_copies(
     src_ids = src_ids.to("cpu", torch.int64)
     dst_ids = dst_ids.to("cpu", torch.int64)
     if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
-        raise ValueError(f"kv_ops.dma: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}")
-    if len(src) != len(dst):
-        raise ValueError(f"kv_ops.dma: {len(src)} source regions but {len(dst)} destination regions")
-    for r, (s, d) in enumerate(zip(src, dst)):
-        if s.shape[1] != d.shape[1]:
-            raise ValueError(f"kv_ops.dma: region {r} has {s.shape[1]}-byte blocks in src but {d.shape[1]} in dst")
+        raise ValueError(f"{OP}: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}")
+    check_widths(OP, src, dst)
     empty = torch.empty(0, dtype=torch.int64)
     if src_ids.numel() == 0 or not src:
         return Plan(empty, empty, empty)
-    _check_ids(src_ids, min(s.shape[0] for s in src), "src_ids")
-    _check_ids(dst_ids, min(d.shape[0] for d in dst), "dst_ids")
+    # The last guard before raw addresses: an id outside the smallest region would be a wild copy.
+    check_ids_values(OP, "src_ids", src_ids, min(s.shape[0] for s in src))
+    check_ids_values(OP, "dst_ids", dst_ids, min(d.shape[0] for d in dst))
     merged = [_merges(s, d) for s, d in zip(src, dst)]
     if any(merged):
         starts, lengths = runs if runs is not None else run_starts(src_ids, dst_ids)
@@ -256,7 +249,7 @@ def run_on_host(plan: Plan) -> None:
         ctypes.memmove(dst, src, size)
 
 
-def copy_blocks(
+def enqueue_copies(
     src: list[torch.Tensor],
     dst: list[torch.Tensor],
     src_ids: torch.Tensor,
@@ -264,7 +257,11 @@ def copy_blocks(
     stream: torch.cuda.Stream,
     runs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> int:
-    """Plan and enqueue a block copy on ``stream``; returns the number of copies issued."""
+    """Plan and enqueue a block copy on ``stream``; returns the number of copies issued.
+
+    Named apart from the op ``kv_ops.copy_blocks`` (the kernel, compile-safe) and from
+    ``reference.copy_blocks`` (its pure-torch oracle, which returns the skipped pairs).
+    """
     plan = plan_copies(src, dst, src_ids, dst_ids, runs)
     launch(plan, stream)
     return plan.count
@@ -278,7 +275,7 @@ __all__ = [
     "count_copies",
     "launch",
     "run_on_host",
-    "copy_blocks",
+    "enqueue_copies",
     "batched_copy_abi",
     "has_batched_copy",
 ]

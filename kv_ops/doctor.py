@@ -315,8 +315,8 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
     order = torch.tensor([3, 0, 2, 1])
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    dma.copy_blocks([gpu], [host], order, torch.arange(4), stream)
-    dma.copy_blocks([host], [back], torch.arange(4), torch.arange(4), stream)
+    dma.enqueue_copies([gpu], [host], order, torch.arange(4), stream)
+    dma.enqueue_copies([host], [back], torch.arange(4), torch.arange(4), stream)
     stream.synchronize()
     if not (torch.equal(host, gpu.cpu()[order]) and torch.equal(back.cpu(), host)):
         return CheckResult(name, "fail", "block copies through kv_ops.dma moved the wrong bytes")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import crossover as crossover_mod
-from .disk import BlockFile, DiskJob, DiskTier, _round_up
+from .disk import BlockFile, DiskJob, DiskTier, aligned
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import pinned_empty
 from .paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath, mirror_views
@@ -165,7 +165,7 @@ class OffloadEngine:
         self.regions = resolve_regions(kv_caches, specs, num_blocks) if specs else infer_regions(kv_caches, num_blocks)
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes(self.regions)
-        slot_bytes = _round_up(self.block_bytes) if disk_dir is not None else self.block_bytes
+        slot_bytes = aligned(self.block_bytes) if disk_dir is not None else self.block_bytes
         self.num_host_blocks = capacity_bytes // slot_bytes
         if self.num_host_blocks < 1:
             raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
@@ -202,8 +202,7 @@ class OffloadEngine:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
             try:
-                streams = None if self._streams is None else {d.value: s for d, s in self._streams.items()}
-                self.disk = DiskTier(self.regions, file, streams, staging_slots, staging_blocks)
+                self.disk = DiskTier(self.regions, file, self._streams, staging_slots, staging_blocks)
             except BaseException:
                 file.close()
                 raise
@@ -281,7 +280,7 @@ class OffloadEngine:
         ready = self._ready(op, after)
         tid = next(self._ids)
         if self.disk is not None:
-            self.disk.submit(DiskJob(tid, kind, gpu, host, ready))
+            self.disk.submit(DiskJob(tid, direction, gpu, host, ready))
             return tid
         blocks = Blocks.of(direction, gpu, host)
         path = self._pick(blocks)
@@ -370,7 +369,7 @@ class OffloadEngine:
         if self.disk is not None:
             while not self.disk.results.empty():
                 r = self.disk.results.get()
-                self._lanes[Direction(r.kind)].add(r.tid, r.event, r.error)
+                self._lanes[r.direction].add(r.tid, r.event, r.error)
         out = Completed()
         self._lanes[Direction.STORE].poll(out, out.stores, wait)
         self._lanes[Direction.LOAD].poll(out, out.loads, wait)

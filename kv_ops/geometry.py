@@ -7,7 +7,29 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_memory import alias_bytes
+from .host_memory import bytes_at
+
+
+def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of ``base``'s storage from byte ``offset``, with a storage
+    of its own. It keeps ``base`` alive.
+
+    torch, and torch.compile with it, treat the result as unrelated to ``base`` and to other
+    aliases of the same storage. That is the point: regions handed to a compiled graph as views
+    of one storage make AOTAutograd rebuild them from a synthetic base, and Inductor then clones
+    the mutated ones around every call (a KV cache's worth of bytes per step on torch 2.13) or
+    writes them back at wrong offsets (torch 2.11, seen on the H200 machine). Regions are checked
+    disjoint where they are made, so nothing is lost by hiding their common storage.
+    """
+    storage = base.untyped_storage()
+    if offset < 0 or offset + nbytes > storage.nbytes():
+        raise ValueError(f"alias_bytes: bytes [{offset}, {offset + nbytes}) outside a storage of {storage.nbytes()}")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=base.device)
+    if base.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"alias_bytes: unsupported device {base.device}")
+    return bytes_at(base, storage.data_ptr() + offset, nbytes, base.device)
+
 
 
 @dataclass(frozen=True)
@@ -98,7 +120,7 @@ def _unique(placements: list[_Placement]) -> list[_Placement]:
 def _materialize(placements: list[_Placement], num_blocks: int) -> dict[str, torch.Tensor]:
     """Check names and disjointness, then make each region a ``[num_blocks, width]`` uint8 tensor.
 
-    Each region gets a storage of its own over the cache's bytes (``host_memory.alias_bytes``),
+    Each region gets a storage of its own over the cache's bytes (``alias_bytes``),
     so that torch.compile sees independent buffers rather than views of one storage.
     """
     names = [p.name for p in placements]
@@ -141,7 +163,7 @@ def resolve_regions(
     dict of str to Tensor
         Every distinct region as a uint8 tensor ``[num_blocks, block_bytes]`` over the raw
         storage (its own storage object aliasing those bytes, so torch.compile treats regions as
-        independent buffers; see ``host_memory.alias_bytes``), named ``layer`` (one region per layer, or a cross-layer region named after its first
+        independent buffers; see ``alias_bytes``), named ``layer`` (one region per layer, or a cross-layer region named after its first
         layer) or ``layer.<g>`` (the g-th group of a layer: K/V, KV-head group). Aliases,
         regions reached twice through tensors that share a storage, appear once.
 
@@ -315,4 +337,4 @@ def block_bytes(regions: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) ->
     return sum(r.shape[1] for r in values)
 
 
-__all__ = ["KVCacheTensorSpec", "resolve_regions", "infer_regions", "block_bytes"]
+__all__ = ["alias_bytes", "KVCacheTensorSpec", "resolve_regions", "infer_regions", "block_bytes"]

@@ -187,6 +187,30 @@ class _CudaArrayInterface:
         }
 
 
+def bytes_at(owner: torch.Tensor, address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` at ``address`` (a device address on CUDA, a host
+    address on the CPU), with a storage of its own that keeps ``owner`` alive.
+
+    Parameters
+    ----------
+    owner : Tensor
+        What the bytes belong to; the result holds a reference to it.
+    address : int
+        The first byte.
+    nbytes : int
+        How many bytes (> 0).
+    device : torch.device
+        Where the address lives: ``cuda`` or ``cpu``.
+    """
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaArrayInterface(owner, address, nbytes), device=device)
+    if device.type == "cpu":
+        array = (ctypes.c_uint8 * nbytes).from_address(address)
+        array._owner = owner  # the tensor holds the array through the buffer protocol
+        return torch.frombuffer(array, dtype=torch.uint8)
+    raise ValueError(f"bytes_at: unsupported device {device}")
+
+
 def device_view(host: torch.Tensor, device: torch.device | str | int | None = None) -> torch.Tensor:
     """A CUDA tensor that aliases a page-locked host tensor (zero-copy).
 
@@ -227,37 +251,11 @@ def device_view(host: torch.Tensor, device: torch.device | str | int | None = No
     return flat.view(host.dtype).view(host.shape)
 
 
-def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
-    """A flat uint8 tensor over ``nbytes`` of ``base``'s storage from byte ``offset``, with a storage
-    of its own. It keeps ``base`` alive.
-
-    torch, and torch.compile with it, treat the result as unrelated to ``base`` and to other
-    aliases of the same storage. That is the point: regions handed to a compiled graph as views
-    of one storage make AOTAutograd rebuild them from a synthetic base, and Inductor then clones
-    the mutated ones around every call (a KV cache's worth of bytes per step on torch 2.13) or
-    writes them back at wrong offsets (torch 2.11, seen on the H200 machine). Regions are checked
-    disjoint where they are made, so nothing is lost by hiding their common storage.
-    """
-    storage = base.untyped_storage()
-    if offset < 0 or offset + nbytes > storage.nbytes():
-        raise ValueError(f"alias_bytes: bytes [{offset}, {offset + nbytes}) outside a storage of {storage.nbytes()}")
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8, device=base.device)
-    address = storage.data_ptr() + offset
-    if base.device.type == "cuda":
-        return torch.as_tensor(_CudaArrayInterface(base, address, nbytes), device=base.device)
-    if base.device.type == "cpu":
-        array = (ctypes.c_uint8 * nbytes).from_address(address)
-        array._owner = base  # the tensor holds the array through the buffer protocol
-        return torch.frombuffer(array, dtype=torch.uint8)
-    raise ValueError(f"alias_bytes: unsupported device {base.device}")
-
-
 __all__ = [
     "pinned_empty",
     "pin_mapping",
     "device_view",
     "lasting_copy",
-    "alias_bytes",
+    "bytes_at",
     "REGISTER_CHUNK_BYTES",
 ]

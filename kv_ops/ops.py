@@ -39,6 +39,28 @@ def _region_list(regions: Regions) -> list[torch.Tensor]:
     return list(regions.values()) if isinstance(regions, Mapping) else list(regions)
 
 
+# The fakes' contract, in the eager checks' words (kv_ops.validation): shapes may be symbolic
+# here, so each condition goes through torch._check.
+
+
+def _check_fake_region(op: str, what: str, i: int, region: torch.Tensor) -> None:
+    torch._check(region.dim() == 2 and region.dtype == torch.uint8, lambda: V.region_message(op, what, i, region))
+
+
+def _check_fake_ids(op: str, what: str, ids: torch.Tensor) -> None:
+    torch._check(ids.dim() == 1 and ids.dtype in (torch.int32, torch.int64), lambda: V.ids_message(op, what, ids))
+
+
+def _check_fake_packed(op: str, regions, ids: torch.Tensor, what: str, packed: torch.Tensor) -> None:
+    for i, r in enumerate(regions):
+        _check_fake_region(op, "regions", i, r)
+    _check_fake_ids(op, "ids", ids)
+    width = sum(r.shape[1] for r in regions)
+    torch._check(packed.dim() == 2 and packed.dtype == torch.uint8, lambda: V.packed_message(op, what, packed, ids.shape[0], width))
+    torch._check(packed.shape[0] == ids.shape[0], lambda: V.packed_message(op, what, packed, ids.shape[0], width))
+    torch._check(packed.shape[1] == width, lambda: V.packed_message(op, what, packed, ids.shape[0], width))
+
+
 # --- copy_blocks ---------------------------------------------------------------------------------
 
 
@@ -73,12 +95,17 @@ def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torc
 
 @_copy_blocks.register_fake
 def _(src, dst, src_ids, dst_ids):
-    torch._check(len(src) == len(dst), lambda: f"copy_blocks: {len(src)} src regions, {len(dst)} dst regions")
+    op = "kv_ops.copy_blocks"
+    torch._check(len(src) == len(dst), lambda: V.region_count_message(op, len(src), len(dst)))
     for i, (a, b) in enumerate(zip(src, dst)):
-        torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"copy_blocks: region pair {i} must be 2-D")
-        torch._check(a.dtype == torch.uint8 and b.dtype == torch.uint8, lambda: "copy_blocks: regions must be uint8")
-        torch._check(a.shape[1] == b.shape[1], lambda: f"copy_blocks: region pair {i} differs in block bytes")
-    torch._check(src_ids.dim() == 1 and src_ids.shape == dst_ids.shape, lambda: "copy_blocks: ids must be 1-D, equal length")
+        _check_fake_region(op, "src", i, a)
+        _check_fake_region(op, "dst", i, b)
+        torch._check(a.shape[1] == b.shape[1], lambda i=i, a=a, b=b: V.width_message(op, i, a.shape[1], b.shape[1]))
+    _check_fake_ids(op, "src_ids", src_ids)
+    _check_fake_ids(op, "dst_ids", dst_ids)
+    torch._check(
+        dst_ids.shape[0] == src_ids.shape[0], lambda: V.ids_length_message(op, "dst_ids", dst_ids.shape[0], src_ids.shape[0])
+    )
 
 
 @_copy_blocks.register_kernel("cuda")
@@ -149,11 +176,7 @@ def _gather_blocks(regions: list[torch.Tensor], ids: torch.Tensor, out: torch.Te
 
 @_gather_blocks.register_fake
 def _(regions, ids, out):
-    width = sum(r.shape[1] for r in regions)
-    torch._check(ids.dim() == 1, lambda: "gather_blocks: ids must be 1-D")
-    torch._check(out.dim() == 2 and out.dtype == torch.uint8, lambda: "gather_blocks: out must be 2-D uint8")
-    torch._check(out.shape[0] == ids.shape[0], lambda: "gather_blocks: out needs one row per id")
-    torch._check(out.shape[1] == width, lambda: f"gather_blocks: out rows must hold {width} bytes")
+    _check_fake_packed("kv_ops.gather_blocks", regions, ids, "out", out)
 
 
 @_gather_blocks.register_kernel("cuda")
@@ -210,11 +233,7 @@ def _scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: list[torch
 
 @_scatter_blocks.register_fake
 def _(packed, ids, regions):
-    width = sum(r.shape[1] for r in regions)
-    torch._check(ids.dim() == 1, lambda: "scatter_blocks: ids must be 1-D")
-    torch._check(packed.dim() == 2 and packed.dtype == torch.uint8, lambda: "scatter_blocks: packed must be 2-D uint8")
-    torch._check(packed.shape[0] == ids.shape[0], lambda: "scatter_blocks: packed needs one row per id")
-    torch._check(packed.shape[1] == width, lambda: f"scatter_blocks: packed rows must hold {width} bytes")
+    _check_fake_packed("kv_ops.scatter_blocks", regions, ids, "packed", packed)
 
 
 @_scatter_blocks.register_kernel("cuda")

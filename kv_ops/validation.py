@@ -98,15 +98,46 @@ def reset_error_count(device: torch.device | str | int | None = None) -> None:
 # --- metadata checks (always on) -----------------------------------------------------------------
 
 
+# --- the wording, one place: the eager checks below and the ops' fakes both use it ---------------
+
+
+def region_message(op: str, what: str, i: int, region: torch.Tensor) -> str:
+    return f"{op}: {what}[{i}] must be a 2-D uint8 region [num_blocks, block_bytes], got {region.dtype} {tuple(region.shape)}"
+
+
+def region_count_message(op: str, num_src: int, num_dst: int) -> str:
+    return f"{op}: {num_src} source regions but {num_dst} destination regions"
+
+
+def width_message(op: str, i: int, src_bytes: int, dst_bytes: int) -> str:
+    return f"{op}: region pair {i} has block sizes {src_bytes} (src) and {dst_bytes} (dst)"
+
+
+def ids_message(op: str, what: str, ids: torch.Tensor) -> str:
+    return f"{op}: {what} must be a 1-D int32 or int64 tensor, got {ids.dtype} {tuple(ids.shape)}"
+
+
+def ids_length_message(op: str, what: str, num_ids: int, length: int) -> str:
+    return f"{op}: {what} has {num_ids} ids, expected {length}"
+
+
+def packed_message(op: str, what: str, packed: torch.Tensor, rows: int, width: int) -> str:
+    return (
+        f"{op}: {what} must be uint8 of shape ({rows}, {width}) = (ids, sum of block bytes), "
+        f"got {packed.dtype} {tuple(packed.shape)}"
+    )
+
+
+# --- structural checks (eager) -------------------------------------------------------------------
+
+
 def check_regions(op: str, what: str, regions: Sequence[torch.Tensor]) -> None:
     """Every region is a 2-D uint8 view whose rows are contiguous and do not overlap."""
     if len(regions) == 0:
         raise ValueError(f"{op}: {what} is an empty list of regions")
     for i, r in enumerate(regions):
         if r.dtype != torch.uint8 or r.dim() != 2:
-            raise ValueError(
-                f"{op}: {what}[{i}] must be a 2-D uint8 region [num_blocks, block_bytes], got {r.dtype} {tuple(r.shape)}"
-            )
+            raise ValueError(region_message(op, what, i, r))
         if r.shape[1] > 1 and r.stride(1) != 1:
             raise ValueError(f"{op}: {what}[{i}] has byte stride {r.stride(1)}; block bytes must be contiguous")
         if r.shape[0] > 1 and r.stride(0) < r.shape[1]:
@@ -117,25 +148,22 @@ def check_regions(op: str, what: str, regions: Sequence[torch.Tensor]) -> None:
 
 def check_ids_meta(op: str, what: str, ids: torch.Tensor, length: int | None = None) -> None:
     if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
-        raise ValueError(f"{op}: {what} must be a 1-D int32 or int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(ids_message(op, what, ids))
     if length is not None and ids.shape[0] != length:
-        raise ValueError(f"{op}: {what} has {ids.shape[0]} ids, expected {length}")
+        raise ValueError(ids_length_message(op, what, ids.shape[0], length))
 
 
 def check_widths(op: str, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
     if len(src) != len(dst):
-        raise ValueError(f"{op}: {len(src)} source regions but {len(dst)} destination regions")
+        raise ValueError(region_count_message(op, len(src), len(dst)))
     for i, (a, b) in enumerate(zip(src, dst)):
         if a.shape[1] != b.shape[1]:
-            raise ValueError(f"{op}: region pair {i} has block sizes {a.shape[1]} (src) and {b.shape[1]} (dst)")
+            raise ValueError(width_message(op, i, a.shape[1], b.shape[1]))
 
 
 def check_packed(op: str, what: str, packed: torch.Tensor, rows: int, width: int) -> None:
     if packed.dtype != torch.uint8 or packed.dim() != 2 or tuple(packed.shape) != (rows, width):
-        raise ValueError(
-            f"{op}: {what} must be uint8 of shape ({rows}, {width}) = (ids, sum of block bytes), "
-            f"got {packed.dtype} {tuple(packed.shape)}"
-        )
+        raise ValueError(packed_message(op, what, packed, rows, width))
     if width > 1 and packed.stride(1) != 1:
         raise ValueError(f"{op}: {what} must have contiguous rows, got strides {packed.stride()}")
 

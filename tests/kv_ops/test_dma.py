@@ -74,8 +74,8 @@ def test_runs_of_consecutive_ids_become_one_copy_only_where_blocks_are_back_to_b
 @pytest.mark.parametrize(
     "src_ids, dst_ids, message",
     [
-        pytest.param([0, 20], [0, 1], r"src_ids holds 20, outside \[0, 20\)", id="src-too-large"),
-        pytest.param([0, 1], [-1, 1], r"dst_ids holds -1, outside \[0, 12\)", id="dst-negative"),
+        pytest.param([0, 20], [0, 1], r"kv_ops.dma: src_ids\[1\] = 20 is outside \[0, 20\)", id="src-too-large"),
+        pytest.param([0, 1], [-1, 1], r"kv_ops.dma: dst_ids\[0\] = -1 is outside \[0, 12\)", id="dst-negative"),
         pytest.param([0, 1], [0], "equal length", id="length-mismatch"),
     ],
 )
@@ -86,7 +86,7 @@ def test_ids_outside_a_region_are_refused_before_any_address_is_made(src_ids, ds
 
 
 def test_mismatched_block_sizes_are_refused():
-    with pytest.raises(ValueError, match="region 0 has 48-byte blocks in src but 32 in dst"):
+    with pytest.raises(ValueError, match=r"kv_ops.dma: region pair 0 has block sizes 48 \(src\) and 32 \(dst\)"):
         dma.plan_copies(make_regions([48], 4), make_regions([32], 4), torch.tensor([0]), torch.tensor([0]))
 
 
@@ -107,7 +107,7 @@ def test_batched_copies_match_the_reference(direction, runs):
     want = clone_views(dst)
     reference.copy_blocks([s.cpu() for s in src], want, src_ids, dst_ids)
     stream = torch.cuda.Stream()
-    dma.copy_blocks(src, dst, src_ids, dst_ids, stream)
+    dma.enqueue_copies(src, dst, src_ids, dst_ids, stream)
     stream.synchronize()
     assert_same_storages(dst, want)
 

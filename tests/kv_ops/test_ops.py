@@ -201,3 +201,29 @@ def test_gpu_invalid_ids_with_checks_off_are_skipped_counted_and_write_nothing_o
     torch.cuda.synchronize()
     assert_same_storages(dst, want)
     assert kv_ops.error_count("cuda") == 3
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda: (kv_ops.copy_blocks, [torch.zeros(4, 48, dtype=torch.uint8)], [torch.zeros(4, 32, dtype=torch.uint8)],
+                              torch.tensor([0, 1]), torch.tensor([2, 3])), id="copy-widths"),
+        pytest.param(lambda: (kv_ops.copy_blocks, [torch.zeros(4, 48, dtype=torch.uint8)], [torch.zeros(4, 48, dtype=torch.uint8)],
+                              torch.tensor([0.0, 1.0]), torch.tensor([2, 3])), id="copy-float-ids"),
+        pytest.param(lambda: (kv_ops.gather_blocks, [torch.zeros(4, 48, dtype=torch.uint8)], torch.tensor([0, 1]),
+                              torch.zeros(2, 40, dtype=torch.uint8)), id="gather-out-width"),
+        pytest.param(lambda: (kv_ops.scatter_blocks, torch.zeros(3, 48, dtype=torch.uint8), torch.tensor([0, 1]),
+                              [torch.zeros(4, 48, dtype=torch.uint8)]), id="scatter-packed-rows"),
+    ],
+)
+def test_the_fakes_refuse_what_the_eager_checks_refuse_in_the_same_words(call):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, *args = call()
+    with pytest.raises(ValueError) as eager:
+        op(*args)
+    with FakeTensorMode() as mode:
+        fake_args = [[mode.from_tensor(t) for t in a] if isinstance(a, list) else mode.from_tensor(a) for a in args]
+        with pytest.raises(RuntimeError) as fake:
+            getattr(torch.ops.kv_ops, op.__name__)(*fake_args)
+    assert str(eager.value) in str(fake.value)
