@@ -15,7 +15,7 @@ else
     venv="$root/.venv"
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     PY="$venv/bin/python"
-    if ! "$PY" -c 'import torch, triton, pytest, hypothesis, pytest_timeout, kv_ops' 2>/dev/null; then
+    if ! "$PY" -c 'import torch, triton, pytest, hypothesis, pytest_timeout, ruff, kv_ops' 2>/dev/null; then
         "$PY" -m pip install -q --upgrade pip
         "$PY" -m pip install -q "torch==2.13.0"
         "$PY" -m pip install -q -e "$root[test]"

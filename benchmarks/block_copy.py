@@ -25,13 +25,11 @@ import sys
 from pathlib import Path
 
 import torch
+from common import time_graph  # this script's own directory
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kv_ops  # noqa: E402
-from kv_ops import kernels  # noqa: E402
-from kv_ops.driver import driver as cuda_driver  # noqa: E402
-from common import time_graph  # noqa: E402  (this script's own directory)
+import kv_ops
+from kv_ops import kernels
+from kv_ops.driver import driver as cuda_driver
 
 BLOCK_BYTES = [256, 1024, 4096, 16384, 65536, 262144, 2 << 20]
 COUNTS = [16, 256, 2048, 16384]
@@ -77,8 +75,12 @@ class Setup:
     def kernel(self, d2h: bool, **launch):
         errors = kv_ops.error_counter("cuda")
         if d2h:
-            return lambda: kernels.block_copy([self.gpu], [self.host], self.gpu_ids, self.host_ids, self.count, errors, **launch)
-        return lambda: kernels.block_copy([self.host], [self.gpu], self.host_ids, self.gpu_ids, self.count, errors, **launch)
+            return lambda: kernels.block_copy(
+                [self.gpu], [self.host], self.gpu_ids, self.host_ids, self.count, errors, **launch
+            )
+        return lambda: kernels.block_copy(
+            [self.host], [self.gpu], self.host_ids, self.gpu_ids, self.count, errors, **launch
+        )
 
     def op(self, d2h: bool):
         if d2h:
@@ -131,11 +133,22 @@ def sweep(args) -> list[dict]:
                     results["per_block"] = time_eager(s.per_block(d2h), reps=3 if count > 2048 else 5)
                 for method, sec in results.items():
                     rows.append(
-                        dict(direction=direction, block_bytes=block, blocks=count, total_bytes=block * count,
-                             method=method, seconds=sec, gbps=block * count / sec / 1e9, ratio_to_memcpy=base / sec)
+                        dict(
+                            direction=direction,
+                            block_bytes=block,
+                            blocks=count,
+                            total_bytes=block * count,
+                            method=method,
+                            seconds=sec,
+                            gbps=block * count / sec / 1e9,
+                            ratio_to_memcpy=base / sec,
+                        )
                     )
-                print(f"{direction:12s} {block:>8d} B x {count:>6d}: memcpy {block * count / base / 1e9:6.1f} GB/s, "
-                      + ", ".join(f"{m} {base / t:5.2f}x" for m, t in results.items() if m != "memcpy"), flush=True)
+                print(
+                    f"{direction:12s} {block:>8d} B x {count:>6d}: memcpy {block * count / base / 1e9:6.1f} GB/s, "
+                    + ", ".join(f"{m} {base / t:5.2f}x" for m, t in results.items() if m != "memcpy"),
+                    flush=True,
+                )
             del s
     return rows
 
@@ -152,8 +165,16 @@ def tune(args) -> list[dict]:
             for tile, warps in configs:
                 for programs in (8,):
                     sec = time_graph(s.kernel(d2h, tile_bytes=tile, num_warps=warps, num_programs=programs))
-                    rows.append(dict(direction="gpu_to_host" if d2h else "host_to_gpu", block_bytes=block,
-                                     tile_bytes=tile, num_warps=warps, num_programs=programs, ratio_to_memcpy=base / sec))
+                    rows.append(
+                        dict(
+                            direction="gpu_to_host" if d2h else "host_to_gpu",
+                            block_bytes=block,
+                            tile_bytes=tile,
+                            num_warps=warps,
+                            num_programs=programs,
+                            ratio_to_memcpy=base / sec,
+                        )
+                    )
                     print(f"tune {rows[-1]}", flush=True)
         del s
     return rows
@@ -169,8 +190,11 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, direction in zip(axes, ("gpu_to_host", "host_to_gpu")):
         for method, style in (("kernel", "-o"), ("naive", "--s"), ("per_block", ":^")):
             for count in sorted({r["blocks"] for r in rows}):
-                pts = [(r["block_bytes"], r["ratio_to_memcpy"]) for r in rows
-                       if r["direction"] == direction and r["method"] == method and r["blocks"] == count]
+                pts = [
+                    (r["block_bytes"], r["ratio_to_memcpy"])
+                    for r in rows
+                    if r["direction"] == direction and r["method"] == method and r["blocks"] == count
+                ]
                 if pts and (method == "kernel" or count == 2048):
                     xs, ys = zip(*sorted(pts))
                     ax.plot(xs, ys, style, label=f"{method}, {count} blocks")
@@ -189,17 +213,25 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def markdown(rows: list[dict], count: int = 2048) -> str:
-    lines = ["| block | direction | memcpy GB/s | kernel | naive (no host scatter) | per-block memcpy |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| block | direction | memcpy GB/s | kernel | naive (no host scatter) | per-block memcpy |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
     for block in sorted({r["block_bytes"] for r in rows}):
         for direction in ("gpu_to_host", "host_to_gpu"):
-            sel = {r["method"]: r for r in rows if r["block_bytes"] == block and r["blocks"] == count and r["direction"] == direction}
+            sel = {
+                r["method"]: r
+                for r in rows
+                if r["block_bytes"] == block and r["blocks"] == count and r["direction"] == direction
+            }
             if "memcpy" not in sel:
                 continue
-            cell = lambda m: f"{sel[m]['ratio_to_memcpy']:.2f}" if m in sel else "-"  # noqa: E731
+            cell = lambda m, sel=sel: f"{sel[m]['ratio_to_memcpy']:.2f}" if m in sel else "-"  # noqa: E731
             size = f"{block // 1024} KiB" if block >= 1024 else f"{block} B"
-            lines.append(f"| {size} | {direction.replace('_', ' ')} | {sel['memcpy']['gbps']:.1f} | {cell('kernel')} | "
-                         f"{cell('naive')} | {cell('per_block')} |")
+            lines.append(
+                f"| {size} | {direction.replace('_', ' ')} | {sel['memcpy']['gbps']:.1f} | {cell('kernel')} | "
+                f"{cell('naive')} | {cell('per_block')} |"
+            )
     return "\n".join(lines)
 
 

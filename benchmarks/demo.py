@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import sys
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kv_ops  # noqa: E402
+import kv_ops
 
 
 def main() -> None:
@@ -32,8 +29,10 @@ def main() -> None:
     }
     regions = kv_ops.infer_regions(kv_caches, num_blocks)
     mirror = {name: kv_ops.pinned_empty((host_blocks, r.shape[1])) for name, r in regions.items()}
-    print(f"device {device}: {len(regions)} regions of {next(iter(regions.values())).shape[1]} bytes per block, "
-          f"host mirror {sum(m.numel() for m in mirror.values()) / 2**20:.0f} MiB")
+    print(
+        f"device {device}: {len(regions)} regions of {next(iter(regions.values())).shape[1]} bytes per block, "
+        f"host mirror {sum(m.numel() for m in mirror.values()) / 2**20:.0f} MiB"
+    )
 
     # Store 64 blocks, load them back into 64 other blocks, compare.
     gpu_ids = torch.randperm(num_blocks, generator=gen)
@@ -55,8 +54,10 @@ def main() -> None:
     if cuda:
         torch.cuda.synchronize()
     ok2 = all(torch.equal(regions[n][back], before[n]) for n in regions)
-    print(f"gather 64 blocks into one {packed.shape[1]}-byte-per-row host buffer, scatter back: "
-          f"{'bytes match' if ok2 else 'MISMATCH'}")
+    print(
+        f"gather 64 blocks into one {packed.shape[1]}-byte-per-row host buffer, scatter back: "
+        f"{'bytes match' if ok2 else 'MISMATCH'}"
+    )
     if not (ok and ok2):
         sys.exit(1)
 
@@ -70,8 +71,10 @@ def main() -> None:
             for d2h in (True, False):
                 base, kernel = time_graph(s.memcpy(d2h)), time_graph(s.op(d2h))
                 total = block * 2048
-                print(f"| {block // 1024} KiB | {'GPU->host' if d2h else 'host->GPU'} | {total / base / 1e9:.1f} | "
-                      f"{total / kernel / 1e9:.1f} | {base / kernel:.2f} |")
+                print(
+                    f"| {block // 1024} KiB | {'GPU->host' if d2h else 'host->GPU'} | {total / base / 1e9:.1f} | "
+                    f"{total / kernel / 1e9:.1f} | {base / kernel:.2f} |"
+                )
     else:
         print("no CUDA device: the copies above ran on the CPU implementation; no bandwidth table")
 

@@ -49,13 +49,10 @@ import warnings
 from pathlib import Path
 
 import torch
+from common import time_graph  # this script's own directory
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
-
-import kv_ops  # noqa: E402
-from kv_ops import dma, kernels, paths  # noqa: E402
-from common import time_graph  # noqa: E402  (this script's own directory)
+import kv_ops
+from kv_ops import dma, kernels, paths
 
 LAYERS = 8  # K/V-first: 2 regions per layer
 SIZES = (4096, 16384, 65536, 262144)  # bytes of one region's block
@@ -186,7 +183,9 @@ class Cache:
     def engine(self, path: str) -> kv_ops.OffloadEngine:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return kv_ops.OffloadEngine(self.tensors, self.num_blocks, capacity_bytes=self.num_blocks * self.per_id, path=path)
+            return kv_ops.OffloadEngine(
+                self.tensors, self.num_blocks, capacity_bytes=self.num_blocks * self.per_id, path=path
+            )
 
 
 # Host seconds spent inside the store/load calls of each issue() (flush excluded): when they are
@@ -300,8 +299,11 @@ def attribution(engine, cache: Cache, state: State) -> None:
             gather_s = time_graph(stage, state.reps)
             dma_s = wall(copy, state.reps)
             state.stage[cache.block, ids, direction] = (gather_s, dma_s)
-            print(f"  staged halves, {kib(cache.block)}/region {ids} {direction}: gather {gather_s * 1e6:.0f} us, "
-                  f"DMA alone {cache.bytes / dma_s / 1e9:.1f} GB/s", flush=True)
+            print(
+                f"  staged halves, {kib(cache.block)}/region {ids} {direction}: gather {gather_s * 1e6:.0f} us, "
+                f"DMA alone {cache.bytes / dma_s / 1e9:.1f} GB/s",
+                flush=True,
+            )
 
 
 def measure_path(cache: Cache, path: str, state: State) -> None:
@@ -321,8 +323,11 @@ def measure_path(cache: Cache, path: str, state: State) -> None:
                 ratio = ""
                 if base is not None:
                     ratio = f" = {base[direction] / seconds:.2f} of memcpy" if direction != "duplex" else ""
-                print(f"{kib(cache.block)}/region {ids:6s} {direction:6s} {path:6s}: {moved / seconds / 1e9:6.1f} GB/s"
-                      f"{ratio}  [{state.sustained[cache.block, ids, direction, path][1]}]", flush=True)
+                print(
+                    f"{kib(cache.block)}/region {ids:6s} {direction:6s} {path:6s}: {moved / seconds / 1e9:6.1f} GB/s"
+                    f"{ratio}  [{state.sustained[cache.block, ids, direction, path][1]}]",
+                    flush=True,
+                )
         if path == "staged":
             attribution(engine, cache, state)
         if path == "auto" and engine.crossover is not None:
@@ -391,8 +396,17 @@ def overlap(memcpy: Memcpy, state: State, reps: int) -> None:
 
     def alone() -> float:
         ms = statistics.median(run()[0] for _ in range(reps))
-        state.overlap.append(dict(kind="overlap", block_bytes=cache.block, packed_bytes=cache.per_id, ids="-",
-                                  path="none", run=len(alone_ms) + 1, matmul_ms=ms))
+        state.overlap.append(
+            dict(
+                kind="overlap",
+                block_bytes=cache.block,
+                packed_bytes=cache.per_id,
+                ids="-",
+                path="none",
+                run=len(alone_ms) + 1,
+                matmul_ms=ms,
+            )
+        )
         alone_ms.append(ms)
         print(f"matmuls alone ({len(alone_ms)}): {ms:.2f} ms", flush=True)
         return ms
@@ -422,11 +436,27 @@ def overlap(memcpy: Memcpy, state: State, reps: int) -> None:
         ms = statistics.median(r[0] for r in results)
         gbps = statistics.median(r[1] for r in results)
         ref = (alone_ms[-2] + alone_ms[-1]) / 2
-        state.overlap.append(dict(kind="overlap", block_bytes=cache.block, packed_bytes=cache.per_id, ids="random",
-                                  path=path, picked=pick, matmul_ms=ms, baseline_ms=ref, slowdown=ms / ref - 1,
-                                  gbps=gbps, memcpy_gbps=one_way, duplex_ratio=gbps / one_way))
-        print(f"matmuls beside {path}: {ms:.2f} ms ({100 * (ms / ref - 1):+.1f}%), {gbps:.1f} GB/s both ways "
-              f"= {gbps / one_way:.2f}x one-way memcpy  [{pick}]", flush=True)
+        state.overlap.append(
+            dict(
+                kind="overlap",
+                block_bytes=cache.block,
+                packed_bytes=cache.per_id,
+                ids="random",
+                path=path,
+                picked=pick,
+                matmul_ms=ms,
+                baseline_ms=ref,
+                slowdown=ms / ref - 1,
+                gbps=gbps,
+                memcpy_gbps=one_way,
+                duplex_ratio=gbps / one_way,
+            )
+        )
+        print(
+            f"matmuls beside {path}: {ms:.2f} ms ({100 * (ms / ref - 1):+.1f}%), {gbps:.1f} GB/s both ways "
+            f"= {gbps / one_way:.2f}x one-way memcpy  [{pick}]",
+            flush=True,
+        )
     for row in state.overlap:
         if row["path"] == "none":
             row["slowdown"] = row["matmul_ms"] / alone_ms[0] - 1  # drift against the first run
@@ -468,11 +498,22 @@ def build_rows(state: State) -> list[dict]:
         runs = state.memcpy[block]
         for d in DIRECTIONS:
             moved = cache.bytes * (2 if d == "duplex" else 1)
-            rows.append(dict(kind="memcpy", **shape, ids="contiguous", direction=d, path="memcpy", bytes=moved,
-                             seconds=base[d], gbps=moved / base[d] / 1e9,
-                             ratio=1.0 if d != "duplex" else moved / base[d] / 1e9 / one_way,
-                             seconds_before=runs[0][d], seconds_after=runs[-1][d] if len(runs) > 1 else "",
-                             drift=runs[-1][d] / runs[0][d] - 1 if len(runs) > 1 else ""))
+            rows.append(
+                dict(
+                    kind="memcpy",
+                    **shape,
+                    ids="contiguous",
+                    direction=d,
+                    path="memcpy",
+                    bytes=moved,
+                    seconds=base[d],
+                    gbps=moved / base[d] / 1e9,
+                    ratio=1.0 if d != "duplex" else moved / base[d] / 1e9 / one_way,
+                    seconds_before=runs[0][d],
+                    seconds_after=runs[-1][d] if len(runs) > 1 else "",
+                    drift=runs[-1][d] / runs[0][d] - 1 if len(runs) > 1 else "",
+                )
+            )
         for ids in IDS:
             for d in DIRECTIONS:
                 moved = cache.bytes * (2 if d == "duplex" else 1)
@@ -482,11 +523,24 @@ def build_rows(state: State) -> list[dict]:
                         continue
                     seconds, pick = state.sustained[block, ids, d, path]
                     gbps = moved / seconds / 1e9
-                    row = dict(kind="bandwidth", **shape, ids=ids, direction=d, path=path, picked=pick, bytes=moved,
-                               seconds=seconds, gbps=gbps, issue_fraction=state.issued[block, ids, d, path] / seconds)
+                    row = dict(
+                        kind="bandwidth",
+                        **shape,
+                        ids=ids,
+                        direction=d,
+                        path=path,
+                        picked=pick,
+                        bytes=moved,
+                        seconds=seconds,
+                        gbps=gbps,
+                        issue_fraction=state.issued[block, ids, d, path] / seconds,
+                    )
                     if d == "duplex":
-                        row.update(memcpy_gbps=one_way, ratio=gbps / one_way,
-                                   memcpy_duplex_ratio=moved / base["duplex"] / 1e9 / one_way)
+                        row.update(
+                            memcpy_gbps=one_way,
+                            ratio=gbps / one_way,
+                            memcpy_duplex_ratio=moved / base["duplex"] / 1e9 / one_way,
+                        )
                     else:
                         row.update(memcpy_gbps=cache.bytes / base[d] / 1e9, ratio=base[d] / seconds)
                     found[path] = row
@@ -499,20 +553,43 @@ def build_rows(state: State) -> list[dict]:
                     staged, fraction = found["staged"]["ratio"], gather_s / base[d]
                     chunk, ring = state.ring.get(block, ("", ""))
                     issue_fraction = state.issued[block, ids, d, "staged"] / found["staged"]["seconds"]
-                    stage_rows.append(dict(kind="stage", **shape, ids=ids, direction=d, path="staged", bytes=cache.bytes,
-                                           staged_ratio=staged, gather_us=gather_s * 1e6,
-                                           sm_us_per_gb=paths.STAGE_PROGRAMS * gather_s * 1e6 / (cache.bytes / 1e9),
-                                           link_fraction=fraction, dma_only_gbps=cache.bytes / dma_s / 1e9,
-                                           dma_only_ratio=base[d] / dma_s, chunk_rows=chunk, ring_bytes=ring,
-                                           issue_us_per_call=state.issued[block, ids, d, "staged"] / CALLS * 1e6,
-                                           issue_fraction=issue_fraction,
-                                           limit=limit(staged, base[d] / dma_s, fraction, target(cache.per_id)[0], issue_fraction)))
+                    stage_rows.append(
+                        dict(
+                            kind="stage",
+                            **shape,
+                            ids=ids,
+                            direction=d,
+                            path="staged",
+                            bytes=cache.bytes,
+                            staged_ratio=staged,
+                            gather_us=gather_s * 1e6,
+                            sm_us_per_gb=paths.STAGE_PROGRAMS * gather_s * 1e6 / (cache.bytes / 1e9),
+                            link_fraction=fraction,
+                            dma_only_gbps=cache.bytes / dma_s / 1e9,
+                            dma_only_ratio=base[d] / dma_s,
+                            chunk_rows=chunk,
+                            ring_bytes=ring,
+                            issue_us_per_call=state.issued[block, ids, d, "staged"] / CALLS * 1e6,
+                            issue_fraction=issue_fraction,
+                            limit=limit(staged, base[d] / dma_s, fraction, target(cache.per_id)[0], issue_fraction),
+                        )
+                    )
     rows += stage_rows + state.overlap
     for block, cross in state.crossover.items():
         per_id = state.shape[block].per_id
         for cell in cross.cells:
-            rows.append(dict(kind="crossover", block_bytes=block, packed_bytes=per_id, path=cell.path,
-                             direction=cell.direction, blocks=cell.blocks, runs=cell.runs, gbps=cell.gbps))
+            rows.append(
+                dict(
+                    kind="crossover",
+                    block_bytes=block,
+                    packed_bytes=per_id,
+                    path=cell.path,
+                    direction=cell.direction,
+                    blocks=cell.blocks,
+                    runs=cell.runs,
+                    gbps=cell.gbps,
+                )
+            )
     return rows
 
 
@@ -533,68 +610,104 @@ def markdown(rows: list[dict], state: State) -> str:
     def cells(block, ids, d):
         got = [bw.get((block, ids, d, p)) for p in PATHS]
         auto = got[-1] or {}
-        return " | ".join(fmt(r and r["ratio"]) for r in got) + f" | {auto.get('picked') or '-'} | {fmt(auto.get('auto_vs_best'))} |"
+        return (
+            " | ".join(fmt(r and r["ratio"]) for r in got)
+            + f" | {auto.get('picked') or '-'} | {fmt(auto.get('auto_vs_best'))} |"
+        )
 
-    out += ["One direction (ratio to memcpy of that direction):", "",
-            "| per region | packed | ids | direction | memcpy GB/s | kernel | staged | dma | auto | auto picks | auto / best |",
-            "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    out += [
+        "One direction (ratio to memcpy of that direction):",
+        "",
+        "| per region | packed | ids | direction | memcpy GB/s | kernel | staged | dma | auto | auto picks | auto / best |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
     for block in blocks:
         for ids in IDS:
             for d in ("store", "load"):
                 any_row = next((bw[block, ids, d, p] for p in PATHS if (block, ids, d, p) in bw), None)
                 if any_row:
-                    out.append(f"| {kib(block)} | {kib(any_row['packed_bytes'])} | {ids} | {d} | {any_row['memcpy_gbps']:.1f} | "
-                               + cells(block, ids, d))
-    out += ["", "Both directions at once (bytes both ways / time / the faster one-direction memcpy rate; 2.0 at most; "
-            "'memcpy' is contiguous memcpy both ways at once, the hardware's figure):", "",
-            "| per region | packed | ids | one-way memcpy GB/s | memcpy | kernel | staged | dma | auto | auto picks | auto / best | staged: issue / wall |",
-            "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+                    out.append(
+                        f"| {kib(block)} | {kib(any_row['packed_bytes'])} | {ids} | {d} | {any_row['memcpy_gbps']:.1f} | "
+                        + cells(block, ids, d)
+                    )
+    out += [
+        "",
+        "Both directions at once (bytes both ways / time / the faster one-direction memcpy rate; 2.0 at most; "
+        "'memcpy' is contiguous memcpy both ways at once, the hardware's figure):",
+        "",
+        "| per region | packed | ids | one-way memcpy GB/s | memcpy | kernel | staged | dma | auto | auto picks | auto / best | staged: issue / wall |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
     for block in blocks:
         for ids in IDS:
             any_row = next((bw[block, ids, "duplex", p] for p in PATHS if (block, ids, "duplex", p) in bw), None)
             if any_row:
                 staged_row = bw.get((block, ids, "duplex", "staged"))
                 issue = f" {staged_row['issue_fraction']:.2f} |" if staged_row else " - |"
-                out.append(f"| {kib(block)} | {kib(any_row['packed_bytes'])} | {ids} | {any_row['memcpy_gbps']:.1f} | "
-                           f"{any_row['memcpy_duplex_ratio']:.2f} | " + cells(block, ids, "duplex") + issue)
+                out.append(
+                    f"| {kib(block)} | {kib(any_row['packed_bytes'])} | {ids} | {any_row['memcpy_gbps']:.1f} | "
+                    f"{any_row['memcpy_duplex_ratio']:.2f} | " + cells(block, ids, "duplex") + issue
+                )
     drift = [r["drift"] for r in rows if r["kind"] == "memcpy" and r["drift"] != ""]
     if drift:
-        out += ["", f"memcpy drift over each size's measurements (after / before - 1): {min(drift):+.1%} to {max(drift):+.1%}"]
+        out += [
+            "",
+            f"memcpy drift over each size's measurements (after / before - 1): {min(drift):+.1%} to {max(drift):+.1%}",
+        ]
 
     ov = [r for r in rows if r["kind"] == "overlap"]
     if ov:
         alone = [r["matmul_ms"] for r in ov if r["path"] == "none"]
-        out += ["", f"{MATMULS} bf16 {MATMUL_N}^3 matmuls (the whole GPU) while each path moves both directions "
-                f"({kib(ov[0]['block_bytes'])} per region, random ids, {IN_FLIGHT} store+load pairs in flight); "
-                "slowdown against the mean of the alone runs before and after:", "",
-                "| matmuls beside | matmul ms | baseline ms | slowdown | GB/s both ways | ratio to one-way memcpy | auto picks |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        out += [
+            "",
+            f"{MATMULS} bf16 {MATMUL_N}^3 matmuls (the whole GPU) while each path moves both directions "
+            f"({kib(ov[0]['block_bytes'])} per region, random ids, {IN_FLIGHT} store+load pairs in flight); "
+            "slowdown against the mean of the alone runs before and after:",
+            "",
+            "| matmuls beside | matmul ms | baseline ms | slowdown | GB/s both ways | ratio to one-way memcpy | auto picks |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for r in ov:
             if r["path"] == "none":
-                out.append(f"| nothing (run {r['run']}) | {r['matmul_ms']:.2f} | - | {fmt(r.get('slowdown'), '+.1%')} vs run 1 | - | - | - |")
+                out.append(
+                    f"| nothing (run {r['run']}) | {r['matmul_ms']:.2f} | - | {fmt(r.get('slowdown'), '+.1%')} vs run 1 | - | - | - |"
+                )
             else:
-                out.append(f"| {r['path']} | {r['matmul_ms']:.2f} | {r['baseline_ms']:.2f} | {r['slowdown']:+.1%} | {r['gbps']:.1f} | "
-                           f"{r['duplex_ratio']:.2f} | {r['picked'] or '-'} |")
+                out.append(
+                    f"| {r['path']} | {r['matmul_ms']:.2f} | {r['baseline_ms']:.2f} | {r['slowdown']:+.1%} | {r['gbps']:.1f} | "
+                    f"{r['duplex_ratio']:.2f} | {r['picked'] or '-'} |"
+                )
         if len(alone) > 1:
             out.append(f"| drift of the alone runs (max / min - 1) | | | {max(alone) / min(alone) - 1:+.1%} | | | |")
 
     st = [r for r in rows if r["kind"] == "stage"]
     if st:
-        out += ["", f"The staged path's halves alone, per staged row: the gather (store) or scatter (load) device to device "
-                f"with {paths.STAGE_PROGRAMS} programs (CUDA events), as SM-us per GB and as a fraction of the link (memcpy) "
-                "time; the packed-row DMA alone (contiguous GPU buffer <-> the same mirror rows). Limit: 'descriptors' when "
-                "the DMA alone falls short of the target, 'gather SMs' when the gather takes over half the link time, "
-                "'host issue time' when issuing the calls (host microseconds per call, flush excluded) took over 85% of "
-                "the wall time, else 'ring/pipeline'.", "",
-                "| per region | packed | ids | direction | staged | DMA alone | gather us | SM-us/GB | gather / link | chunk rows | issue us/call | issue / wall | limit |",
-                "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        out += [
+            "",
+            f"The staged path's halves alone, per staged row: the gather (store) or scatter (load) device to device "
+            f"with {paths.STAGE_PROGRAMS} programs (CUDA events), as SM-us per GB and as a fraction of the link (memcpy) "
+            "time; the packed-row DMA alone (contiguous GPU buffer <-> the same mirror rows). Limit: 'descriptors' when "
+            "the DMA alone falls short of the target, 'gather SMs' when the gather takes over half the link time, "
+            "'host issue time' when issuing the calls (host microseconds per call, flush excluded) took over 85% of "
+            "the wall time, else 'ring/pipeline'.",
+            "",
+            "| per region | packed | ids | direction | staged | DMA alone | gather us | SM-us/GB | gather / link | chunk rows | issue us/call | issue / wall | limit |",
+            "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for r in st:
-            out.append(f"| {kib(r['block_bytes'])} | {kib(r['packed_bytes'])} | {r['ids']} | {r['direction']} | {r['staged_ratio']:.2f} | "
-                       f"{r['dma_only_ratio']:.2f} | {r['gather_us']:.0f} | {r['sm_us_per_gb']:.0f} | {r['link_fraction']:.3f} | "
-                       f"{r['chunk_rows']} | {r['issue_us_per_call']:.0f} | {r['issue_fraction']:.2f} | {r['limit']} |")
+            out.append(
+                f"| {kib(r['block_bytes'])} | {kib(r['packed_bytes'])} | {r['ids']} | {r['direction']} | {r['staged_ratio']:.2f} | "
+                f"{r['dma_only_ratio']:.2f} | {r['gather_us']:.0f} | {r['sm_us_per_gb']:.0f} | {r['link_fraction']:.3f} | "
+                f"{r['chunk_rows']} | {r['issue_us_per_call']:.0f} | {r['issue_fraction']:.2f} | {r['limit']} |"
+            )
 
-    out += ["", "Targets (random ids; best of kernel/staged/dma, and auto):", "",
-            "| target | needed | best path | auto | best meets | auto meets |", "| --- | ---: | --- | ---: | --- | --- |"]
+    out += [
+        "",
+        "Targets (random ids; best of kernel/staged/dma, and auto):",
+        "",
+        "| target | needed | best path | auto | best meets | auto meets |",
+        "| --- | ---: | --- | ---: | --- | --- |",
+    ]
     for block in blocks:
         packed = 2 * LAYERS * block
         one, both = target(packed)
@@ -607,22 +720,32 @@ def markdown(rows: list[dict], state: State) -> str:
                 continue
             name = max(fixed, key=fixed.get)
             auto = got.get("auto")
-            out.append(f"| {kib(packed)} packed, {d} | {needed:.2f} | {name} {fixed[name]:.2f} | {fmt(auto)} | "
-                       f"{'yes' if fixed[name] >= needed else 'NO'} | {'-' if auto is None else 'yes' if auto >= needed else 'NO'} |")
+            out.append(
+                f"| {kib(packed)} packed, {d} | {needed:.2f} | {name} {fixed[name]:.2f} | {fmt(auto)} | "
+                f"{'yes' if fixed[name] >= needed else 'NO'} | {'-' if auto is None else 'yes' if auto >= needed else 'NO'} |"
+            )
     staged = next((r for r in ov if r["path"] == "staged"), None)
     if staged:
         ok = staged["slowdown"] <= 0.05 and staged["duplex_ratio"] >= 1.6
-        out.append(f"| matmul beside staged duplex | <= +5.0%, >= 1.60 | staged {staged['slowdown']:+.1%}, {staged['duplex_ratio']:.2f} | - | "
-                   f"{'yes' if ok else 'NO'} | - |")
+        out.append(
+            f"| matmul beside staged duplex | <= +5.0%, >= 1.60 | staged {staged['slowdown']:+.1%}, {staged['duplex_ratio']:.2f} | - | "
+            f"{'yes' if ok else 'NO'} | - |"
+        )
     ratios = [(r["auto_vs_best"], r) for r in bw.values() if r.get("auto_vs_best") is not None]
     if ratios:
         worst, r = min(ratios, key=lambda x: x[0])
-        out.append(f"| auto within 5% of best, every row | 0.95 | - | worst {worst:.2f} ({kib(r['packed_bytes'])} packed, {r['ids']}, "
-                   f"{r['direction']}) | - | {'yes' if worst >= 0.95 else 'NO'} |")
+        out.append(
+            f"| auto within 5% of best, every row | 0.95 | - | worst {worst:.2f} ({kib(r['packed_bytes'])} packed, {r['ids']}, "
+            f"{r['direction']}) | - | {'yes' if worst >= 0.95 else 'NO'} |"
+        )
 
     for block, cross in state.crossover.items():
-        out += ["", f"Crossover the auto engine measured, {kib(block)} per region ({kib(state.shape[block].per_id)} packed):", "",
-                cross.table()]
+        out += [
+            "",
+            f"Crossover the auto engine measured, {kib(block)} per region ({kib(state.shape[block].per_id)} packed):",
+            "",
+            cross.table(),
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -638,7 +761,9 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, ids in zip(axes[:2], IDS):
         for p in PATHS:
             for d, style in (("store", "-o"), ("load", "--s")):
-                pts = sorted((r["packed_bytes"], r["ratio"]) for r in bw if (r["path"], r["ids"], r["direction"]) == (p, ids, d))
+                pts = sorted(
+                    (r["packed_bytes"], r["ratio"]) for r in bw if (r["path"], r["ids"], r["direction"]) == (p, ids, d)
+                )
                 if pts:
                     ax.plot(*zip(*pts), style, color=colors[p], label=f"{p} {d}")
         ax.axhline(0.93, color="k", ls=":", lw=0.8)
@@ -648,7 +773,11 @@ def plot(rows: list[dict], path: Path) -> None:
     ax = axes[2]
     for p in PATHS:
         for ids, style in (("random", "-o"), ("run", "--s")):
-            pts = sorted((r["packed_bytes"], r["ratio"]) for r in bw if (r["path"], r["ids"], r["direction"]) == (p, ids, "duplex"))
+            pts = sorted(
+                (r["packed_bytes"], r["ratio"])
+                for r in bw
+                if (r["path"], r["ids"], r["direction"]) == (p, ids, "duplex")
+            )
             if pts:
                 ax.plot(*zip(*pts), style, color=colors[p], label=f"{p} {ids}")
     pts = sorted({(r["packed_bytes"], r["memcpy_duplex_ratio"]) for r in bw if r["direction"] == "duplex"})
@@ -716,7 +845,10 @@ def main() -> None:
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     state = State(QUICK_REPS if args.quick else REPS)
     began = time.perf_counter()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batched copies: {dma.has_batched_copy()}", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batched copies: {dma.has_batched_copy()}",
+        flush=True,
+    )
     memcpy = Memcpy(max(call_shape(b)[0] * call_shape(b)[2] for b in (*sizes, OVERLAP_BLOCK)))
     for block in sizes:
         guard(f"{kib(block)} per region", measure_size, block, memcpy, state)

@@ -26,13 +26,49 @@ import time
 from pathlib import Path
 
 import torch
+from common import time_graph  # this script's own directory
+from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import ple_ops
 
-import ple_ops  # noqa: E402
-from block_copy import time_graph  # noqa: E402
-from ple_models import make_model  # noqa: E402
+VOCAB, DIM, LAYERS = 1000, 64, 3
+
+
+class TablePle(ple_ops.PleOffloadLayer):
+    """One layer's per-layer-embedding table: rows are ``table[input_ids]``."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1000 + layer)  # seeded: both processes build the same table
+        self.table = nn.Parameter(torch.randn(VOCAB, DIM, generator=gen), requires_grad=False)
+
+    def forward_impl(self, input_ids):
+        return self.table[input_ids.to(self.table.device)]
+
+
+class TinyModel(nn.Module):
+    """Three layers, each adding its PLE rows to a projected hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.projs = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
+        with torch.no_grad():
+            for proj in self.projs:
+                proj.weight.copy_(torch.randn(DIM, DIM, generator=gen) / DIM**0.5)
+                proj.bias.zero_()
+        self.ples = nn.ModuleList(TablePle(i) for i in range(LAYERS))
+
+    def forward(self, hidden, input_ids):
+        for proj, ple in zip(self.projs, self.ples):
+            hidden = torch.tanh(proj(hidden) + ple(hidden, input_ids))
+        return hidden
+
+
+def make_model():
+    """The offload process builds the model with this (spawn imports this file, main guarded)."""
+    return TinyModel()
+
 
 ROW_BYTES = 16384
 
@@ -94,8 +130,15 @@ def latency(rows_list) -> list[dict]:
     p50 = {key: statistics.median(t) for key, t in times.items()}
     rows = []
     for (what, k), t in times.items():
-        row = dict(kind="latency", what=what, rows=k, bytes=k * ROW_BYTES, p50_us=p50[(what, k)] * 1e6,
-                   p99_us=statistics.quantiles(t, n=100)[98] * 1e6, ratio=p50[(what, k)] / floor)
+        row = dict(
+            kind="latency",
+            what=what,
+            rows=k,
+            bytes=k * ROW_BYTES,
+            p50_us=p50[(what, k)] * 1e6,
+            p99_us=statistics.quantiles(t, n=100)[98] * 1e6,
+            ratio=p50[(what, k)] / floor,
+        )
         if what.endswith("_watched"):
             row["extra_us"] = (p50[(what, k)] - p50[(what.removesuffix("_watched"), k)]) * 1e6
         rows.append(row)
@@ -120,10 +163,19 @@ def bandwidth(rows_list) -> list[dict]:
     rows = []
     for k in rows_list:
         nbytes = k * ROW_BYTES
-        base = time_graph(lambda: flat_gpu[:nbytes].copy_(flat_host[:nbytes], non_blocking=True))
-        pull = time_graph(lambda: ple_ops.wait_copy(out, dep, k, "bench.bw"))
-        rows.append(dict(kind="bandwidth", what="wait_copy", rows=k, bytes=nbytes, memcpy_gbps=nbytes / base / 1e9,
-                         pull_gbps=nbytes / pull / 1e9, ratio=base / pull))
+        base = time_graph(lambda nbytes=nbytes: flat_gpu[:nbytes].copy_(flat_host[:nbytes], non_blocking=True))
+        pull = time_graph(lambda k=k: ple_ops.wait_copy(out, dep, k, "bench.bw"))
+        rows.append(
+            dict(
+                kind="bandwidth",
+                what="wait_copy",
+                rows=k,
+                bytes=nbytes,
+                memcpy_gbps=nbytes / base / 1e9,
+                pull_gbps=nbytes / pull / 1e9,
+                ratio=base / pull,
+            )
+        )
     ple_ops.disarm("bench.bw")
     buf.unlink()
     return rows
@@ -171,8 +223,10 @@ def decode_step(tokens: int = 4, steps: int = 300) -> list[dict]:
             torch.cuda.synchronize()
             t_off.append(time.perf_counter() - start)
     a, b = statistics.median(t_local[20:]), statistics.median(t_off[20:])
-    return [dict(kind="decode_step", what="tables_on_gpu", rows=tokens, p50_us=a * 1e6, ratio=1.0),
-            dict(kind="decode_step", what="offloaded", rows=tokens, p50_us=b * 1e6, ratio=b / a)]
+    return [
+        dict(kind="decode_step", what="tables_on_gpu", rows=tokens, p50_us=a * 1e6, ratio=1.0),
+        dict(kind="decode_step", what="offloaded", rows=tokens, p50_us=b * 1e6, ratio=b / a),
+    ]
 
 
 def plot(rows, path: Path) -> None:
@@ -186,7 +240,9 @@ def plot(rows, path: Path) -> None:
     watched = [r for r in rows if r["kind"] == "latency" and r["what"] == "wait_copy_watched"]
     floor = next(r for r in rows if r["what"] == "ping_pong")
     left.plot([r["rows"] for r in lat], [r["p50_us"] for r in lat], "o-", label="wait + pull (p50)")
-    left.plot([r["rows"] for r in watched], [r["p50_us"] for r in watched], "s--", label="watched: + waiting word (p50)")
+    left.plot(
+        [r["rows"] for r in watched], [r["p50_us"] for r in watched], "s--", label="watched: + waiting word (p50)"
+    )
     left.axhline(floor["p50_us"], color="k", ls="--", label=f"ping-pong floor {floor['p50_us']:.1f} us")
     left.axhline(2 * floor["p50_us"], color="r", ls=":", label="target: 2x floor")
     left.set_xscale("log", base=2)
@@ -222,9 +278,13 @@ def main() -> None:
     for r in rows:
         if r["kind"] == "latency":
             extra = f", +{r['extra_us']:.2f} us watched" if "extra_us" in r else ""
-            print(f"| {r['what']} latency p50 (p99) | {r['rows']} | {r['p50_us']:.1f} ({r['p99_us']:.1f}) us{extra} | {r['ratio']:.2f} |")
+            print(
+                f"| {r['what']} latency p50 (p99) | {r['rows']} | {r['p50_us']:.1f} ({r['p99_us']:.1f}) us{extra} | {r['ratio']:.2f} |"
+            )
         elif r["kind"] == "bandwidth":
-            print(f"| pull bandwidth | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}) | {r['ratio']:.2f} |")
+            print(
+                f"| pull bandwidth | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}) | {r['ratio']:.2f} |"
+            )
         else:
             print(f"| decode step, {r['what']} (4 tokens) | - | {r['p50_us']:.1f} us | {r['ratio']:.2f} |")
 

@@ -78,11 +78,33 @@ class Config:
 
 CONFIGS = {
     # CI's CPU: seconds per compile, under two minutes in all.
-    "small": Config(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, mlp=128, ple_dim=16,
-                    batch=4, prompt=(3, 9), total=(40, 60)),
+    "small": Config(
+        vocab=512,
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        mlp=128,
+        ple_dim=16,
+        batch=4,
+        prompt=(3, 9),
+        total=(40, 60),
+    ),
     # The "realistic widths": Gemma-3n E2B's hidden, MLP and PLE sizes, 8 layers, 8 sequences.
-    "gemma": Config(vocab=32768, hidden=2048, layers=8, heads=16, kv_heads=8, head_dim=128, mlp=8192, ple_dim=256,
-                    batch=8, prompt=(8, 32), total=(160, 256)),
+    "gemma": Config(
+        vocab=32768,
+        hidden=2048,
+        layers=8,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        mlp=8192,
+        ple_dim=256,
+        batch=8,
+        prompt=(8, 32),
+        total=(160, 256),
+    ),
 }
 
 
@@ -595,7 +617,9 @@ def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
         step = Step(kv_ops.aot.load_step(args.artifact), built.model, cfg, device, built.runtime)
         engine = make_engine(built.caches, cfg, args.disk)
         try:
-            run = decode(step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=expected, label="B, AOT-loaded")
+            run = decode(
+                step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=expected, label="B, AOT-loaded"
+            )
         finally:
             engine.close()
     except Mismatch as e:
@@ -605,17 +629,24 @@ def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
         if built.runtime is not None:
             built.runtime.close()
     same = run.tokens == reference["tokens"]
-    print(f"AOT reload in a fresh process: {len(reference['logits'])} logits rows bitwise equal, "
-          f"{run.traffic.preemptions} preemptions, tokens {'match' if same else 'MISMATCH'}", flush=True)
+    print(
+        f"AOT reload in a fresh process: {len(reference['logits'])} logits rows bitwise equal, "
+        f"{run.traffic.preemptions} preemptions, tokens {'match' if same else 'MISMATCH'}",
+        flush=True,
+    )
     return 0 if same else 1
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), help="default: gemma on a GPU, small on the CPU")
-    parser.add_argument("--ple-transport", choices=["process", "gather"], action="append",
-                        help="PLE transports to run (repeatable); the first one also runs the pressure and "
-                             "AOT checks. Default: process, then gather")
+    parser.add_argument(
+        "--ple-transport",
+        choices=["process", "gather"],
+        action="append",
+        help="PLE transports to run (repeatable); the first one also runs the pressure and "
+        "AOT checks. Default: process, then gather",
+    )
     parser.add_argument("--disk", help="preempt KV blocks to a file in this directory instead of host memory")
     parser.add_argument("--role", choices=["main", "load"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--artifact", help=argparse.SUPPRESS)
@@ -639,8 +670,11 @@ def main(argv=None) -> int:
 
 def run_demo(args, cfg: Config, device: torch.device) -> int:
     primary = args.ple_transport[0]
-    print(f"decode loop on {device}: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.batch} sequences of "
-          f"{cfg.total[0]}-{cfg.total[1]} tokens, PLE table {cfg.vocab} x {cfg.layers * cfg.ple_dim}", flush=True)
+    print(
+        f"decode loop on {device}: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.batch} sequences of "
+        f"{cfg.total[0]}-{cfg.total[1]} tokens, PLE table {cfg.vocab} x {cfg.layers * cfg.ple_dim}",
+        flush=True,
+    )
     failures: list[str] = []
     results: dict[str, Run] = {}
     with tempfile.TemporaryDirectory(prefix="decode-loop-") as tmp:
@@ -653,21 +687,37 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
         try:
             start = time.perf_counter()
             step = compiled_step(built, cfg, device, save_to=artifact)
-            print(f"compiled, saved and captured the {primary}-transport step in {time.perf_counter() - start:.0f} s",
-                  flush=True)
-            reference = decode(step, built.caches, cfg, blocks_needed(cfg), keep_logits=True, label=f"{primary}, no pressure")
+            print(
+                f"compiled, saved and captured the {primary}-transport step in {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
+            reference = decode(
+                step, built.caches, cfg, blocks_needed(cfg), keep_logits=True, label=f"{primary}, no pressure"
+            )
             results[primary] = reference
-            torch.save({"logits": {k: v.cpu() for k, v in reference.logits.items()}, "tokens": reference.tokens}, expect)
+            torch.save(
+                {"logits": {k: v.cpu() for k, v in reference.logits.items()}, "tokens": reference.tokens}, expect
+            )
             engine = make_engine(built.caches, cfg, args.disk)
             warm_paths = dict(engine.path_counts)
             try:
-                pressured = decode(step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=reference.logits,
-                                   label=f"{primary}, KV pressure")
+                pressured = decode(
+                    step,
+                    built.caches,
+                    cfg,
+                    pressure_blocks(cfg),
+                    engine,
+                    compare_to=reference.logits,
+                    label=f"{primary}, KV pressure",
+                )
                 pressured.traffic.paths = {k: n - warm_paths[k] for k, n in engine.path_counts.items()}
             finally:
                 engine.close()
-            print(f"KV pressure ({pressure_blocks(cfg)} of {blocks_needed(cfg)} blocks): "
-                  f"{pressured.traffic.preemptions} preemptions, every logits row bitwise equal", flush=True)
+            print(
+                f"KV pressure ({pressure_blocks(cfg)} of {blocks_needed(cfg)} blocks): "
+                f"{pressured.traffic.preemptions} preemptions, every logits row bitwise equal",
+                flush=True,
+            )
         except Mismatch as e:
             failures.append(str(e))
         finally:
@@ -675,8 +725,20 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
                 built.runtime.close()
 
         # 2. Process B: a fresh process loads the artifact and decodes under pressure.
-        cmd = [sys.executable, os.path.abspath(__file__), "--role", "load", "--artifact", artifact, "--expect", expect,
-               "--config", next(k for k, v in CONFIGS.items() if v == cfg), "--ple-transport", primary]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--role",
+            "load",
+            "--artifact",
+            artifact,
+            "--expect",
+            expect,
+            "--config",
+            next(k for k, v in CONFIGS.items() if v == cfg),
+            "--ple-transport",
+            primary,
+        ]
         if args.disk:
             cmd += ["--disk", args.disk]
         if subprocess.run(cmd, timeout=1800).returncode != 0:
@@ -687,8 +749,14 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
     for transport in ["gpu"] + args.ple_transport[1:]:
         built = build(transport, cfg, device)
         try:
-            run = decode(compiled_step(built, cfg, device), built.caches, cfg, blocks_needed(cfg), keep_logits=transport == "gpu",
-                         label=f"{transport} transport" if transport != "gpu" else "PLE table on the GPU")
+            run = decode(
+                compiled_step(built, cfg, device),
+                built.caches,
+                cfg,
+                blocks_needed(cfg),
+                keep_logits=transport == "gpu",
+                label=f"{transport} transport" if transport != "gpu" else "PLE table on the GPU",
+            )
         finally:
             if built.runtime is not None:
                 built.runtime.close()
@@ -723,8 +791,10 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
             continue
         t = results[name].step_seconds
         label = {"gpu": "in the model", "process": "offload process", "gather": "host gather"}[name]
-        print(f"| {label} | {percentile(t, 0.5) * 1e6:.0f} | {percentile(t, 0.9) * 1e6:.0f} | "
-              f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} |")
+        print(
+            f"| {label} | {percentile(t, 0.5) * 1e6:.0f} | {percentile(t, 0.9) * 1e6:.0f} | "
+            f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} |"
+        )
     if device.type == "cpu":
         print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")
     if pressured is None:
@@ -732,19 +802,25 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
     kv = pressured.traffic
     store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
     load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
-    print(f"\nKV pressure: {kv.preemptions} preemptions, {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} "
-          f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock; "
-          f"paths {kv.paths})")
+    print(
+        f"\nKV pressure: {kv.preemptions} preemptions, {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} "
+        f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock; "
+        f"paths {kv.paths})"
+    )
     transfers = kv.preemptions + kv.resumptions
     wall = kv.store_seconds + kv.load_seconds
-    print(f"per transfer: {wall / transfers * 1e6:.0f} us from call to flush, of which {kv.call_seconds / transfers * 1e6:.0f} us "
-          f"inside the engine's store/load call (host work before the copy is enqueued)")
+    print(
+        f"per transfer: {wall / transfers * 1e6:.0f} us from call to flush, of which {kv.call_seconds / transfers * 1e6:.0f} us "
+        f"inside the engine's store/load call (host work before the copy is enqueued)"
+    )
     if device.type == "cuda":
         from kv_ops import doctor
 
         link = doctor.measure_link(device)
-        print(f"as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to GPU): "
-              f"store {store / link.d2h_gbps:.2f}, load {load / link.h2d_gbps:.2f}")
+        print(
+            f"as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to GPU): "
+            f"store {store / link.d2h_gbps:.2f}, load {load / link.h2d_gbps:.2f}"
+        )
 
 
 if __name__ == "__main__":

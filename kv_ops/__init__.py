@@ -27,9 +27,7 @@ __version__ = "0.2.0"
 # The lowest torch the suite passes on (pyproject.toml says why); older ones fail in obscure ways.
 TORCH_FLOOR = (2, 11)
 if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < TORCH_FLOOR:
-    raise ImportError(
-        f"offload-ops needs torch >= {'.'.join(map(str, TORCH_FLOOR))}, found torch {torch.__version__}"
-    )
+    raise ImportError(f"offload-ops needs torch >= {'.'.join(map(str, TORCH_FLOOR))}, found torch {torch.__version__}")
 
 from . import dma  # noqa: E402  (after the version check: the modules below need the newer torch)
 from .disk import BlockFile

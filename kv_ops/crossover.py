@@ -103,7 +103,11 @@ class Crossover:
         for direction, blocks, runs in keys:
             rate = {c.path: c.gbps for c in self.cells if (c.direction, c.blocks, c.runs) == (direction, blocks, runs)}
             pick = self.choose(Direction(direction), blocks, runs, {p: engines[p] for p in rate})
-            lines.append(f"| {direction} | {blocks} | {runs} | " + " | ".join(f"{rate.get(p, 0):.1f}" for p in paths) + f" | {pick} |")
+            lines.append(
+                f"| {direction} | {blocks} | {runs} | "
+                + " | ".join(f"{rate.get(p, 0):.1f}" for p in paths)
+                + f" | {pick} |"
+            )
         return "\n".join(lines)
 
     def save(self, path: str) -> None:

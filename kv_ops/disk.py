@@ -150,7 +150,9 @@ class BlockFile:
             if fd is None:
                 fd = _create_then_unlink(directory, tag)
         except OSError as e:
-            raise OSError(e.errno, f"cannot create the disk tier file kv_offload.{tag} in {directory}: {e.strerror}") from None
+            raise OSError(
+                e.errno, f"cannot create the disk tier file kv_offload.{tag} in {directory}: {e.strerror}"
+            ) from None
         self.fd = fd
         # The descriptor is the only owner of the bytes: close it even if this object is dropped
         # without close() (the kernel frees an unlinked file's blocks on its last close).
@@ -158,7 +160,9 @@ class BlockFile:
         self._closer.atexit = False  # at exit the kernel closes it, after the I/O thread is gone
         try:
             if os.fstat(fd).st_nlink != 0:  # a hard link made in the instant the name existed
-                raise OSError(errno.EEXIST, f"the disk tier file in {directory} gained a link to it before it was unlinked")
+                raise OSError(
+                    errno.EEXIST, f"the disk tier file in {directory} gained a link to it before it was unlinked"
+                )
             if self.direct:
                 # Set after creation, not at open: a file system without O_DIRECT then fails here
                 # with EINVAL that can mean nothing else (at open it could be any flag), and a
@@ -176,7 +180,9 @@ class BlockFile:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # ENOSPC, EFBIG, EDQUOT, ...
-                    raise OSError(e.errno, f"cannot allocate {size} bytes of disk tier in {self.label}: {e.strerror}") from None
+                    raise OSError(
+                        e.errno, f"cannot allocate {size} bytes of disk tier in {self.label}: {e.strerror}"
+                    ) from None
                 os.ftruncate(fd, size)  # the file system cannot preallocate: sparse file
         except BaseException:
             self.close()
@@ -211,7 +217,11 @@ class BlockFile:
             while done < nbytes:  # the kernel may move fewer bytes than asked; carry on from there
                 chunk = memoryview(view)[done:]
                 try:
-                    n = os.pwrite(self.fd, chunk, offset + done) if write else os.preadv(self.fd, [chunk], offset + done)
+                    n = (
+                        os.pwrite(self.fd, chunk, offset + done)
+                        if write
+                        else os.preadv(self.fd, [chunk], offset + done)
+                    )
                 except OSError as e:
                     # A short write is followed by this call, which reports why (ENOSPC, EFBIG, EIO).
                     raise OSError(

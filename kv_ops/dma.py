@@ -70,7 +70,9 @@ def _merges(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return back_to_back(src) and back_to_back(dst)
 
 
-def count_copies(src: list[torch.Tensor], dst: list[torch.Tensor], num_pairs: int, runs: tuple[torch.Tensor, torch.Tensor]) -> int:
+def count_copies(
+    src: list[torch.Tensor], dst: list[torch.Tensor], num_pairs: int, runs: tuple[torch.Tensor, torch.Tensor]
+) -> int:
     """How many copies :func:`plan_copies` issues for ``num_pairs`` pairs forming ``runs``."""
     return sum(runs[0].numel() if _merges(s, d) else num_pairs for s, d in zip(src, dst))
 
@@ -99,7 +101,9 @@ def plan_copies(
     src_ids = src_ids.to("cpu", torch.int64)
     dst_ids = dst_ids.to("cpu", torch.int64)
     if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
-        raise ValueError(f"{OP}: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}")
+        raise ValueError(
+            f"{OP}: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}"
+        )
     check_widths(OP, src, dst)
     empty = torch.empty(0, dtype=torch.int64)
     if src_ids.numel() == 0 or not src:
@@ -144,7 +148,9 @@ def _entry_points() -> tuple[object | None, object, int]:
     flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
 
     def proc(name: str, cuda_version: int):
-        pfn, _status = check_driver(drv.cuGetProcAddress(name.encode(), cuda_version, flags), f"cuGetProcAddress({name})")
+        pfn, _status = check_driver(
+            drv.cuGetProcAddress(name.encode(), cuda_version, flags), f"cuGetProcAddress({name})"
+        )
         return int(pfn)
 
     # cuMemcpyAsync(dst, src, bytes, stream)

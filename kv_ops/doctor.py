@@ -36,7 +36,14 @@ ALIGN = 4096
 SLOW_LINK_FRACTION = 0.6
 
 # Per-lane rate in GB/s after line encoding (8b/10b to Gen 2, 128b/130b from Gen 3, FLIT at Gen 6).
-_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 8 * 128 / 130 / 8, 4: 16 * 128 / 130 / 8, 5: 32 * 128 / 130 / 8, 6: 64 * 242 / 256 / 8}
+_LANE_GBPS = {
+    1: 0.25,
+    2: 0.5,
+    3: 8 * 128 / 130 / 8,
+    4: 16 * 128 / 130 / 8,
+    5: 32 * 128 / 130 / 8,
+    6: 64 * 242 / 256 / 8,
+}
 _GEN_OF_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 
 
@@ -199,7 +206,9 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
         fix = "update to a CUDA 12+ driver, or enable the legacy operations: modprobe nvidia NVreg_EnableStreamMemOPs=1"
     else:
         fix = "update the NVIDIA driver; ple_ops cannot wait on its flags without these operations"
-    shown = ", ".join(f"{k}={v}" for k, v in attrs.items()) or "none of the known attributes exist in this cuda-bindings"
+    shown = (
+        ", ".join(f"{k}={v}" for k, v in attrs.items()) or "none of the known attributes exist in this cuda-bindings"
+    )
     with torch.cuda.device(device):
         flag = pinned_empty(1, torch.int32)
     flag.zero_()
@@ -211,7 +220,12 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
             check_driver(drv.cuStreamWriteValue32(handle, address, 1, 0), "cuStreamWriteValue32")
             stream.synchronize()
             if int(flag.item()) != 1:
-                return CheckResult("stream memory ops", "fail", f"cuStreamWriteValue32 did not reach host memory (attributes: {shown})", fix)
+                return CheckResult(
+                    "stream memory ops",
+                    "fail",
+                    f"cuStreamWriteValue32 did not reach host memory (attributes: {shown})",
+                    fix,
+                )
             # The flag already holds the value, so this wait is satisfied at once; a stream that
             # stays blocked means the operation does not work here.
             check_driver(
@@ -224,11 +238,18 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
                 # The stream still reads the flag: unregistering it now would pull the memory out
                 # from under the GPU, so it stays registered until the process ends.
                 _kept_alive.append(flag)
-                return CheckResult("stream memory ops", "fail", f"cuStreamWaitValue32 on a raised flag still blocks after 1 s (attributes: {shown})", fix)
+                return CheckResult(
+                    "stream memory ops",
+                    "fail",
+                    f"cuStreamWaitValue32 on a raised flag still blocks after 1 s (attributes: {shown})",
+                    fix,
+                )
     except RuntimeError as e:
         return CheckResult("stream memory ops", "fail", f"{e} (attributes: {shown})", fix)
     return CheckResult(
-        "stream memory ops", "ok", f"cuStreamWriteValue32 and cuStreamWaitValue32 on a host-mapped flag work (attributes: {shown})"
+        "stream memory ops",
+        "ok",
+        f"cuStreamWriteValue32 and cuStreamWaitValue32 on a host-mapped flag work (attributes: {shown})",
     )
 
 
@@ -264,13 +285,21 @@ def check_host_register(device: torch.device | str | int | None = None) -> Check
         with driver_context(device):
             address = device_pointer(host)
     except (RuntimeError, ValueError) as e:
-        fix = "this platform does not support cuMemHostRegister (some vGPU and confidential-computing setups)" if supported == 0 else None
+        fix = (
+            "this platform does not support cuMemHostRegister (some vGPU and confidential-computing setups)"
+            if supported == 0
+            else None
+        )
         return CheckResult(name, "fail", str(e), fix)
     view = device_view(host, device)
     view.fill_(0xA5)
     torch.cuda.synchronize(device)
     if not bool((host == 0xA5).all()):
-        return CheckResult(name, "fail", f"registered {_fmt_bytes(nbytes)} at device address 0x{address:x}, but a GPU write did not reach it")
+        return CheckResult(
+            name,
+            "fail",
+            f"registered {_fmt_bytes(nbytes)} at device address 0x{address:x}, but a GPU write did not reach it",
+        )
     where = "the host address" if address == host.data_ptr() else f"0x{address:x} (host 0x{host.data_ptr():x})"
     detail = f"{_fmt_bytes(nbytes)} registered portable and device-mapped, device address {where}, GPU writes arrive"
     if same_address == 0:
@@ -327,7 +356,9 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
             "no cuMemcpyBatchAsync in this driver: the DMA path issues one cuMemcpyAsync per copy (bytes check out)",
             "install an NVIDIA driver of the R570 series or newer (CUDA 12.8+)",
         )
-    return CheckResult(name, "ok", f"cuMemcpyBatchAsync (CUDA {_cuda_version(abi)} signature) moved blocks both ways, bytes check out")
+    return CheckResult(
+        name, "ok", f"cuMemcpyBatchAsync (CUDA {_cuda_version(abi)} signature) moved blocks both ways, bytes check out"
+    )
 
 
 def measure_link(device: torch.device | str | int | None = None, seconds: float = 1.0) -> LinkBandwidth:
@@ -448,7 +479,12 @@ def _link_state(bus_id: str) -> _Link | None:
         m = re.match(r"([\d.]+)\s*GT/s", speed or "")
         return _GEN_OF_GTS.get(float(m.group(1))) if m else None
 
-    values = (gen(read("current_link_speed")), gen(read("max_link_speed")), read("current_link_width"), read("max_link_width"))
+    values = (
+        gen(read("current_link_speed")),
+        gen(read("max_link_speed")),
+        read("current_link_width"),
+        read("max_link_width"),
+    )
     values = values[:2] + tuple(_int_or_none(v) if v else None for v in values[2:])
     if all(v is None for v in values):
         return None
@@ -498,7 +534,11 @@ def check_pcie_link(device: torch.device | str | int | None = None, seconds: flo
     link = found[0] if found else None
     measured = f"host to GPU {bw.h2d_gbps:.1f} GB/s, GPU to host {bw.d2h_gbps:.1f} GB/s"
     if link is None:
-        return CheckResult(name, "ok", f"{bus_id}: link generation and width unknown (no nvidia-smi answer, no sysfs entry); {measured}")
+        return CheckResult(
+            name,
+            "ok",
+            f"{bus_id}: link generation and width unknown (no nvidia-smi answer, no sysfs entry); {measured}",
+        )
 
     def show(gen, width):
         return f"Gen {gen if gen is not None else '?'} x{width if width is not None else '?'}"
@@ -518,7 +558,9 @@ def check_pcie_link(device: torch.device | str | int | None = None, seconds: flo
     elif link.gen is not None and link.gen < gen_max:
         fix = f"the link runs at Gen {link.gen} of Gen {gen_max}: check the slot's PCIe speed in the BIOS and any riser"
     elif link.numa_node is not None:
-        fix = f"run on the GPU's NUMA node: numactl --cpunodebind={link.numa_node} --membind={link.numa_node} python ..."
+        fix = (
+            f"run on the GPU's NUMA node: numactl --cpunodebind={link.numa_node} --membind={link.numa_node} python ..."
+        )
     else:
         fix = "run on the GPU's NUMA node (numactl --cpunodebind=N --membind=N) and check for other traffic on the link"
     return CheckResult(name, "warn", described, fix)
@@ -610,7 +652,9 @@ def check_o_direct(directory: str) -> CheckResult:
                 return CheckResult(name, "fail", f"short O_DIRECT write: {written} of {ALIGN} bytes")
             read = os.preadv(fd, [back], 0)
             if read != ALIGN or back[:] != pattern:
-                return CheckResult(name, "fail", f"O_DIRECT read back {read} bytes that differ from the {ALIGN} written")
+                return CheckResult(
+                    name, "fail", f"O_DIRECT read back {read} bytes that differ from the {ALIGN} written"
+                )
     except OSError as e:
         return _o_direct_error(name, directory, "write and read 4 KiB", e)
     finally:
@@ -619,7 +663,9 @@ def check_o_direct(directory: str) -> CheckResult:
             with contextlib.suppress(OSError):
                 os.unlink(path)
     st = os.statvfs(directory)
-    return CheckResult(name, "ok", f"4 KiB aligned O_DIRECT write and read back; {_fmt_bytes(st.f_bavail * st.f_frsize)} free")
+    return CheckResult(
+        name, "ok", f"4 KiB aligned O_DIRECT write and read back; {_fmt_bytes(st.f_bavail * st.f_frsize)} free"
+    )
 
 
 def _o_direct_error(name: str, directory: str, what: str, e: OSError) -> CheckResult:
@@ -631,13 +677,19 @@ def _o_direct_error(name: str, directory: str, what: str, e: OSError) -> CheckRe
             f"OffloadEngine(..., disk_dir={directory!r}, page_cache=True), or a directory on a local ext4/xfs disk",
         )
     if e.errno == errno.ENOENT and not os.path.isdir(directory):
-        return CheckResult(name, "fail", f"{directory} does not exist", f"mkdir -p {directory}, or pass an existing directory")
+        return CheckResult(
+            name, "fail", f"{directory} does not exist", f"mkdir -p {directory}, or pass an existing directory"
+        )
     if e.errno == errno.ENOTDIR:
         return CheckResult(name, "fail", f"{directory} is not a directory", "pass a directory")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return CheckResult(name, "fail", f"cannot {what} in {directory}: {e.strerror}", "pass a directory this user can write")
+        return CheckResult(
+            name, "fail", f"cannot {what} in {directory}: {e.strerror}", "pass a directory this user can write"
+        )
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return CheckResult(name, "fail", f"cannot {what} in {directory}: {e.strerror}", "free space there, or pass another directory")
+        return CheckResult(
+            name, "fail", f"cannot {what} in {directory}: {e.strerror}", "free space there, or pass another directory"
+        )
     return CheckResult(name, "fail", f"cannot {what} in {directory}: {e.strerror or e}")
 
 
@@ -749,7 +801,13 @@ def main(argv: list[str] | None = None) -> int:
         help="bytes the PLE runtime will need in /dev/shm (K, M, G, T suffixes: powers of 1024); default 0: just report",
     )
     parser.add_argument(
-        "--dir", dest="dirs", action="extend", nargs="+", default=[], metavar="DIR", help="disk-tier directory to check for O_DIRECT"
+        "--dir",
+        dest="dirs",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="disk-tier directory to check for O_DIRECT",
     )
     parser.add_argument("--device", default=None, help="CUDA device to check (default: the current one)")
     args = parser.parse_args(argv)

@@ -188,7 +188,9 @@ class OffloadEngine:
         if disk_dir is None:
             self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
             # Each region's columns of the mirror, by the region's name.
-            self.mirror_regions = dict(zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()])))
+            self.mirror_regions = dict(
+                zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()]))
+            )
             gpu = list(self.regions.values())
             self.paths = {
                 "kernel": KernelPath(gpu, self.mirror, self._streams),
@@ -211,7 +213,9 @@ class OffloadEngine:
 
     def _check_open(self, call: str) -> None:
         if self._closed:
-            raise EngineClosedError(f"OffloadEngine.{call}: the engine is closed (close() was called); create a new engine")
+            raise EngineClosedError(
+                f"OffloadEngine.{call}: the engine is closed (close() was called); create a new engine"
+            )
 
     @staticmethod
     def _ids_tensor(op: str, what: str, ids, limit: int, unique: bool) -> torch.Tensor:
@@ -247,7 +251,9 @@ class OffloadEngine:
         if after is None:
             after = torch.cuda.current_stream(self.device)
         if not isinstance(after, torch.cuda.Stream):
-            raise ValueError(f"{op}: after must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}")
+            raise ValueError(
+                f"{op}: after must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}"
+            )
         if after.device != self.device:
             raise ValueError(f"{op}: after is a stream of {after.device}, but the engine's cache is on {self.device}")
         ready = torch.cuda.Event()
@@ -276,7 +282,9 @@ class OffloadEngine:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
-            raise RuntimeError(f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead")
+            raise RuntimeError(
+                f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead"
+            )
         ready = self._ready(op, after)
         tid = next(self._ids)
         if self.disk is not None:

@@ -31,7 +31,6 @@ def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     return bytes_at(base, storage.data_ptr() + offset, nbytes, base.device)
 
 
-
 @dataclass(frozen=True)
 class KVCacheTensorSpec:
     """One allocation that holds the KV cache of one or more layers.
@@ -210,8 +209,8 @@ def resolve_regions(
                 )
             span = num_layers * per_layer
             placements = [
-                (layer if groups == 1 else f"{layer}.{g}", spec.offset + (l * groups + g) * region_bytes)
-                for l, layer in enumerate(spec.layers)
+                (layer if groups == 1 else f"{layer}.{g}", spec.offset + (k * groups + g) * region_bytes)
+                for k, layer in enumerate(spec.layers)
                 for g in range(groups)
             ]
         else:

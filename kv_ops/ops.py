@@ -56,7 +56,10 @@ def _check_fake_packed(op: str, regions, ids: torch.Tensor, what: str, packed: t
         _check_fake_region(op, "regions", i, r)
     _check_fake_ids(op, "ids", ids)
     width = sum(r.shape[1] for r in regions)
-    torch._check(packed.dim() == 2 and packed.dtype == torch.uint8, lambda: V.packed_message(op, what, packed, ids.shape[0], width))
+    torch._check(
+        packed.dim() == 2 and packed.dtype == torch.uint8,
+        lambda: V.packed_message(op, what, packed, ids.shape[0], width),
+    )
     torch._check(packed.shape[0] == ids.shape[0], lambda: V.packed_message(op, what, packed, ids.shape[0], width))
     torch._check(packed.shape[1] == width, lambda: V.packed_message(op, what, packed, ids.shape[0], width))
 
@@ -85,7 +88,9 @@ def _check_copy(src, dst, src_ids, dst_ids, device: torch.device) -> None:
 
 
 @torch.library.custom_op("kv_ops::copy_blocks", mutates_args=("dst",), device_types="cpu")
-def _copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+def _copy_blocks(
+    src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
     device = torch.device("cpu")
     _check_copy(src, dst, src_ids, dst_ids, device)
     skipped = reference.copy_blocks(src, dst, src_ids, dst_ids)
@@ -104,7 +109,8 @@ def _(src, dst, src_ids, dst_ids):
     _check_fake_ids(op, "src_ids", src_ids)
     _check_fake_ids(op, "dst_ids", dst_ids)
     torch._check(
-        dst_ids.shape[0] == src_ids.shape[0], lambda: V.ids_length_message(op, "dst_ids", dst_ids.shape[0], src_ids.shape[0])
+        dst_ids.shape[0] == src_ids.shape[0],
+        lambda: V.ids_length_message(op, "dst_ids", dst_ids.shape[0], src_ids.shape[0]),
     )
 
 
@@ -160,7 +166,9 @@ def _check_gather(regions, ids, out, device: torch.device) -> None:
     V.check_regions(op, "regions", regions)
     V.check_ids_meta(op, "ids", ids)
     V.check_packed(op, "out", out, ids.shape[0], sum(r.shape[1] for r in regions))
-    V.check_devices(op, device, ids=[("ids", ids)], data=[("out", out)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)])
+    V.check_devices(
+        op, device, ids=[("ids", ids)], data=[("out", out)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)]
+    )
     if V.should_check_ids(device):
         V.check_ids_values(op, "ids", ids, reference.num_blocks(regions))
 
@@ -217,7 +225,12 @@ def _check_scatter(packed, ids, regions, device: torch.device) -> None:
     V.check_regions(op, "regions", regions)
     V.check_ids_meta(op, "ids", ids)
     V.check_packed(op, "packed", packed, ids.shape[0], sum(r.shape[1] for r in regions))
-    V.check_devices(op, device, ids=[("ids", ids)], data=[("packed", packed)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)])
+    V.check_devices(
+        op,
+        device,
+        ids=[("ids", ids)],
+        data=[("packed", packed)] + [(f"regions[{i}]", t) for i, t in enumerate(regions)],
+    )
     if V.should_check_ids(device):
         V.check_ids_values(op, "ids", ids, reference.num_blocks(regions), unique=True)
 

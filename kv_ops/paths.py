@@ -323,4 +323,14 @@ class StagedPath:
 
 Path = KernelPath | StagedPath | DirectDmaPath
 
-__all__ = ["Direction", "Blocks", "KernelPath", "StagedPath", "DirectDmaPath", "Path", "mirror_views", "RING_SLOTS", "STAGE_PROGRAMS"]
+__all__ = [
+    "Direction",
+    "Blocks",
+    "KernelPath",
+    "StagedPath",
+    "DirectDmaPath",
+    "Path",
+    "mirror_views",
+    "RING_SLOTS",
+    "STAGE_PROGRAMS",
+]

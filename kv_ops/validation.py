@@ -141,9 +141,7 @@ def check_regions(op: str, what: str, regions: Sequence[torch.Tensor]) -> None:
         if r.shape[1] > 1 and r.stride(1) != 1:
             raise ValueError(f"{op}: {what}[{i}] has byte stride {r.stride(1)}; block bytes must be contiguous")
         if r.shape[0] > 1 and r.stride(0) < r.shape[1]:
-            raise ValueError(
-                f"{op}: {what}[{i}] blocks overlap: block stride {r.stride(0)} < block bytes {r.shape[1]}"
-            )
+            raise ValueError(f"{op}: {what}[{i}] blocks overlap: block stride {r.stride(0)} < block bytes {r.shape[1]}")
 
 
 def check_ids_meta(op: str, what: str, ids: torch.Tensor, length: int | None = None) -> None:

@@ -50,13 +50,19 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
                 "(lookup_table() returned None); serve it with ple_ops.OffloadRuntime"
             )
         if table.dim() != 2 or not table.is_contiguous():
-            raise ValueError(f"gather_from_host: {name!r}'s table must be contiguous [vocab, dim], got {tuple(table.shape)}")
+            raise ValueError(
+                f"gather_from_host: {name!r}'s table must be contiguous [vocab, dim], got {tuple(table.shape)}"
+            )
         pinned = kv_ops.pinned_empty(table.shape, table.dtype)
         pinned.copy_(table.detach())
         rows = pinned.view(torch.uint8).view(table.shape[0], -1)
-        owners = [n for n, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)) if t is table]
+        owners = [
+            n for n, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)) if t is table
+        ]
         if not owners:
-            raise ValueError(f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers")
+            raise ValueError(
+                f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers"
+            )
         delattr(layer, owners[0])  # the only copy left is the page-locked one
         layer.attach_host_table(kv_ops.device_view(rows, device) if device.type == "cuda" else rows, table.dtype)
     return model.to(device)

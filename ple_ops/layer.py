@@ -107,7 +107,9 @@ class PleOffloadLayer(nn.Module, ABC):
         if self.ple_gathers:
             # One kernel reads the rows over PCIe (zero-copy) into a graph-owned buffer: no flag,
             # no other process, nothing to wait for.
-            rows = torch.empty(input_ids.shape[0], self.ple_host_table.shape[1], dtype=torch.uint8, device=input_ids.device)
+            rows = torch.empty(
+                input_ids.shape[0], self.ple_host_table.shape[1], dtype=torch.uint8, device=input_ids.device
+            )
             kv_ops.gather_blocks([self.ple_host_table], input_ids, rows)
             return rows.view(self.ple_dtype)
         if self.ple_placeholder:

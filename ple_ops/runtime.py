@@ -19,7 +19,6 @@ from torch import nn
 from . import layer as layer_mod
 from . import reference, registry, worker
 from .control import (
-    IDLE,
     WAITING,
     Attach,
     ControlBlock,
@@ -223,7 +222,9 @@ class OffloadRuntime:
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=worker.worker_main, args=(model_factory, child, os.getpid(), int(worker_threads)), daemon=True)
+        self.process = ctx.Process(
+            target=worker.worker_main, args=(model_factory, child, os.getpid(), int(worker_threads)), daemon=True
+        )
         try:
             self.process.start()
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -303,7 +304,13 @@ class OffloadRuntime:
             reference.poison_rows(slot)  # rows no step wrote are poison, never zeros (worker.ServedLayer)
             out = torch.zeros(self.max_tokens, spec.dim, dtype=spec.dtype, device=self.device)
             armed = registry.ArmedLayer(
-                name, self._control.flags[i], slot, self._check_usable, out, waiting=self._control.waiting[i], guard=self._guard
+                name,
+                self._control.flags[i],
+                slot,
+                self._check_usable,
+                out,
+                waiting=self._control.waiting[i],
+                guard=self._guard,
             )
             registry.arm(armed)
             layer = _Layer(i, name, module, slot_buffer, armed)
@@ -372,10 +379,16 @@ class OffloadRuntime:
             # never more than one step ahead of the offload process.
             try:
                 spin_wait(
-                    lambda: self._control.get(Word.TAKEN), self._step, "prepare", self._check_usable, timeout=self.step_timeout + 1.0
+                    lambda: self._control.get(Word.TAKEN),
+                    self._step,
+                    "prepare",
+                    self._check_usable,
+                    timeout=self.step_timeout + 1.0,
                 )
             except TimeoutError:
-                self._fail(f"the offload process did not take step {self._step} within step_timeout {self.step_timeout} s")
+                self._fail(
+                    f"the offload process did not take step {self._step} within step_timeout {self.step_timeout} s"
+                )
                 self._check_usable()
         self._control.ids[:n].copy_(ids)
         self._control.set(Word.NUM_TOKENS, n)
@@ -395,7 +408,9 @@ class OffloadRuntime:
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"prepare: input_ids must have an integer dtype, got {dtype} (ids are never rounded)")
         if input_ids.dim() != 1 or not 0 < input_ids.shape[0] <= self.max_tokens:
-            raise ValueError(f"prepare: input_ids must be 1-D with 1..{self.max_tokens} ids, got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"prepare: input_ids must be 1-D with 1..{self.max_tokens} ids, got shape {tuple(input_ids.shape)}"
+            )
         return input_ids.detach().to("cpu", torch.int64)
 
     def release(self, enqueue: bool = True) -> None:
@@ -432,9 +447,7 @@ class OffloadRuntime:
                 # What executed here (not captured) shows whether the resets ran. On the CPU
                 # every op executes; on the GPU a wait that executed without its release shows an
                 # eager forward, while a replay shows nothing and is trusted.
-                missing = [
-                    layer for layer in self._layers if not layer.released and (layer.waited or not self._on_gpu)
-                ]
+                missing = [layer for layer in self._layers if not layer.released and (layer.waited or not self._on_gpu)]
                 for layer in missing:
                     self._release_layer(layer)
         finally:

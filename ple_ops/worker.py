@@ -17,7 +17,7 @@ from torch import nn
 
 from . import layer as layer_mod
 from . import reference
-from .control import Attach, ControlBlock, LayersReport, LayerSpec, Phase, Ready, StepFailed, Word, WorkerFailed
+from .control import Attach, ControlBlock, LayerSpec, LayersReport, Phase, Ready, StepFailed, Word, WorkerFailed
 from .semaphore import RESET, CpuGpuSemaphore, release_fence, spin_wait
 from .shared_memory import SharedHostBuffer
 
@@ -52,7 +52,9 @@ class ServedLayer:
         rows = self.module.forward_impl(ids)
         n, dim, dtype = ids.shape[0], self.spec.dim, self.spec.dtype
         if tuple(rows.shape) != (n, dim) or rows.dtype != dtype:
-            raise ValueError(f"{self.spec.name}.forward_impl returned {tuple(rows.shape)} {rows.dtype}, expected ({n}, {dim}) {dtype}")
+            raise ValueError(
+                f"{self.spec.name}.forward_impl returned {tuple(rows.shape)} {rows.dtype}, expected ({n}, {dim}) {dtype}"
+            )
         return rows
 
     def store(self, rows: torch.Tensor | None, n: int) -> None:

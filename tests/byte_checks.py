@@ -21,7 +21,7 @@ def assert_inside_and_disjoint(regions: dict, storage_ranges: list[tuple[int, in
     spans = sorted(span(r) for r in regions.values())
     for lo, hi in spans:
         assert any(s <= lo and hi <= e for s, e in storage_ranges), f"region [{lo:#x}, {hi:#x}) outside its storage"
-    for (a_lo, a_hi), (b_lo, b_hi) in zip(spans, spans[1:]):
+    for (_, a_hi), (b_lo, _) in zip(spans, spans[1:]):
         assert a_hi <= b_lo, "regions overlap"
 
 
@@ -48,7 +48,6 @@ def make_regions(widths, num_blocks, device="cpu", strided=False, generator=None
             col += w + pad
         return out
     return [random_bytes((num_blocks, w), device, generator) for w in widths]
-
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,9 @@ def wait_copy_raw(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, slot_ad
     live = {registry.lookup(n).slot.data_ptr() for n in registry.armed_names()}
     if slot_address not in live:
         raise RuntimeError(f"wait_copy_raw: slot address {slot_address:#x} is not armed in this process")
-    layer = next(registry.lookup(n) for n in registry.armed_names() if registry.lookup(n).slot.data_ptr() == slot_address)
+    layer = next(
+        registry.lookup(n) for n in registry.armed_names() if registry.lookup(n).slot.data_ptr() == slot_address
+    )
     layer.flag.host_wait(1, layer.check)
     out[:num_tokens].view(torch.uint8).copy_(layer.slot[:num_tokens])
 

@@ -47,7 +47,18 @@ def test_both_packages_import_and_export_what_they_declare():
 def test_the_wheel_installs_and_imports_from_outside_the_tree(tmp_path):
     wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "cwd"
     elsewhere.mkdir()
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)]
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(wheels),
+        str(ROOT),
+    ]
     subprocess.run(build, check=True, capture_output=True, timeout=300)
     (wheel,) = wheels.glob("offload_ops-*.whl")
     with zipfile.ZipFile(wheel) as z:
@@ -63,7 +74,9 @@ def test_the_wheel_installs_and_imports_from_outside_the_tree(tmp_path):
     )
     # Only the installed copy on the path, run from a directory that holds no source tree.
     env = dict(os.environ, PYTHONPATH=str(target), TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     kv_file, ple_file, versions, typed = out.stdout.split("\n")[:4]
     assert Path(kv_file).is_relative_to(target) and Path(ple_file).is_relative_to(target)

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(*args):
     # Run as a module from the repository root, so the packages precede tests/ on sys.path.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    )
     result = subprocess.run(
         [sys.executable, "-m", "kv_aot_harness", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )

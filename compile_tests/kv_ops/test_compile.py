@@ -62,7 +62,9 @@ def step_ids(gen, device):
     store_src = torch.randperm(32, generator=gen)[:6]
     store_dst = torch.randperm(48, generator=gen)[:6]
     load_src = torch.cat([store_dst[:3], torch.randperm(48, generator=gen)[:2]]).unique()
-    load_dst = torch.tensor([b for b in torch.randperm(32, generator=gen).tolist() if b not in store_src][: len(load_src)])
+    load_dst = torch.tensor(
+        [b for b in torch.randperm(32, generator=gen).tolist() if b not in store_src][: len(load_src)]
+    )
     return [t.to(device) for t in (store_src, store_dst, load_src, load_dst)]
 
 
@@ -197,5 +199,7 @@ def test_first_ever_call_of_every_op_is_legal_inside_reduce_overhead():
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", FIRST_USE], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_USE], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0 and "FIRST USE OK" in result.stdout, result.stderr[-4000:]

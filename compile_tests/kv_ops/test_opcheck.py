@@ -21,7 +21,9 @@ def regions(device, num_blocks, seed):
 def test_opcheck_copy_blocks(device):
     src_ids = torch.tensor([0, 3, 5], device=device)
     dst_ids = torch.tensor([6, 1, 2], device=device)
-    torch.library.opcheck(torch.ops.kv_ops.copy_blocks.default, (regions(device, 8, 0), regions(device, 7, 1), src_ids, dst_ids))
+    torch.library.opcheck(
+        torch.ops.kv_ops.copy_blocks.default, (regions(device, 8, 0), regions(device, 7, 1), src_ids, dst_ids)
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

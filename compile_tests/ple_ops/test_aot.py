@@ -16,7 +16,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def run(*args, check=True):
     # Run as a module from the repository root, so that the root (the packages) precedes tests/
     # (the harness's helpers) on sys.path: tests/ple_ops must not shadow the ple_ops package.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    )
     cmd = [sys.executable, "-m", "ple_aot_harness", *args]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:

@@ -227,7 +227,9 @@ def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
                 rt.model(step_hidden, device_ids)
         assert not e.value.fatal
         # The prepared step is still served (eagerly), and the runtime goes on.
-        torch.testing.assert_close(rt.model(step_hidden, step_ids.cuda()), local(step_hidden, step_ids.cuda()), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            rt.model(step_hidden, step_ids.cuda()), local(step_hidden, step_ids.cuda()), rtol=1e-4, atol=1e-4
+        )
         rt.release()
         hidden = torch.zeros(4, 64, device="cuda")
         ids = torch.zeros(4, dtype=torch.long, device="cuda")
@@ -319,7 +321,9 @@ def test_a_graph_captured_for_more_tokens_than_prepared_reads_poison_past_the_st
     with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
         graph, hidden, ids, out = captured_step(rt, 6)
         gen = torch.Generator().manual_seed(12)
-        replay_step(rt, graph, hidden, ids, torch.randint(0, VOCAB, (6,), generator=gen), torch.randn(6, 64, device="cuda"))
+        replay_step(
+            rt, graph, hidden, ids, torch.randint(0, VOCAB, (6,), generator=gen), torch.randn(6, 64, device="cuda")
+        )
         short = torch.randint(0, VOCAB, (4,), generator=gen)
         replay_step(rt, graph, hidden, ids, short, torch.randn(6, 64, device="cuda"))
         for i, block in enumerate(rt.model.blocks):
@@ -349,7 +353,9 @@ def test_a_caller_running_ahead_without_syncs_gets_every_steps_rows():
     with ple_ops.OffloadRuntime(make_sleepy_model, max_tokens=16, device="cuda", step_timeout=5.0) as rt:
         graph, hidden, ids, out = captured_step(rt, 4)
         gen = torch.Generator().manual_seed(13)
-        steps = [(torch.randint(0, VOCAB, (4,), generator=gen), torch.randn(4, 64, generator=gen).cuda()) for _ in range(30)]
+        steps = [
+            (torch.randint(0, VOCAB, (4,), generator=gen), torch.randn(4, 64, generator=gen).cuda()) for _ in range(30)
+        ]
         results = []
         for step_ids, step_hidden in steps:
             rt.prepare(step_ids)

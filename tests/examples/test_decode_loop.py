@@ -21,7 +21,9 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
     preempted = re.search(r"KV pressure \(\d+ of \d+ blocks\): (\d+) preemptions, every logits row bitwise equal", out)
     assert preempted and int(preempted.group(1)) >= 1, out
     # Process B loaded the saved step, preempted too, and reproduced every logits row.
-    reloaded = re.search(r"AOT reload in a fresh process: (\d+) logits rows bitwise equal, (\d+) preemptions, tokens match", out)
+    reloaded = re.search(
+        r"AOT reload in a fresh process: (\d+) logits rows bitwise equal, (\d+) preemptions, tokens match", out
+    )
     assert reloaded and int(reloaded.group(1)) > 100 and int(reloaded.group(2)) >= 1, out
     # Both transports ran against the model that holds its table.
     assert "| offload process |" in out and "| host gather |" in out, out

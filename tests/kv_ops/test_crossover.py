@@ -63,8 +63,19 @@ def sample_crossover():
         (LOAD, 64, 4, "dma"),  # nearest: runs of 16
         (LOAD, 1024, 1024, "kernel"),  # larger than any cell: the largest random one
     ],
-    ids=["store-4", "store-3", "store-300-random", "store-256-runs", "store-200-runs-of-17", "store-one-run",
-         "store-empty", "load-4", "load-40-random", "load-64-runs", "load-1024-random"],
+    ids=[
+        "store-4",
+        "store-3",
+        "store-300-random",
+        "store-256-runs",
+        "store-200-runs-of-17",
+        "store-one-run",
+        "store-empty",
+        "load-4",
+        "load-40-random",
+        "load-64-runs",
+        "load-1024-random",
+    ],
 )
 def test_choose_picks_the_fastest_path_of_the_nearest_cell(direction, blocks, runs, pick):
     assert sample_crossover().choose(direction, blocks, runs, COPY_ENGINES) == pick
@@ -90,8 +101,14 @@ def test_choose_says_none_where_nothing_was_measured_and_only_considers_the_path
         (dict(kernel=50.0, staged=100.0, dma=97.0), COPY_ENGINES, "staged"),
         (dict(kernel=100.0, staged=50.0, dma=97.0), {"kernel": False, "staged": True, "dma": False}, "kernel"),
     ],
-    ids=["staged-within-5pct", "staged-beyond-5pct", "fastest-of-two-within", "staged-fastest", "kernel-slowest",
-         "dma-counted-as-kernel"],
+    ids=[
+        "staged-within-5pct",
+        "staged-beyond-5pct",
+        "fastest-of-two-within",
+        "staged-fastest",
+        "kernel-slowest",
+        "dma-counted-as-kernel",
+    ],
 )
 def test_a_copy_engine_path_within_5_percent_of_the_fastest_wins(rates, engines, pick):
     assert TOLERANCE == 0.05
@@ -159,7 +176,9 @@ CORRUPT = [
     pytest.param(json.dumps({"key": KEY, "cells": [{"path": "kernel"}]}).encode(), id="cell-missing-fields"),
     pytest.param(json.dumps({"key": KEY, "cells": [[1, 2]]}).encode(), id="cell-not-an-object"),
     pytest.param(
-        json.dumps({"key": KEY, "cells": [dict(path="dma", direction="load", blocks=4, runs=4, gbps=1, extra=1)]}).encode(),
+        json.dumps(
+            {"key": KEY, "cells": [dict(path="dma", direction="load", blocks=4, runs=4, gbps=1, extra=1)]}
+        ).encode(),
         id="cell-unknown-field",
     ),
     # Valid JSON that is not an object.
@@ -167,7 +186,12 @@ CORRUPT = [
     pytest.param(b"null", id="json-null"),
     # Cells that would break the per-call choice later (log of 0, an unknown path, no rate).
     *[
-        pytest.param(json.dumps({"key": KEY, "cells": [dict(dict(path="dma", direction="load", blocks=4, runs=4, gbps=1.5), **bad)]}).encode(), id=name)
+        pytest.param(
+            json.dumps(
+                {"key": KEY, "cells": [dict(dict(path="dma", direction="load", blocks=4, runs=4, gbps=1.5), **bad)]}
+            ).encode(),
+            id=name,
+        )
         for name, bad in [
             ("zero-blocks", {"blocks": 0}),
             ("zero-runs", {"runs": 0}),

@@ -52,13 +52,18 @@ def test_a_plan_copies_exactly_the_chosen_blocks_and_nothing_else(seed, widths, 
         # What the engine uses: the runs found once, and the copy count it decides by.
         runs = dma.run_starts(src_ids, dst_ids)
         again = dma.plan_copies(src, dst, src_ids, dst_ids, runs)
-        assert all(torch.equal(a, b) for a, b in zip((plan.dsts, plan.srcs, plan.sizes), (again.dsts, again.srcs, again.sizes)))
+        assert all(
+            torch.equal(a, b) for a, b in zip((plan.dsts, plan.srcs, plan.sizes), (again.dsts, again.srcs, again.sizes))
+        )
         assert dma.count_copies(src, dst, n, runs) == plan.count
 
 
 @pytest.mark.parametrize(
     "strided, copies_per_region",
-    [pytest.param(False, 3, id="back-to-back-blocks-merge-runs"), pytest.param(True, 7, id="strided-blocks-copy-one-by-one")],
+    [
+        pytest.param(False, 3, id="back-to-back-blocks-merge-runs"),
+        pytest.param(True, 7, id="strided-blocks-copy-one-by-one"),
+    ],
 )
 def test_runs_of_consecutive_ids_become_one_copy_only_where_blocks_are_back_to_back(strided, copies_per_region):
     src = make_regions([64, 32], 20, strided=strided)

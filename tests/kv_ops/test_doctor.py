@@ -24,7 +24,12 @@ def run_doctor(*args, hide_gpus=False):
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the no-GPU report, on any machine
     return subprocess.run(
-        [sys.executable, "-m", "kv_ops.doctor", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kv_ops.doctor", *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -69,7 +74,9 @@ def test_a_bad_size_is_a_usage_error_not_a_traceback():
     assert out.returncode == 2 and "Traceback" not in out.stderr and "not a size: 'lots'" in out.stderr
 
 
-@pytest.mark.parametrize("text, value", [("0", 0), ("4096", 4096), ("8G", 8 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)])
+@pytest.mark.parametrize(
+    "text, value", [("0", 0), ("4096", 4096), ("8G", 8 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)]
+)
 def test_ple_bytes_accepts_binary_suffixes(text, value):
     assert doctor._parse_bytes(text) == value
 

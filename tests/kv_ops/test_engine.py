@@ -35,7 +35,9 @@ def make_engine(device="cpu", capacity_blocks=40, seed=0, path="kernel"):
     ring = {} if path == "auto" else {"ring_bytes": RING_SLOTS * 3 * PER_BLOCK}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity_blocks * PER_BLOCK + PER_BLOCK - 1, path=path, **ring)
+        engine = kv_ops.OffloadEngine(
+            kv, 32, capacity_bytes=capacity_blocks * PER_BLOCK + PER_BLOCK - 1, path=path, **ring
+        )
     return engine, kv
 
 
@@ -104,14 +106,23 @@ def test_an_auto_engine_on_the_cpu_measures_nothing_and_takes_the_kernel_paths_r
 def random_cache(gen, device, num_blocks):
     """1-3 layers of random layouts (K/V-first, blocks-first with K and V inside the block, MLA),
     dtypes and block shapes, filled with random values; each with the axis that holds blocks."""
+
     def pick(options):
         return options[int(torch.randint(0, len(options), (1,), generator=gen))]
 
     layers = {}
     for i in range(int(torch.randint(1, 4, (1,), generator=gen))):
         kind = pick(["kv_first", "blocks_first", "mla"])
-        t, h, d = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen)), pick([8, 16, 24])
-        shape = {"kv_first": (2, num_blocks, t, h, d), "blocks_first": (num_blocks, 2, t, h, d), "mla": (num_blocks, t, d)}[kind]
+        t, h, d = (
+            int(torch.randint(1, 5, (1,), generator=gen)),
+            int(torch.randint(1, 4, (1,), generator=gen)),
+            pick([8, 16, 24]),
+        )
+        shape = {
+            "kv_first": (2, num_blocks, t, h, d),
+            "blocks_first": (num_blocks, 2, t, h, d),
+            "mla": (num_blocks, t, d),
+        }[kind]
         values = torch.randn(shape, generator=gen).to(pick([torch.float16, torch.bfloat16, torch.float32]))
         layers[f"l{i}"] = (values.to(device), 1 if kind == "kv_first" else 0)
     return layers
@@ -177,17 +188,37 @@ def test_poll_reports_each_transfer_once_in_issue_order():
         (lambda e: e.load([0, 1], [3, 3]), r"OffloadEngine.load: gpu_ids names block 3 more than once"),
         (lambda e: e.load([0, 1], [3]), "OffloadEngine.load: 1 gpu_ids but 2 host_ids"),
         # 0.7 would have been truncated to block 0: floats are refused, whatever their values.
-        (lambda e: e.store([0.7, 1], [0, 1]), r"OffloadEngine.store: gpu_ids must be .*int32 or int64.* got torch.float32"),
-        (lambda e: e.load(torch.tensor([2.0, 3.0], dtype=torch.float64), [0, 1]), r"host_ids must be .* got torch.float64"),
+        (
+            lambda e: e.store([0.7, 1], [0, 1]),
+            r"OffloadEngine.store: gpu_ids must be .*int32 or int64.* got torch.float32",
+        ),
+        (
+            lambda e: e.load(torch.tensor([2.0, 3.0], dtype=torch.float64), [0, 1]),
+            r"host_ids must be .* got torch.float64",
+        ),
         (lambda e: e.store([True, False], [0, 1]), r"gpu_ids must be .* got torch.bool"),
-        (lambda e: e.store(torch.tensor([0, 1], device="meta"), [0, 1]), "OffloadEngine.store: gpu_ids is a meta tensor"),
+        (
+            lambda e: e.store(torch.tensor([0, 1], device="meta"), [0, 1]),
+            "OffloadEngine.store: gpu_ids is a meta tensor",
+        ),
         (lambda e: e.load([0], torch.tensor([1], device="meta")), "OffloadEngine.load: gpu_ids is a meta tensor"),
         (lambda e: e.load([2**70], [0]), "OffloadEngine.load: host_ids must be integer block ids"),
         (lambda e: e.store(["a"], [0]), "OffloadEngine.store: gpu_ids must be integer block ids"),
     ],
     ids=[
-        "gpu-id-range", "host-id-range", "negative", "store-repeats-host", "load-repeats-gpu", "lengths",
-        "float-list", "float-tensor", "bool", "meta-store", "meta-load", "huge-int", "string",
+        "gpu-id-range",
+        "host-id-range",
+        "negative",
+        "store-repeats-host",
+        "load-repeats-gpu",
+        "lengths",
+        "float-list",
+        "float-tensor",
+        "bool",
+        "meta-store",
+        "meta-load",
+        "huge-int",
+        "string",
     ],
 )
 def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
@@ -356,10 +387,14 @@ def _rank_main(rank, world, init_file, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     combined = kv_ops.AllRanks(world)
     # Rank 0 finishes stores 0 and 1 at step 0; rank 1 finishes 0 at step 0 and 1 at step 1.
-    steps = [kv_ops.Completed([0, 1], []), kv_ops.Completed([], [])] if rank == 0 else [
-        kv_ops.Completed([0], []),
-        kv_ops.Completed([1], []),
-    ]
+    steps = (
+        [kv_ops.Completed([0, 1], []), kv_ops.Completed([], [])]
+        if rank == 0
+        else [
+            kv_ops.Completed([0], []),
+            kv_ops.Completed([1], []),
+        ]
+    )
     results.put((rank, [combined.gather(report).stores for report in steps]))
     dist.destroy_process_group()
 

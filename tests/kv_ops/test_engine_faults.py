@@ -25,7 +25,11 @@ def open_disk_engine(directory, device="cpu", staging_blocks=4, seed=0):
     """16 slots of 4 KiB; one layer, K/V-first: two regions of 256 B. Random bytes in the cache.
     O_DIRECT where the file system has it, buffered I/O where it does not."""
     gen = torch.Generator().manual_seed(seed)
-    kv = {"attn0": torch.randint(0, 256, (2, 32, 4, 2, 32), dtype=torch.uint8, generator=gen).to(device).view(torch.bfloat16)}
+    kv = {
+        "attn0": torch.randint(0, 256, (2, 32, 4, 2, 32), dtype=torch.uint8, generator=gen)
+        .to(device)
+        .view(torch.bfloat16)
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for page_cache in (False, True):

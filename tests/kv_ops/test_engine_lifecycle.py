@@ -134,7 +134,9 @@ def test_close_runs_every_queued_disk_job_before_the_file_closes(tmp_path):
         done = engine.close()
         assert done.stores == tids and not done.failed
         for s, g in want.items():
-            assert torch.equal(read_slots(dup, s, 1, file.slot_stride, engine.block_bytes)[0], packed(engine, [g])[0]), s
+            assert torch.equal(
+                read_slots(dup, s, 1, file.slot_stride, engine.block_bytes)[0], packed(engine, [g])[0]
+            ), s
     finally:
         os.close(dup)
     assert os.listdir(tmp_path) == []

@@ -108,7 +108,11 @@ class EngineMachine(RuleBasedStateMachine):
     def open(self, disk, page_cache, staging_blocks):
         if disk:
             return kv_ops.OffloadEngine(
-                self.kv, NUM_BLOCKS, HOST_BLOCKS * 4096 + 4095, disk_dir=self.dir, page_cache=page_cache,
+                self.kv,
+                NUM_BLOCKS,
+                HOST_BLOCKS * 4096 + 4095,
+                disk_dir=self.dir,
+                page_cache=page_cache,
                 staging_blocks=staging_blocks,
             )
         # The mirror on one of the three paths; the staged path with a ring of 1 or 2 rows per
@@ -163,7 +167,11 @@ class EngineMachine(RuleBasedStateMachine):
         for kind, ids in (("store", done.stores), ("load", done.loads)):
             self.reported[kind] += ids
             # A prefix of the issued ids: each reported once, in issue order, none invented.
-            assert self.reported[kind] == self.issued[kind][: len(self.reported[kind])], (kind, self.reported, self.issued)
+            assert self.reported[kind] == self.issued[kind][: len(self.reported[kind])], (
+                kind,
+                self.reported,
+                self.issued,
+            )
         if everything:
             assert self.reported == self.issued
         if not self.DISK:
@@ -266,7 +274,9 @@ class EngineMachine(RuleBasedStateMachine):
         timing, and hypothesis needs the same choices on every replay.)"""
         if not self.quiet():
             self.record(self.engine.flush(), everything=True)
-        blocks = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=3, unique=True), label="blocks")
+        blocks = data.draw(
+            st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=1, max_size=3, unique=True), label="blocks"
+        )
         fresh = self.random((len(blocks), self.width))
         col = 0
         for r in self.engine.regions.values():

@@ -55,20 +55,20 @@ def test_layer_outermost_regions_hold_each_layer_group_block(layers, groups, num
     block_stride = es * inner[0] * inner[1] * inner[2]
     raw = random_storage(offset + layers * groups * num_blocks * block_stride + tail)
     typed = typed_view(raw, offset, dtype, (layers, groups, num_blocks, *inner))
-    names = [f"model.layers.{l}.attn" for l in range(layers)]
-    kv = {name: typed[l] for l, name in enumerate(names)}
+    names = [f"model.layers.{k}.attn" for k in range(layers)]
+    kv = {name: typed[k] for k, name in enumerate(names)}
     spec = KVCacheTensorSpec(names, block_stride, groups * num_blocks * block_stride, offset)
 
     regions = resolve_regions(kv, [spec], num_blocks)
 
     expected = {n if groups == 1 else f"{n}.{g}" for n in names for g in range(groups)}
     assert set(regions) == expected
-    for l, name in enumerate(names):
+    for k, name in enumerate(names):
         for g in range(groups):
             region = regions[name if groups == 1 else f"{name}.{g}"]
             assert region.dtype == torch.uint8 and tuple(region.shape) == (num_blocks, block_stride)
             for b in range(num_blocks):
-                assert torch.equal(region[b], as_bytes(typed[l, g, b]))
+                assert torch.equal(region[b], as_bytes(typed[k, g, b]))
     assert_inside_and_disjoint(regions, [storage_range(raw)])
 
 
@@ -87,8 +87,8 @@ def test_cross_layer_region_block_spans_all_layers(layers, num_blocks, block, of
     layer_bytes = es * inner[0] * inner[1] * inner[2]
     raw = random_storage(offset + num_blocks * layers * layer_bytes + tail)
     typed = typed_view(raw, offset, dtype, (num_blocks, layers, *inner))
-    names = [f"l{l}" for l in range(layers)]
-    kv = {name: typed[:, l] for l, name in enumerate(names)}
+    names = [f"l{k}" for k in range(layers)]
+    kv = {name: typed[:, k] for k, name in enumerate(names)}
     spec = KVCacheTensorSpec(names, block_stride=layers * layer_bytes, layer_stride=layer_bytes, offset=offset)
 
     regions = resolve_regions(kv, [spec], num_blocks)
@@ -126,12 +126,12 @@ def test_specs_sharing_one_storage_with_different_block_sizes(num_blocks, a, b, 
 
     assert sorted(regions) == ["a0.0", "a0.1", "a1.0", "a1.1", "b0.0", "b0.1", "b1.0", "b1.1"]
     for prefix, typed, width in (("a", ta, bytes_a), ("b", tb, bytes_b)):
-        for l in range(2):
+        for k in range(2):
             for g in range(2):
-                region = regions[f"{prefix}{l}.{g}"]
+                region = regions[f"{prefix}{k}.{g}"]
                 assert region.shape[1] == width
                 for blk in range(num_blocks):
-                    assert torch.equal(region[blk], as_bytes(typed[l, g, blk]))
+                    assert torch.equal(region[blk], as_bytes(typed[k, g, blk]))
     assert kv_ops.block_bytes(regions) == 4 * (bytes_a + bytes_b)
     assert_inside_and_disjoint(regions, [storage_range(raw)])
 
@@ -220,8 +220,8 @@ def test_infer_per_layer_layouts(layout, layers, num_blocks, block, offset_elems
     (page, heads, dim), dtype = block
     kv, expected = {}, {}
     storages = []
-    for l in range(layers):
-        name = f"layer{l}"
+    for k in range(layers):
+        name = f"layer{k}"
         if layout == "mla":
             base_shape = (num_blocks, page, heads * dim)
         elif layout == "blocks_first_kv":
@@ -263,9 +263,9 @@ def test_infer_cross_layer_gives_one_region_spanning_all_layers(layers, num_bloc
     (page, heads, dim), dtype = block
     raw = random_storage(num_blocks * layers * page * heads * dim * dtype.itemsize)
     t = typed_view(raw, 0, dtype, (num_blocks, layers, page, heads, dim))
-    # Either every layer maps to the whole cross-layer tensor, or each to its own slice t[:, l],
+    # Either every layer maps to the whole cross-layer tensor, or each to its own slice t[:, k],
     # whose per-layer regions interleave per block and are merged back into one.
-    kv = {f"l{l}": (t[:, l] if per_layer_views else t) for l in range(layers)}
+    kv = {f"l{k}": (t[:, k] if per_layer_views else t) for k in range(layers)}
 
     regions = infer_regions(kv, num_blocks)
 

@@ -12,8 +12,11 @@ from kv_ops.driver import driver as cuda_driver
 gpu = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("shape, dtype", [((3, 5000), torch.uint8), ((7,), torch.float32), ((0, 4), torch.uint8)],
-                         ids=["bytes-2d", "float-1d", "empty"])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((3, 5000), torch.uint8), ((7,), torch.float32), ((0, 4), torch.uint8)],
+    ids=["bytes-2d", "float-1d", "empty"],
+)
 def test_pinned_empty_has_exactly_the_requested_bytes(shape, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

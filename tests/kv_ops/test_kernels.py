@@ -83,15 +83,27 @@ def test_kernel_matches_reference(seed, widths, src_blocks, dst_blocks, n, strid
 def test_tiles_dealt_across_many_regions(num_programs, tile_bytes):
     # Many small regions of mixed widths: the round-robin across region boundaries must cover
     # every tile exactly once whatever the program count and tile size.
-    run_case(7, [64, 4096, 48, 1000, 256, 20480, 8], 9, 11, 9, True, "copy", False,
-             num_programs=num_programs, tile_bytes=tile_bytes)
+    run_case(
+        7,
+        [64, 4096, 48, 1000, 256, 20480, 8],
+        9,
+        11,
+        9,
+        True,
+        "copy",
+        False,
+        num_programs=num_programs,
+        tile_bytes=tile_bytes,
+    )
 
 
 def test_zero_pairs_launch_nothing():
     dst = make_regions([64], 4, DEVICE)
     (want,) = clone_views(dst)
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    kernels.block_copy(make_regions([64], 4, DEVICE), dst, empty, empty, 0, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    kernels.block_copy(
+        make_regions([64], 4, DEVICE), dst, empty, empty, 0, torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    )
     assert_same_storages(dst, [want])
 
 

@@ -107,17 +107,49 @@ def bad_copy_cases():
     """(id, call(src, dst) -> None, message): each call is wrong in exactly one way."""
     t = torch.tensor
     return [
-        ("src-id-too-large", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 9]), t([0, 1])), r"src_ids\[1\] = 9 is outside \[0, 8\)"),
-        ("dst-id-negative", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1]), t([2, -1])), r"dst_ids\[1\] = -1 is outside \[0, 6\)"),
-        ("dst-id-repeated", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1, 2]), t([4, 3, 4])), r"dst_ids names block 4 more than once"),
+        (
+            "src-id-too-large",
+            lambda s, d: kv_ops.copy_blocks(s, d, t([0, 9]), t([0, 1])),
+            r"src_ids\[1\] = 9 is outside \[0, 8\)",
+        ),
+        (
+            "dst-id-negative",
+            lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1]), t([2, -1])),
+            r"dst_ids\[1\] = -1 is outside \[0, 6\)",
+        ),
+        (
+            "dst-id-repeated",
+            lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1, 2]), t([4, 3, 4])),
+            r"dst_ids names block 4 more than once",
+        ),
         ("ids-length", lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1]), t([2])), r"dst_ids has 1 ids, expected 2"),
         ("ids-float", lambda s, d: kv_ops.copy_blocks(s, d, t([0.0]), t([1])), r"src_ids must be a 1-D int32 or int64"),
         ("ids-2d", lambda s, d: kv_ops.copy_blocks(s, d, t([[0]]), t([1])), r"src_ids must be a 1-D int32 or int64"),
-        ("width-mismatch", lambda s, d: kv_ops.copy_blocks(s, [d[0], d[1][:, :8]], t([0]), t([1])), r"region pair 1 has block sizes 16 \(src\) and 8 \(dst\)"),
-        ("region-count", lambda s, d: kv_ops.copy_blocks(s, d[:1], t([0]), t([1])), r"2 source regions but 1 destination"),
-        ("region-dtype", lambda s, d: kv_ops.copy_blocks(s, [d[0].view(torch.int16), d[1]], t([0]), t([1])), r"dst\[0\] must be a 2-D uint8 region"),
-        ("region-3d", lambda s, d: kv_ops.copy_blocks([s[0].view(8, 4, 8), s[1]], d, t([0]), t([1])), r"src\[0\] must be a 2-D uint8 region"),
-        ("same-region-overlap", lambda s, d: kv_ops.copy_blocks(s, s, t([0, 1]), t([1, 2])), r"block 1 is both a source and a destination"),
+        (
+            "width-mismatch",
+            lambda s, d: kv_ops.copy_blocks(s, [d[0], d[1][:, :8]], t([0]), t([1])),
+            r"region pair 1 has block sizes 16 \(src\) and 8 \(dst\)",
+        ),
+        (
+            "region-count",
+            lambda s, d: kv_ops.copy_blocks(s, d[:1], t([0]), t([1])),
+            r"2 source regions but 1 destination",
+        ),
+        (
+            "region-dtype",
+            lambda s, d: kv_ops.copy_blocks(s, [d[0].view(torch.int16), d[1]], t([0]), t([1])),
+            r"dst\[0\] must be a 2-D uint8 region",
+        ),
+        (
+            "region-3d",
+            lambda s, d: kv_ops.copy_blocks([s[0].view(8, 4, 8), s[1]], d, t([0]), t([1])),
+            r"src\[0\] must be a 2-D uint8 region",
+        ),
+        (
+            "same-region-overlap",
+            lambda s, d: kv_ops.copy_blocks(s, s, t([0, 1]), t([1, 2])),
+            r"block 1 is both a source and a destination",
+        ),
     ]
 
 
@@ -136,11 +168,23 @@ def test_bad_copy_raises_before_any_byte_moves(case):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda r, ids: kv_ops.gather_blocks(r, ids, torch.empty(3, 40, dtype=torch.uint8)), r"out must be uint8 of shape \(3, 48\)"),
+        (
+            lambda r, ids: kv_ops.gather_blocks(r, ids, torch.empty(3, 40, dtype=torch.uint8)),
+            r"out must be uint8 of shape \(3, 48\)",
+        ),
         (lambda r, ids: kv_ops.gather_blocks(r, ids, torch.empty(3, 48)), r"out must be uint8"),
-        (lambda r, ids: kv_ops.gather_blocks(r, torch.tensor([0, 8, 1]), torch.empty(3, 48, dtype=torch.uint8)), r"ids\[1\] = 8 is outside \[0, 8\)"),
-        (lambda r, ids: kv_ops.scatter_blocks(torch.empty(3, 48, dtype=torch.uint8), torch.tensor([1, 1, 2]), r), r"ids names block 1 more than once"),
-        (lambda r, ids: kv_ops.scatter_blocks(torch.empty(2, 48, dtype=torch.uint8), ids, r), r"packed must be uint8 of shape \(3, 48\)"),
+        (
+            lambda r, ids: kv_ops.gather_blocks(r, torch.tensor([0, 8, 1]), torch.empty(3, 48, dtype=torch.uint8)),
+            r"ids\[1\] = 8 is outside \[0, 8\)",
+        ),
+        (
+            lambda r, ids: kv_ops.scatter_blocks(torch.empty(3, 48, dtype=torch.uint8), torch.tensor([1, 1, 2]), r),
+            r"ids names block 1 more than once",
+        ),
+        (
+            lambda r, ids: kv_ops.scatter_blocks(torch.empty(2, 48, dtype=torch.uint8), ids, r),
+            r"packed must be uint8 of shape \(3, 48\)",
+        ),
     ],
     ids=["gather-out-width", "gather-out-dtype", "gather-id-range", "scatter-repeated-id", "scatter-packed-rows"],
 )
@@ -206,14 +250,44 @@ def test_gpu_invalid_ids_with_checks_off_are_skipped_counted_and_write_nothing_o
 @pytest.mark.parametrize(
     "call",
     [
-        pytest.param(lambda: (kv_ops.copy_blocks, [torch.zeros(4, 48, dtype=torch.uint8)], [torch.zeros(4, 32, dtype=torch.uint8)],
-                              torch.tensor([0, 1]), torch.tensor([2, 3])), id="copy-widths"),
-        pytest.param(lambda: (kv_ops.copy_blocks, [torch.zeros(4, 48, dtype=torch.uint8)], [torch.zeros(4, 48, dtype=torch.uint8)],
-                              torch.tensor([0.0, 1.0]), torch.tensor([2, 3])), id="copy-float-ids"),
-        pytest.param(lambda: (kv_ops.gather_blocks, [torch.zeros(4, 48, dtype=torch.uint8)], torch.tensor([0, 1]),
-                              torch.zeros(2, 40, dtype=torch.uint8)), id="gather-out-width"),
-        pytest.param(lambda: (kv_ops.scatter_blocks, torch.zeros(3, 48, dtype=torch.uint8), torch.tensor([0, 1]),
-                              [torch.zeros(4, 48, dtype=torch.uint8)]), id="scatter-packed-rows"),
+        pytest.param(
+            lambda: (
+                kv_ops.copy_blocks,
+                [torch.zeros(4, 48, dtype=torch.uint8)],
+                [torch.zeros(4, 32, dtype=torch.uint8)],
+                torch.tensor([0, 1]),
+                torch.tensor([2, 3]),
+            ),
+            id="copy-widths",
+        ),
+        pytest.param(
+            lambda: (
+                kv_ops.copy_blocks,
+                [torch.zeros(4, 48, dtype=torch.uint8)],
+                [torch.zeros(4, 48, dtype=torch.uint8)],
+                torch.tensor([0.0, 1.0]),
+                torch.tensor([2, 3]),
+            ),
+            id="copy-float-ids",
+        ),
+        pytest.param(
+            lambda: (
+                kv_ops.gather_blocks,
+                [torch.zeros(4, 48, dtype=torch.uint8)],
+                torch.tensor([0, 1]),
+                torch.zeros(2, 40, dtype=torch.uint8),
+            ),
+            id="gather-out-width",
+        ),
+        pytest.param(
+            lambda: (
+                kv_ops.scatter_blocks,
+                torch.zeros(3, 48, dtype=torch.uint8),
+                torch.tensor([0, 1]),
+                [torch.zeros(4, 48, dtype=torch.uint8)],
+            ),
+            id="scatter-packed-rows",
+        ),
     ],
 )
 def test_the_fakes_refuse_what_the_eager_checks_refuse_in_the_same_words(call):

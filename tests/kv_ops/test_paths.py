@@ -36,7 +36,6 @@ KINDS = ("kv_first", "blocks_first", "mla", "cross_layer")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 
 
-
 @settings(max_examples=60, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(-2, 3), st.integers(-2, 3)), min_size=1, max_size=40))
 def test_the_run_count_auto_picks_by_is_the_number_of_runs_the_plans_merge(steps):
@@ -44,6 +43,7 @@ def test_the_run_count_auto_picks_by_is_the_number_of_runs_the_plans_merge(steps
     gpu = torch.tensor([g for g, _ in steps]).cumsum(0) + 100
     host = torch.tensor([h for _, h in steps]).cumsum(0) + 100
     assert Blocks.of(Direction.LOAD, gpu, host).num_runs == dma.run_starts(gpu, host)[0].numel()
+
 
 # --- layouts and their bytes, read through the typed tensors ---------------------------------------
 
@@ -98,7 +98,10 @@ def open_engine(kv, num_blocks, host_blocks, path, ring_rows=1):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no CUDA: pinned_empty warns that it returns plain memory
         return kv_ops.OffloadEngine(
-            kv, num_blocks, host_blocks * per_block + per_block - 1, path=path,
+            kv,
+            num_blocks,
+            host_blocks * per_block + per_block - 1,
+            path=path,
             ring_bytes=RING_SLOTS * ring_rows * per_block,
         )
 

@@ -51,7 +51,11 @@ def test_unknown_name_lists_the_armed_names(armed):
         (poisoned(16, 32), 17, r"num_tokens 17 for layer 'test.ple' exceeds the buffer's 16 rows or the slot's 16"),
         (poisoned(8, 32), 9, r"num_tokens 9 .* exceeds the buffer's 8 rows"),
         (poisoned(16, 32), -1, r"num_tokens -1"),
-        (poisoned(16, 16), 1, r"out rows hold 64 bytes \(16 x torch.float32\) but layer 'test.ple' produces rows of 128"),
+        (
+            poisoned(16, 16),
+            1,
+            r"out rows hold 64 bytes \(16 x torch.float32\) but layer 'test.ple' produces rows of 128",
+        ),
         (poisoned(16, 32)[:, :16], 1, r"must be a contiguous 2-D"),
     ],
     ids=["more-than-slot", "more-than-buffer", "negative", "row-size", "not-contiguous"],

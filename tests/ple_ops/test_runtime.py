@@ -90,7 +90,9 @@ def test_a_forward_without_prepare_raises_at_once_and_the_runtime_serves_on(runt
     ids, hidden = random_step(gen, 5)
     for _ in range(2):  # before any step, then after a released one
         start = time.perf_counter()
-        with pytest.raises(ple_ops.OffloadError, match=r"layer 'blocks\.0\.ple' waited .* no step prepared: prepare\(\) was missing") as e:
+        with pytest.raises(
+            ple_ops.OffloadError, match=r"layer 'blocks\.0\.ple' waited .* no step prepared: prepare\(\) was missing"
+        ) as e:
             runtime.model(hidden, ids)
         assert time.perf_counter() - start < 0.5 and not e.value.fatal
         served_step(runtime, local, ids, hidden)
@@ -114,7 +116,9 @@ def test_a_stream_waiting_with_no_step_is_freed_with_poison_and_fails_the_runtim
             assert time.perf_counter() - start < rt.step_timeout, "the watchdog did not free the stream"
             time.sleep(0.001)
         assert all((ple_ops.lookup(n).slot == 0xFF).all() for n in NAMES)  # poison, then the flags
-        with pytest.raises(ple_ops.OffloadError, match=r"waits for layer 'blocks\.1\.ple'.*prepare\(\) was missing") as e:
+        with pytest.raises(
+            ple_ops.OffloadError, match=r"waits for layer 'blocks\.1\.ple'.*prepare\(\) was missing"
+        ) as e:
             rt.prepare(torch.arange(3))
         assert e.value.fatal
         assert not rt.process.is_alive()
@@ -139,7 +143,9 @@ def test_a_step_not_served_within_step_timeout_fails_the_runtime():
         ids = torch.arange(8)
         rt.prepare(ids)
         start = time.perf_counter()
-        with pytest.raises(ple_ops.OffloadError, match=r"did not serve step 1 within step_timeout 1.0 s: layer 'blocks\.1\.ple'"):
+        with pytest.raises(
+            ple_ops.OffloadError, match=r"did not serve step 1 within step_timeout 1.0 s: layer 'blocks\.1\.ple'"
+        ):
             rt.model(torch.zeros(8, 64), ids)
         assert 0.9 < time.perf_counter() - start < 1.5
         with pytest.raises(ple_ops.OffloadError, match="within step_timeout"):
@@ -199,7 +205,9 @@ def test_release_enqueue_false_after_an_eager_forward_is_that_steps_error(runtim
     ids, hidden = random_step(gen, 3)
     runtime.prepare(ids)
     runtime.model(hidden, ids)
-    with pytest.raises(ple_ops.OffloadError, match=r"enqueue=False.*did not release \['blocks\.0\.ple'.*released them now") as e:
+    with pytest.raises(
+        ple_ops.OffloadError, match=r"enqueue=False.*did not release \['blocks\.0\.ple'.*released them now"
+    ) as e:
         runtime.release(enqueue=False)
     assert not e.value.fatal and flags(runtime) == [RESET] * LAYERS
     served_step(runtime, local, *random_step(gen, 3))
@@ -334,11 +342,27 @@ def test_close_is_idempotent_and_every_call_after_it_raises():
         (dict(step_timeout=float("nan")), ValueError, "step_timeout must be"),
         (dict(start_timeout=float("inf")), ValueError, "start_timeout must be"),
         (dict(worker_threads=0), ValueError, "worker_threads must be"),
-        (dict(model_factory=make_model()), TypeError, "model_factory must be a callable that builds the model.*got TinyModel"),
+        (
+            dict(model_factory=make_model()),
+            TypeError,
+            "model_factory must be a callable that builds the model.*got TinyModel",
+        ),
         (dict(model_factory="make_model"), TypeError, "model_factory must be a callable.*got str"),
         (dict(model_factory=lambda: make_model()), TypeError, "model_factory must be picklable"),
     ],
-    ids=["tokens-0", "tokens-float", "tokens-bool", "timeout-0", "timeout-neg", "timeout-nan", "start-inf", "threads-0", "module", "str", "lambda"],
+    ids=[
+        "tokens-0",
+        "tokens-float",
+        "tokens-bool",
+        "timeout-0",
+        "timeout-neg",
+        "timeout-nan",
+        "start-inf",
+        "threads-0",
+        "module",
+        "str",
+        "lambda",
+    ],
 )
 def test_constructor_arguments_are_checked_before_anything_starts(kwargs, error, message):
     before = set(multiprocessing.active_children())
@@ -364,7 +388,9 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
         )
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode != 0 and "started" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ple_ops.runtime.OffloadError: the offload process exited"), result.stderr[-3000:]
@@ -376,5 +402,7 @@ def test_the_worker_never_imports_the_runtime():
     # the runtime: it shares only control.py (the block and the messages) and layer.py with it.
     tree = ast.parse((ROOT / "ple_ops" / "worker.py").read_text())
     modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    names = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    names = {
+        alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
+    }
     assert "runtime" not in modules and "runtime" not in names and not any("runtime" in (m or "") for m in modules)

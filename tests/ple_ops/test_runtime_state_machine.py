@@ -76,7 +76,9 @@ def compiled_once():
 
 
 ids_lists = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_TOKENS)
-bad_ids_lists = st.lists(st.integers(0, VOCAB + 40), min_size=1, max_size=MAX_TOKENS).filter(lambda ids: max(ids) >= VOCAB)
+bad_ids_lists = st.lists(st.integers(0, VOCAB + 40), min_size=1, max_size=MAX_TOKENS).filter(
+    lambda ids: max(ids) >= VOCAB
+)
 
 
 def invalid_ids(kind: str, seed: int) -> torch.Tensor:
@@ -181,7 +183,9 @@ class RuntimeMachine(RuleBasedStateMachine):
                     COMPILED(hidden, ids, *outs)
                 self.after_forward_error(e.value, False)
             else:
-                torch.testing.assert_close(COMPILED(hidden, ids, *outs), ple_step_oracle(hidden, ids), rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(
+                    COMPILED(hidden, ids, *outs), ple_step_oracle(hidden, ids), rtol=1e-6, atol=1e-6
+                )
                 self.step.graph_released = True
 
     def do_release(self) -> None:

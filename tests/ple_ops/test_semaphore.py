@@ -26,7 +26,9 @@ def test_a_cuda_free_process_publishes_rows_through_shared_memory_and_the_flag()
     buf.bytes.fill_(0xFF)
     flag = ple_ops.CpuGpuSemaphore.in_host_memory(buf.view(0, (1,), torch.int32), map_for_gpu=False)
     flag.host_reset()
-    child = multiprocessing.get_context("spawn").Process(target=_child_writes_rows_then_signals, args=(buf.handle, 16, 32, 5))
+    child = multiprocessing.get_context("spawn").Process(
+        target=_child_writes_rows_then_signals, args=(buf.handle, 16, 32, 5)
+    )
     child.start()
     try:
         flag.host_wait(DONE, timeout=60)

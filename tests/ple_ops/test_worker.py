@@ -42,7 +42,9 @@ class Served:
         for i, module in enumerate(self.modules):
             slot = torch.empty(MAX_TOKENS, DIM * 4, dtype=torch.uint8)
             reference.poison_rows(slot)
-            self.layers.append(ServedLayer(i, LayerSpec(f"l{i}", DIM, torch.float32), module, self.control.flags[i], slot))
+            self.layers.append(
+                ServedLayer(i, LayerSpec(f"l{i}", DIM, torch.float32), module, self.control.flags[i], slot)
+            )
         self.reports: list[tuple[StepFailed, int]] = []  # with Word.FAILED as the report saw it
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -89,7 +91,9 @@ def test_rows_are_computed_before_the_wait_for_the_previous_release(served):
         flag.host_signal()  # the previous step's rows are still being pulled
     ids = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(3))
     served.request(ids)
-    served.until(lambda: c.get(Word.WORKER_PHASE) == Phase.AWAITING_RESET and served.modules[0].calls == 1, "layer 0 computed")
+    served.until(
+        lambda: c.get(Word.WORKER_PHASE) == Phase.AWAITING_RESET and served.modules[0].calls == 1, "layer 0 computed"
+    )
     assert c.get(Word.WORKER_LAYER) == 0 and c.delivered(0) == 0
     assert c.get(Word.TAKEN) == 1  # the ids were copied first: the runtime may write the next ones
     assert (served.layers[0].slot == 0xFF).all()  # the slot is not touched before the release
@@ -97,7 +101,9 @@ def test_rows_are_computed_before_the_wait_for_the_previous_release(served):
     served.until(lambda: c.delivered(0) == 1, "layer 0 published")
     assert c.flags[0].host_value() == DONE
     torch.testing.assert_close(served.rows(0, 5), served.modules[0].table[ids], rtol=0, atol=0)
-    served.until(lambda: c.get(Word.WORKER_LAYER) == 1 and c.get(Word.WORKER_PHASE) == Phase.AWAITING_RESET, "layer 1 waits")
+    served.until(
+        lambda: c.get(Word.WORKER_LAYER) == 1 and c.get(Word.WORKER_PHASE) == Phase.AWAITING_RESET, "layer 1 waits"
+    )
     assert served.modules[1].calls == 1 and c.get(Word.SERVED) == 0
     c.flags[1].host_reset()
     served.until(lambda: c.get(Word.SERVED) == 1, "step 1 served")
@@ -115,8 +121,12 @@ def test_a_failing_forward_impl_poisons_that_step_only(served):
     served.modules[1].refuse = {int(good[2])}
     served.request(good[:4])
     served.until(lambda: c.get(Word.SERVED) == 2, "step 2")
-    (report, failed_then), = served.reports
-    assert (report.step, report.layer) == (2, "l1") and "KeyError" in report.traceback and "unavailable" in report.traceback
+    ((report, failed_then),) = served.reports
+    assert (
+        (report.step, report.layer) == (2, "l1")
+        and "KeyError" in report.traceback
+        and "unavailable" in report.traceback
+    )
     assert failed_then < 2 and c.get(Word.FAILED) == 2  # the message went out before the step was marked
     # Layer 0 was computed before layer 1 failed: its rows stand. Layer 1 is poisoned, flag raised.
     torch.testing.assert_close(served.rows(0, 4), served.modules[0].table[good[:4]], rtol=0, atol=0)
@@ -138,7 +148,7 @@ def test_rows_past_a_shorter_step_are_poison_not_the_previous_steps(served):
     for step, n in enumerate((7, 3, 5, 1), start=1):
         ids = torch.randint(0, VOCAB, (n,), generator=gen)
         served.request(ids)
-        served.until(lambda: c.get(Word.SERVED) == step, f"step {step}")
+        served.until(lambda step=step: c.get(Word.SERVED) == step, f"step {step}")
         for i, layer in enumerate(served.layers):
             torch.testing.assert_close(served.rows(i, n), served.modules[i].table[ids], rtol=0, atol=0)
             assert (layer.slot[n:] == 0xFF).all()
@@ -149,7 +159,7 @@ def test_wrong_rows_from_forward_impl_are_a_failed_step(served):
     served.modules[0].forward_impl = lambda ids: torch.zeros(len(ids), DIM + 1)
     served.request(torch.arange(3))
     served.until(lambda: served.control.get(Word.SERVED) == 1, "step 1")
-    (report, _), = served.reports
+    ((report, _),) = served.reports
     assert report.layer == "l0" and "returned (3, 65) torch.float32, expected (3, 64) torch.float32" in report.traceback
     assert all((layer.slot == 0xFF).all() for layer in served.layers)
     assert [f.host_value() for f in served.control.flags] == [DONE, DONE] and served.control.get(Word.FAILED) == 1
