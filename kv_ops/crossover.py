@@ -24,14 +24,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .host_memory import pinned_empty
-from .paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, low_priority_streams, make_paths
 
 COUNTS = (4, 32, 256)
 RUN = 16
 CALLS = 4
 MAX_CALL_BYTES = 64 << 20
 TOLERANCE = 0.05
-PATH_NAMES = ("kernel", "staged", "dma")
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,6 @@ class Crossover:
     def table(self) -> str:
         """The measured cells as a markdown table, one row per (direction, blocks, runs), with the pick."""
         paths = [p for p in PATH_NAMES if any(c.path == p for c in self.cells)]
-        engines = {"kernel": False, "staged": True, "dma": True}
         lines = [
             "| direction | blocks | runs | " + " | ".join(f"{p} GB/s" for p in paths) + " | auto picks |",
             "| --- | ---: | ---: | " + " | ".join("---:" for _ in paths) + " | --- |",
@@ -102,7 +100,7 @@ class Crossover:
         keys = dict.fromkeys((c.direction, c.blocks, c.runs) for c in self.cells)
         for direction, blocks, runs in keys:
             rate = {c.path: c.gbps for c in self.cells if (c.direction, c.blocks, c.runs) == (direction, blocks, runs)}
-            pick = self.choose(Direction(direction), blocks, runs, {p: engines[p] for p in rate})
+            pick = self.choose(Direction(direction), blocks, runs, {p: COPY_ENGINES[p] for p in rate})
             lines.append(
                 f"| {direction} | {blocks} | {runs} | "
                 + " | ".join(f"{rate.get(p, 0):.1f}" for p in paths)
@@ -168,17 +166,11 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
     rows = 2 * counts[-1]  # random ids are then rarely consecutive
     gpu = [torch.randint(0, 256, (rows, w), dtype=torch.uint8, device=device) for w in widths]
     mirror = pinned_empty((rows, row_bytes))
-    lowest, _ = torch.cuda.Stream.priority_range()
-    streams = {d: torch.cuda.Stream(device, priority=lowest) for d in Direction}
-    made = {
-        "kernel": lambda: KernelPath(gpu, mirror, streams),
-        "staged": lambda: StagedPath(gpu, mirror, streams, ring_bytes),
-        "dma": lambda: DirectDmaPath(gpu, mirror, streams),
-    }
+    made = make_paths(gpu, mirror, low_priority_streams(device), ring_bytes)
     gen = torch.Generator().manual_seed(0)
     out = Crossover(shape_key(device, widths, ring_bytes))
     for name in paths:
-        path = made[name]()
+        path = made[name]
         for direction in Direction:
             for blocks in counts:
                 for runs in sorted({blocks, max(1, blocks // RUN)}):

@@ -24,7 +24,6 @@ moment it is open, so even a process killed with SIGKILL leaves nothing in ``dis
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +34,10 @@ from . import crossover as crossover_mod
 from .disk import BlockFile, DiskJob, DiskTier, aligned
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import pinned_empty
-from .paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath, mirror_views
+from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, Path, low_priority_streams, make_paths, mirror_views
 from .validation import check_ids_meta, check_ids_values
 
-PATHS = ("auto", "kernel", "staged", "dma")
+PATHS = ("auto", *PATH_NAMES)
 # GPU memory of each direction's staging ring, by default (the staged path's chunks pipeline
 # through it; a ring never holds more rows than one transfer can have).
 RING_BYTES = 128 << 20
@@ -169,22 +168,19 @@ class OffloadEngine:
         self.num_host_blocks = capacity_bytes // slot_bytes
         if self.num_host_blocks < 1:
             raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
-        self._streams = None
-        if self.device.type == "cuda":
-            lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
-            self._streams = {d: torch.cuda.Stream(self.device, priority=lowest) for d in Direction}
+        self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
         self.path = path
         self.crossover: crossover_mod.Crossover | None = None
-        self.path_counts = {"kernel": 0, "staged": 0, "dma": 0}  # transfers per path, for whoever tunes this
+        self.path_counts = dict.fromkeys(PATH_NAMES, 0)  # transfers per path, for whoever tunes this
         self._lanes = {d: _Lane() for d in Direction}
         # Per direction, the path and completion event of the last transfer (see _transfer).
         self._last: dict[Direction, tuple[object, torch.cuda.Event | None]] = {}
-        self._ids = itertools.count()
+        self._next_tid = 0  # taken only by a call that enqueued its transfer
         self._closed = False
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None
-        self.paths: dict[str, KernelPath | StagedPath | DirectDmaPath] = {}
+        self.paths: dict[str, Path] = {}
         if disk_dir is None:
             self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
             # Each region's columns of the mirror, by the region's name.
@@ -192,11 +188,7 @@ class OffloadEngine:
                 zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()]))
             )
             gpu = list(self.regions.values())
-            self.paths = {
-                "kernel": KernelPath(gpu, self.mirror, self._streams),
-                "staged": StagedPath(gpu, self.mirror, self._streams, ring_bytes),
-                "dma": DirectDmaPath(gpu, self.mirror, self._streams),
-            }
+            self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes)
             if self.device.type == "cuda" and path == "auto":
                 widths = [r.shape[1] for r in gpu]
                 self.crossover = crossover_mod.crossover(self.device, widths, ring_bytes, crossover_file)
@@ -260,13 +252,12 @@ class OffloadEngine:
         ready.record(after)
         return ready
 
-    def _pick(self, blocks: Blocks) -> KernelPath | StagedPath | DirectDmaPath:
+    def _pick(self, blocks: Blocks) -> Path:
         name = self.path
         if name == "auto":
             name = None
             if self.crossover is not None:
-                engines = {n: p.copy_engines for n, p in self.paths.items()}
-                name = self.crossover.choose(blocks.direction, blocks.count, blocks.num_runs, engines)
+                name = self.crossover.choose(blocks.direction, blocks.count, blocks.num_runs, COPY_ENGINES)
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
         return self.paths[name]
 
@@ -286,9 +277,11 @@ class OffloadEngine:
                 f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead"
             )
         ready = self._ready(op, after)
-        tid = next(self._ids)
+        tid = self._next_tid
         if self.disk is not None:
-            self.disk.submit(DiskJob(tid, direction, gpu, host, ready))
+            # Copies: the I/O thread reads the ids later, and the caller may reuse its buffer.
+            self.disk.submit(DiskJob(tid, direction, gpu.clone(), host.clone(), ready))
+            self._next_tid += 1
             return tid
         blocks = Blocks.of(direction, gpu, host)
         path = self._pick(blocks)
@@ -299,6 +292,7 @@ class OffloadEngine:
             # on the copy stream) into the same blocks must not overtake it.
             self._streams[direction].wait_event(last[1])
         done = path.enqueue(blocks, ready)
+        self._next_tid += 1
         self._last[direction] = (path, done)
         self._lanes[direction].add(tid, done)
         self.path_counts[path.name] += 1

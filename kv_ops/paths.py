@@ -99,6 +99,12 @@ def mirror_views(mirror: torch.Tensor, widths: Sequence[int]) -> list[torch.Tens
     return views
 
 
+def low_priority_streams(device: torch.device) -> dict[Direction, torch.cuda.Stream]:
+    """One lowest-priority stream per direction: transfers yield to the model's kernels."""
+    lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
+    return {d: torch.cuda.Stream(device, priority=lowest) for d in Direction}
+
+
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(stream)
@@ -214,10 +220,7 @@ class StagedPath:
         self._gather: kernels.BoundCopy | None = None  # bound on first GPU use
         self._scatter: kernels.BoundCopy | None = None
         # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
-        self.kernel_streams = None
-        if streams is not None:
-            lowest, _ = torch.cuda.Stream.priority_range()
-            self.kernel_streams = {d: torch.cuda.Stream(self.device, priority=lowest) for d in Direction}
+        self.kernel_streams = None if streams is None else low_priority_streams(self.device)
 
     @property
     def ring_bytes(self) -> int:
@@ -228,7 +231,10 @@ class StagedPath:
         if blocks.count == 0:
             if self.streams is None:
                 return None
-            stream = self.streams[blocks.direction]
+            # On the stream where this direction's staged work ends (a load's last scatter), so
+            # that the engine's issue order across paths still holds after an empty call.
+            d = blocks.direction
+            stream = self.kernel_streams[d] if d is Direction.LOAD else self.streams[d]
             stream.wait_event(ready)
             return _record(stream)
         d = blocks.direction
@@ -322,6 +328,22 @@ class StagedPath:
 
 
 Path = KernelPath | StagedPath | DirectDmaPath
+PATH_CLASSES = (KernelPath, StagedPath, DirectDmaPath)
+PATH_NAMES = tuple(c.name for c in PATH_CLASSES)
+# Which paths leave the SMs to the model: auto prefers them within its tolerance.
+COPY_ENGINES = {c.name: c.copy_engines for c in PATH_CLASSES}
+
+
+def make_paths(
+    regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int
+) -> dict[str, Path]:
+    """Every path over ``regions`` and ``mirror``, by name (the engine's, and auto's scratch ones)."""
+    return {
+        KernelPath.name: KernelPath(regions, mirror, streams),
+        StagedPath.name: StagedPath(regions, mirror, streams, ring_bytes),
+        DirectDmaPath.name: DirectDmaPath(regions, mirror, streams),
+    }
+
 
 __all__ = [
     "Direction",
@@ -330,6 +352,10 @@ __all__ = [
     "StagedPath",
     "DirectDmaPath",
     "Path",
+    "PATH_NAMES",
+    "COPY_ENGINES",
+    "make_paths",
+    "low_priority_streams",
     "mirror_views",
     "RING_SLOTS",
     "STAGE_PROGRAMS",

@@ -235,6 +235,9 @@ def _(out, name):
         # wait (no forward) would run at once, the worker's raise would come after it, and the
         # next step would find a raised flag over this step's rows. Waiting first makes the
         # reset consume exactly this step's raise; after a forward the wait passes at once.
+        # Marked waiting in stream order, as every wait is, so that the watchdog also frees a
+        # replay of a graph that holds the releases alone (a forward's wait marked it already).
+        layer.waiting.write(WAITING)
         layer.flag.wait_done()
         layer.waiting.write(IDLE)  # before the reset: "waiting on a reset flag" then never shows a finished wait
     layer.flag.reset()

@@ -462,13 +462,8 @@ class OffloadRuntime:
         self._raise_unreported(self._step)
 
     def _release_layer(self, layer: _Layer) -> None:
-        if layer.released:
-            return
-        if self._on_gpu and not layer.waited:
-            # No executed wait marked this stream as waiting (a replay did, or no forward ran):
-            # the release's own flag wait must be visible to the watchdog too.
-            layer.armed.waiting.write(WAITING)
-        layer.module.release_offloaded()
+        if not layer.released:
+            layer.module.release_offloaded()  # the op marks its own flag wait as waiting
 
     def served_steps(self) -> int:
         """Steps the offload process has finished writing (failed steps included)."""

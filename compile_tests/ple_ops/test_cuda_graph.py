@@ -346,6 +346,27 @@ def test_release_after_a_graph_that_released_is_caught_not_hung():
         assert e.value.fatal
 
 
+def test_a_graph_of_the_releases_alone_replayed_without_prepare_is_freed_not_hung():
+    # The releases' own flag waits must be visible to the watchdog even where no forward in the
+    # graph marked the stream as waiting: here the graph holds nothing but the releases.
+    with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
+        step_ids = torch.randint(0, VOCAB, (4,))
+        rt.prepare(step_ids)  # a served step first, so that the flags' last raise was consumed
+        rt.model(torch.randn(4, 64, device="cuda"), step_ids.cuda())
+        rt.release()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rt.release()  # records each layer's wait, waiting mark and reset
+        start = time.perf_counter()
+        graph.replay()  # no prepare(): no step will raise the flags
+        torch.cuda.synchronize()  # returns: the watchdog freed the stream
+        assert time.perf_counter() - start < rt.step_timeout
+        with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\) was missing") as e:
+            rt.check()
+        assert e.value.fatal
+
+
 def test_a_caller_running_ahead_without_syncs_gets_every_steps_rows():
     # Replays are enqueued as fast as the host goes; the offload process (a millisecond per
     # layer) is far behind. prepare() holds the caller back until the previous ids are taken.

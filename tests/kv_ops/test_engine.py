@@ -10,6 +10,7 @@ import os
 import stat
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -236,7 +237,6 @@ def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
 
 
 def test_ids_may_be_lists_int32_or_int64_tensors_or_numpy_arrays():
-    np = pytest.importorskip("numpy")
     engine, _ = make_engine()
     host = torch.arange(engine.num_host_blocks)
     for i, (gpu_ids, host_ids) in enumerate(

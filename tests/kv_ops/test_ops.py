@@ -247,53 +247,30 @@ def test_gpu_invalid_ids_with_checks_off_are_skipped_counted_and_write_nothing_o
     assert kv_ops.error_count("cuda") == 3
 
 
+def _u8(*shape):
+    return torch.zeros(*shape, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize(
-    "call",
+    "op, args",
     [
         pytest.param(
-            lambda: (
-                kv_ops.copy_blocks,
-                [torch.zeros(4, 48, dtype=torch.uint8)],
-                [torch.zeros(4, 32, dtype=torch.uint8)],
-                torch.tensor([0, 1]),
-                torch.tensor([2, 3]),
-            ),
+            kv_ops.copy_blocks,
+            ([_u8(4, 48)], [_u8(4, 32)], torch.tensor([0, 1]), torch.tensor([2, 3])),
             id="copy-widths",
         ),
         pytest.param(
-            lambda: (
-                kv_ops.copy_blocks,
-                [torch.zeros(4, 48, dtype=torch.uint8)],
-                [torch.zeros(4, 48, dtype=torch.uint8)],
-                torch.tensor([0.0, 1.0]),
-                torch.tensor([2, 3]),
-            ),
+            kv_ops.copy_blocks,
+            ([_u8(4, 48)], [_u8(4, 48)], torch.tensor([0.0, 1.0]), torch.tensor([2, 3])),
             id="copy-float-ids",
         ),
-        pytest.param(
-            lambda: (
-                kv_ops.gather_blocks,
-                [torch.zeros(4, 48, dtype=torch.uint8)],
-                torch.tensor([0, 1]),
-                torch.zeros(2, 40, dtype=torch.uint8),
-            ),
-            id="gather-out-width",
-        ),
-        pytest.param(
-            lambda: (
-                kv_ops.scatter_blocks,
-                torch.zeros(3, 48, dtype=torch.uint8),
-                torch.tensor([0, 1]),
-                [torch.zeros(4, 48, dtype=torch.uint8)],
-            ),
-            id="scatter-packed-rows",
-        ),
+        pytest.param(kv_ops.gather_blocks, ([_u8(4, 48)], torch.tensor([0, 1]), _u8(2, 40)), id="gather-out-width"),
+        pytest.param(kv_ops.scatter_blocks, (_u8(3, 48), torch.tensor([0, 1]), [_u8(4, 48)]), id="scatter-packed-rows"),
     ],
 )
-def test_the_fakes_refuse_what_the_eager_checks_refuse_in_the_same_words(call):
+def test_the_fakes_refuse_what_the_eager_checks_refuse_in_the_same_words(op, args):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    op, *args = call()
     with pytest.raises(ValueError) as eager:
         op(*args)
     with FakeTensorMode() as mode:
