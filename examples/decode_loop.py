@@ -387,7 +387,10 @@ class KVTraffic:
     loaded_bytes: int = 0
     store_seconds: float = 0.0  # from the call to the end of the flush
     load_seconds: float = 0.0
-    call_seconds: float = 0.0  # of both: inside the engine's store/load calls (host work)
+    # Per transfer, both directions: seconds inside the engine's store/load call (host work),
+    # and from the call to the end of its flush.
+    call_times: list[float] = field(default_factory=list)
+    flush_times: list[float] = field(default_factory=list)
     paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma)
 
 
@@ -422,11 +425,12 @@ class Scheduler:
         right after. Returns the seconds from the call to the end of the flush."""
         start = time.perf_counter()
         transfer()
-        self.traffic.call_seconds += time.perf_counter() - start
+        self.traffic.call_times.append(time.perf_counter() - start)
         failed = self.engine.flush().failed
         if failed:
             raise RuntimeError(f"{what} the blocks of sequence {seq.index} failed: {failed}")
-        return time.perf_counter() - start
+        self.traffic.flush_times.append(time.perf_counter() - start)
+        return self.traffic.flush_times[-1]
 
     def _preempt(self, seq: Sequence) -> None:
         if self.engine is None or len(self.free_host) < len(seq.blocks):
@@ -807,11 +811,11 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
         f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock; "
         f"paths {kv.paths})"
     )
-    transfers = kv.preemptions + kv.resumptions
-    wall = kv.store_seconds + kv.load_seconds
+    calls, flushes = kv.call_times, kv.flush_times
     print(
-        f"per transfer: {wall / transfers * 1e6:.0f} us from call to flush, of which {kv.call_seconds / transfers * 1e6:.0f} us "
-        f"inside the engine's store/load call (host work before the copy is enqueued)"
+        f"per transfer, median (max) of {len(calls)}: {percentile(flushes, 0.5) * 1e6:.0f} ({max(flushes) * 1e6:.0f}) us "
+        f"from call to flush, of which {percentile(calls, 0.5) * 1e6:.0f} ({max(calls) * 1e6:.0f}) us inside the "
+        f"engine's store/load call (host work before the copy is enqueued)"
     )
     if device.type == "cuda":
         from kv_ops import doctor

@@ -119,8 +119,8 @@ class OffloadEngine:
         region). ``auto`` on a CPU engine is the kernel path's reference copy. The disk tier
         packs its staging buffers with the kernel.
     ring_bytes : int
-        GPU memory of each direction's staging ring (128 MiB by default), made on the staged
-        path's first use.
+        GPU memory of each direction's staging ring (128 MiB by default; no more rows than a
+        transfer can have), allocated here when ``path`` is ``"staged"`` or ``"auto"``.
     crossover_file : str, optional
         With ``path="auto"``: keep the measurement in this JSON file and reuse it while the
         device model, the regions' widths, the ring and torch stay the same.
@@ -188,10 +188,15 @@ class OffloadEngine:
                 zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()]))
             )
             gpu = list(self.regions.values())
-            self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes)
             if self.device.type == "cuda" and path == "auto":
+                # First: the measurement's scratch rings are then back in torch's cache when the
+                # engine's own are allocated below.
                 widths = [r.shape[1] for r in gpu]
                 self.crossover = crossover_mod.crossover(self.device, widths, ring_bytes, crossover_file)
+            # Only the paths this engine may pick: on the GPU each binds its kernels now, and the
+            # staged one allocates its ring (2 x ring_bytes), so that memory is taken at start.
+            names = PATH_NAMES if path == "auto" else (path,)
+            self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names)
         else:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)

@@ -15,8 +15,11 @@ shape; the engine picks one per call and launches it once.
   between the cache and the mirror. One descriptor per block for a cross-layer cache (one region,
   packed like the mirror); one per region and block otherwise.
 
-On the CPU (an engine over CPU tensors) each path runs synchronously through the same plans:
-:func:`kv_ops.dma.run_on_host` executes what the copy engines would.
+On the GPU a path sets itself up when it is made: its copy kernels are bound and the staged
+ring is allocated, so a serving engine pays for them (and runs out of memory, if it must) at
+start, never on a transfer in the middle of serving. On the CPU (an engine over CPU tensors)
+each path runs synchronously through the same plans: :func:`kv_ops.dma.run_on_host` executes
+what the copy engines would.
 
 The mirror is one page-locked uint8 tensor ``[num_host_blocks, block_bytes]``: row ``h`` holds
 host block ``h`` of every region side by side, in region order -- the rows ``gather_blocks``
@@ -128,16 +131,18 @@ class KernelPath:
         self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
         self.streams = streams
         self.device = self.regions[0].device
-        self._launch: dict[Direction, kernels.BoundCopy] = {}  # bound on first use, per direction
+        # Each direction's copy, bound once (on the GPU only: the CPU runs the reference copy).
+        self._launch: dict[Direction, kernels.BoundCopy] = {}
+        if streams is not None:
+            self._launch[Direction.STORE] = kernels.BoundCopy(self.device, self.regions, self.views)
+            self._launch[Direction.LOAD] = kernels.BoundCopy(self.device, self.views, self.regions)
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
         if self.streams is None:
             reference.copy_blocks(src, dst, src_ids, dst_ids)
             return None
-        launch = self._launch.get(blocks.direction)
-        if launch is None:
-            launch = self._launch[blocks.direction] = kernels.BoundCopy(self.device, src, dst)
+        launch = self._launch[blocks.direction]
         stream = self.streams[blocks.direction]
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
@@ -214,13 +219,20 @@ class StagedPath:
         row_bytes = mirror.shape[1]
         most_pairs = max(mirror.shape[0], self.regions[0].shape[0])
         self.chunk = max(1, min(ring_bytes // (RING_SLOTS * row_bytes), -(-most_pairs // RING_SLOTS)))
-        self._rings: dict[Direction, torch.Tensor] = {}  # made on first use: auto may never pick this path
         self._free: dict[Direction, list[torch.cuda.Event | None]] = {d: [None] * RING_SLOTS for d in Direction}
         self._next = {d: 0 for d in Direction}
-        self._gather: kernels.BoundCopy | None = None  # bound on first GPU use
-        self._scatter: kernels.BoundCopy | None = None
+        # Each direction's ring. On the GPU, made now with the bound gather and scatter; on the
+        # CPU, on first use (an engine there picks the kernel path's reference copy unless told).
+        self._rings: dict[Direction, torch.Tensor] = {}
+        self._gather = self._scatter = None
         # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
-        self.kernel_streams = None if streams is None else low_priority_streams(self.device)
+        self.kernel_streams = None
+        if streams is not None:
+            self.kernel_streams = low_priority_streams(self.device)
+            for d in Direction:
+                self._ring(d)
+            self._gather = kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS)
+            self._scatter = kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS)
 
     @property
     def ring_bytes(self) -> int:
@@ -254,9 +266,6 @@ class StagedPath:
             return None
         kernel, copy, free = self.kernel_streams[d], self.streams[d], self._free[d]
         errors = error_counter(self.device)
-        if self._gather is None:
-            self._gather = kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS)
-            self._scatter = kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS)
         # One stream context for the whole transfer (each costs host time); the copies and
         # events name their streams explicitly.
         with torch.cuda.stream(kernel):
@@ -335,14 +344,20 @@ COPY_ENGINES = {c.name: c.copy_engines for c in PATH_CLASSES}
 
 
 def make_paths(
-    regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int
+    regions: Sequence[torch.Tensor],
+    mirror: torch.Tensor,
+    streams: dict | None,
+    ring_bytes: int,
+    names: Sequence[str] = PATH_NAMES,
 ) -> dict[str, Path]:
-    """Every path over ``regions`` and ``mirror``, by name (the engine's, and auto's scratch ones)."""
-    return {
-        KernelPath.name: KernelPath(regions, mirror, streams),
-        StagedPath.name: StagedPath(regions, mirror, streams, ring_bytes),
-        DirectDmaPath.name: DirectDmaPath(regions, mirror, streams),
+    """The paths ``names`` over ``regions`` and ``mirror``, by name (an engine makes the ones it
+    may pick, which on the GPU allocates the staged ring; auto's measurement makes all three)."""
+    makers = {
+        KernelPath.name: lambda: KernelPath(regions, mirror, streams),
+        StagedPath.name: lambda: StagedPath(regions, mirror, streams, ring_bytes),
+        DirectDmaPath.name: lambda: DirectDmaPath(regions, mirror, streams),
     }
+    return {name: make() for name, make in makers.items() if name in names}
 
 
 __all__ = [

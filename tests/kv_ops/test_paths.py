@@ -8,10 +8,12 @@ slot, so that transfers cross chunk boundaries and slots are reused across calls
 read by plain indexing of the typed cache tensors, never through the engine's regions: a mirror
 row must be every layer's block side by side in layer order (K before V), the mirror starts as
 random bytes, and rows and blocks that no call addressed must keep theirs. Then: how many copies
-the plans issue (one per run where the layout allows it), and after= on a CPU engine.
+the plans issue (one per run where the layout allows it), after= on a CPU engine, and that an
+engine makes only the paths it may pick.
 
 On the GPU (marker gpu): the same round trips, the staged ring reused under 100 back-to-back
-store and load calls, and after= with an event or a stream instead of the caller's stream.
+store and load calls, after= with an event or a stream instead of the caller's stream, and the
+staged ring allocated with the engine rather than by its first transfer.
 """
 
 import math
@@ -354,6 +356,15 @@ def test_after_on_a_cpu_engine_is_refused_before_any_byte_moves_and_uses_no_tran
 # --- on the GPU -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["auto", *PATH_NAMES])
+def test_an_engine_makes_only_the_paths_it_may_pick(path):
+    # A fixed path needs no other (on the GPU the staged one would hold its ring for nothing).
+    kv = {"l": torch.randint(0, 256, (8, 64), dtype=torch.uint8)}
+    engine = open_engine(kv, 8, 8, path)
+    assert set(engine.paths) == (set(PATH_NAMES) if path == "auto" else {path})
+    engine.close()
+
+
 def gpu_engine(path, ring_rows=2, seed=0, num_blocks=64, host_blocks=64):
     """K/V-first attention (2 x 256 B), MLA (192 B) and a cross-layer tensor (384 B) on the GPU,
     random bytes everywhere, the mirror poisoned."""
@@ -489,4 +500,31 @@ def test_a_bad_after_is_refused_before_anything_moves(make_after, message):
     torch.cuda.synchronize()
     assert torch.equal(engine.mirror, mirror) and torch.equal(cache_rows(kv, layers, 64), cache)
     assert engine.poll() == kv_ops.Completed() and engine.store([0], [0]) == 0
+    engine.close()
+
+
+@gpu
+@pytest.mark.parametrize("path", ["staged", "auto", "kernel"])
+def test_the_staged_ring_is_allocated_with_the_engine_not_by_its_first_transfer(path):
+    # A serving engine must run out of GPU memory at start if at all, never in the middle of serving.
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    engine, kv, layers, gen = gpu_engine(path, ring_rows=16)
+    cache_bytes = sum(t.numel() * t.element_size() for t in kv.values())
+    ring = RING_SLOTS * 16 * engine.block_bytes  # one direction's
+    made = torch.cuda.memory_allocated() - start - cache_bytes
+    if path == "kernel":
+        assert made < ring, f"a kernel-path engine allocated {made} bytes, as much as a staged ring"
+    else:
+        assert made >= 2 * ring, f"{made} bytes allocated at construction, less than two rings of {ring}"
+    engine.path = "staged" if path == "auto" else path  # the first transfer takes the staged path
+    held = torch.cuda.memory_allocated()
+    engine.store(list(range(16)), list(range(16)))
+    engine.flush()  # the two directions are not ordered against each other
+    engine.load(list(range(16)), list(range(16, 32)))
+    engine.flush()
+    grown = torch.cuda.memory_allocated() - held
+    assert grown < ring, f"the first transfers allocated {grown} bytes: the ring was not made with the engine"
+    rows = cache_rows(kv, layers, 64)
+    assert torch.equal(rows[16:32], rows[:16])
     engine.close()
