@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .driver import check_driver, driver, driver_context
+from .driver import check_driver, driver, driver_context, stream_is_capturing
 from .validation import check_ids_values, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
@@ -214,10 +214,7 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
         return
     if stream.cuda_stream == 0:
         raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
-    drv = driver()
-
-    (status,) = check_driver(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
-    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+    if stream_is_capturing(stream):
         raise RuntimeError("kv_ops.dma: the DMA path cannot be captured into a CUDA graph; use kv_ops.copy_blocks")
     batch, memcpy, batch_version = _entry_points()
     handle = ctypes.c_void_p(stream.cuda_stream)

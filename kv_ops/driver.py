@@ -102,6 +102,23 @@ def driver_context(device: torch.device) -> Iterator[None]:
 _bound = threading.local()
 
 
+def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph, whichever stream is current.
+
+    ``torch.cuda.is_current_stream_capturing`` answers only for the current stream; a transfer
+    ordered after another stream must know about that one.
+
+    Examples
+    --------
+    >>> if stream_is_capturing(side):
+    ...     raise RuntimeError("cannot order a transfer after a stream being captured")
+    """
+    drv = driver()
+    with driver_context(stream.device):
+        (status,) = check_driver(drv.cuStreamIsCapturing(drv.CUstream(stream.cuda_stream)), "cuStreamIsCapturing")
+    return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 def device_pointer(host: torch.Tensor) -> int:
     """The device address at which the GPU reaches a page-locked host tensor's first byte.
 
@@ -141,4 +158,5 @@ __all__ = [
     "check_driver",
     "driver_context",
     "device_pointer",
+    "stream_is_capturing",
 ]

@@ -32,6 +32,7 @@ import torch
 
 from . import crossover as crossover_mod
 from .disk import BlockFile, DiskJob, DiskTier, aligned
+from .driver import stream_is_capturing
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import pinned_empty
 from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, Path, low_priority_streams, make_paths, mirror_views
@@ -246,15 +247,24 @@ class OffloadEngine:
         if isinstance(after, torch.cuda.Event):
             return after
         if after is None:
-            after = torch.cuda.current_stream(self.device)
-        if not isinstance(after, torch.cuda.Stream):
+            stream = torch.cuda.current_stream(self.device)  # _transfer refused it if capturing
+        elif not isinstance(after, torch.cuda.Stream):
             raise ValueError(
                 f"{op}: after must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}"
             )
-        if after.device != self.device:
+        elif after.device != self.device:
             raise ValueError(f"{op}: after is a stream of {after.device}, but the engine's cache is on {self.device}")
+        elif stream_is_capturing(after):
+            # Waiting on an event recorded there would pull the engine's streams into the capture:
+            # the copy would run at the graph's replays, not now, with none of this call's bookkeeping.
+            raise RuntimeError(
+                f"{op}: after is a stream being captured into a CUDA graph; order the transfer after "
+                "the captured work once the graph is replayed (record an event after the replay)"
+            )
+        else:
+            stream = after
         ready = torch.cuda.Event()
-        ready.record(after)
+        ready.record(stream)
         return ready
 
     def _pick(self, blocks: Blocks) -> Path:
@@ -319,7 +329,8 @@ class OffloadEngine:
             many as ``gpu_ids``.
         after : torch.cuda.Event or torch.cuda.Stream, optional
             Order the copy after this event, or after the work enqueued on this stream so far,
-            instead of after the caller's current stream.
+            instead of after the caller's current stream. Not a stream being captured, nor an
+            event recorded during a capture (a graph's work happens at its replays).
 
         Returns
         -------
@@ -331,6 +342,8 @@ class OffloadEngine:
         ValueError
             Bad ids (out of range, repeated destination, float or meta, length mismatch), before
             any byte moves and without using up a transfer id; a bad ``after``.
+        RuntimeError
+            While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
             After :meth:`close`.
         """
@@ -353,7 +366,8 @@ class OffloadEngine:
             Destination blocks in ``[0, num_blocks)``; distinct, as many as ``host_ids``.
         after : torch.cuda.Event or torch.cuda.Stream, optional
             Order the copy after this event, or after the work enqueued on this stream so far,
-            instead of after the caller's current stream.
+            instead of after the caller's current stream. Not a stream being captured, nor an
+            event recorded during a capture (a graph's work happens at its replays).
 
         Returns
         -------
@@ -365,6 +379,8 @@ class OffloadEngine:
         ValueError
             Bad ids (out of range, repeated destination, float or meta, length mismatch), before
             any byte moves and without using up a transfer id; a bad ``after``.
+        RuntimeError
+            While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
             After :meth:`close`.
         """

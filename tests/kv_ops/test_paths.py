@@ -12,8 +12,9 @@ the plans issue (one per run where the layout allows it), after= on a CPU engine
 engine makes only the paths it may pick.
 
 On the GPU (marker gpu): the same round trips, the staged ring reused under 100 back-to-back
-store and load calls, after= with an event or a stream instead of the caller's stream, and the
-staged ring allocated with the engine rather than by its first transfer.
+store and load calls, after= with an event or a stream instead of the caller's stream (and not
+a stream being captured), and the staged ring allocated with the engine rather than by its
+first transfer.
 """
 
 import math
@@ -500,6 +501,30 @@ def test_a_bad_after_is_refused_before_anything_moves(make_after, message):
     torch.cuda.synchronize()
     assert torch.equal(engine.mirror, mirror) and torch.equal(cache_rows(kv, layers, 64), cache)
     assert engine.poll() == kv_ops.Completed() and engine.store([0], [0]) == 0
+    engine.close()
+
+
+@gpu
+@PATHS
+def test_after_a_stream_being_captured_is_refused_before_anything_moves(path):
+    # Its event would pull the engine's streams into the user's graph: the copy would happen at
+    # the replays, not now. The current stream is not capturing, so only the after= check sees it.
+    engine, kv, layers, _ = gpu_engine(path)
+    torch.cuda.synchronize()
+    mirror, cache = engine.mirror.clone(), cache_rows(kv, layers, 64)
+    captured, other, graph = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    calls = (lambda a: engine.store([0, 1], [2, 3], after=a), lambda a: engine.load([0, 1], [2, 3], after=a))
+    with torch.cuda.graph(graph, stream=captured):
+        torch.cuda._sleep(1000)  # the captured work
+        with torch.cuda.stream(other):
+            for call in calls:
+                with pytest.raises(RuntimeError, match="after is a stream being captured into a CUDA graph"):
+                    call(captured)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(engine.mirror, mirror) and torch.equal(cache_rows(kv, layers, 64), cache)
+    assert engine.poll() == kv_ops.Completed() and engine.store([0], [0]) == 0
+    assert engine.flush().stores == [0]
     engine.close()
 
 
