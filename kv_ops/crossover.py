@@ -50,45 +50,51 @@ class Crossover:
     """The measured cells of one engine shape, and the per-call choice they make.
 
     ``key`` names what was measured (device, widths, ring), so that a cached file is used only
-    for the same shape on the same kind of device.
+    for the same shape on the same kind of device. The cells are complete when a crossover is
+    made (:func:`measure` and :meth:`load` build them all first): the choice indexes them once.
     """
 
     key: dict
     cells: list[Cell] = field(default_factory=list)
-    # Picks already made, by (direction, blocks, runs, paths): calls of one shape recur, and the
-    # pick sits on every call's host path.
-    _picks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Per direction, the measured points: (log2 blocks, log2 mean run length, the cells there).
+    # Built on the first choice: every call makes one, so it must not rescan the cells.
+    _grid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _points(self, direction: Direction) -> list[tuple[float, float, list[Cell]]]:
+        points = self._grid.get(direction)
+        if points is None:
+            at: dict[tuple[int, int], list[Cell]] = {}
+            for c in self.cells:
+                if c.direction == direction.value:
+                    at.setdefault((c.blocks, c.runs), []).append(c)
+            points = [(math.log2(b), math.log2(b / r), cells) for (b, r), cells in at.items()]
+            self._grid[direction] = points
+        return points
 
     def _nearest(self, direction: Direction, blocks: int, runs: int) -> list[Cell]:
         """The cells (one per path) nearest to ``blocks`` blocks in ``runs`` runs: log scales of the
         call size and of the mean run length."""
-        mine = [c for c in self.cells if c.direction == direction.value]
-        if not mine:
-            return []
-
-        def distance(c: Cell) -> float:
-            return abs(math.log2(c.blocks) - math.log2(max(blocks, 1))) + abs(
-                math.log2(c.blocks / c.runs) - math.log2(max(blocks, 1) / max(runs, 1))
-            )
-
-        best = min(distance(c) for c in mine)
-        return [c for c in mine if distance(c) == best]
+        size = math.log2(max(blocks, 1))
+        run = math.log2(max(blocks, 1) / max(runs, 1))
+        nearest, best = [], math.inf
+        for point_size, point_run, cells in self._points(direction):
+            distance = abs(point_size - size) + abs(point_run - run)
+            if distance < best:
+                nearest, best = list(cells), distance
+            elif distance == best:
+                nearest += cells
+        return nearest
 
     def choose(self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool]) -> str | None:
         """The path name for a call: the fastest in the nearest cell, or a copy-engine path
         within :data:`TOLERANCE` of it (the fastest of those). None where nothing was measured."""
-        key = (direction, blocks, runs, tuple(sorted(copy_engines.items())))
-        if key not in self._picks:
-            self._picks[key] = self._choose(direction, blocks, runs, copy_engines)
-        return self._picks[key]
-
-    def _choose(self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool]) -> str | None:
         cells = [c for c in self._nearest(direction, blocks, runs) if c.path in copy_engines]
         if not cells:
             return None
         best = max(c.gbps for c in cells)
         engines = [c for c in cells if copy_engines[c.path] and c.gbps >= (1 - TOLERANCE) * best]
-        return max(engines or cells, key=lambda c: c.gbps).path
+        # The fastest; on an exact tie, the path named first in PATH_NAMES.
+        return max(engines or cells, key=lambda c: (c.gbps, -PATH_NAMES.index(c.path))).path
 
     def table(self) -> str:
         """The measured cells as a markdown table, one row per (direction, blocks, runs), with the pick."""
@@ -168,7 +174,7 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
     mirror = pinned_empty((rows, row_bytes))
     made = make_paths(gpu, mirror, low_priority_streams(device), ring_bytes)
     gen = torch.Generator().manual_seed(0)
-    out = Crossover(shape_key(device, widths, ring_bytes))
+    cells = []
     for name in paths:
         path = made[name]
         for direction in Direction:
@@ -177,8 +183,8 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
                     calls = [Blocks.of(direction, *_call_ids(gen, blocks, rows, runs)) for _ in range(CALLS)]
                     seconds = _sustained(path, calls, device)
                     moved = calls[0].count  # runs x (blocks // runs): what was really copied
-                    out.cells.append(Cell(name, direction.value, moved, runs, moved * row_bytes / seconds / 1e9))
-    return out
+                    cells.append(Cell(name, direction.value, moved, runs, moved * row_bytes / seconds / 1e9))
+    return Crossover(shape_key(device, widths, ring_bytes), cells)
 
 
 def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = 2) -> float:

@@ -253,7 +253,7 @@ class StagedPath:
         ring = self._ring(d)
         # Slots for every chunk up front, so that the whole transfer is planned in one pass.
         slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]
-        plans = self._plans(blocks, ring, slots)
+        plans = self._plans(blocks, ring, slots[0])
         if self.streams is None:
             for (start, stop), slot, plan in zip(self._bounds(blocks), slots, plans):
                 staged = ring[slot * self.chunk : slot * self.chunk + stop - start]
@@ -307,31 +307,29 @@ class StagedPath:
     def _bounds(self, blocks: Blocks):
         return [(start, min(start + self.chunk, blocks.count)) for start in range(0, blocks.count, self.chunk)]
 
-    def _plans(self, blocks: Blocks, ring: torch.Tensor, slots: list[int]) -> list[dma.Plan]:
+    def _plans(self, blocks: Blocks, ring: torch.Tensor, first_slot: int) -> list[dma.Plan]:
         """Each chunk's copies between its ring slot and the mirror, planned in one pass.
 
-        Pair i sits in row ``i % chunk`` of its chunk's slot, so a run of consecutive host ids
-        within a chunk is one descriptor: ``mirror[h0 : h0 + n] <-> slot[r0 : r0 + n]``.
+        The chunks take consecutive slots from ``first_slot`` on, wrapping around the ring, so
+        pair i sits in ring row ``(first_slot * chunk + i) % ring_rows``. A run of consecutive
+        host ids within a chunk is one descriptor: ``mirror[h0 : h0 + n] <-> ring[r0 : r0 + n]``.
         """
         host, n, chunk, row = blocks.host_ids, blocks.count, self.chunk, self.mirror.shape[1]
-        # Few tensor operations: on the host each costs microseconds, and this runs every call.
+        # Few tensor operations, in place where possible: on the host each costs microseconds,
+        # and this runs every call.
         begins = torch.ones(n + 1, dtype=torch.bool)  # [n] stays True: the end of the last run
-        torch.ne(host[1:] - host[:-1], 1, out=begins[1:n])
-        if n > chunk:
-            begins[:n:chunk] = True  # a run never crosses into the next chunk's slot
-        edges = begins.nonzero()[:, 0]
+        torch.ne(host.diff(), 1, out=begins[1:n])
+        begins[:n:chunk] = True  # a run never crosses into the next chunk's slot (nor the ring's end)
+        edges = begins.nonzero().view(-1)
         first = edges[:-1]
-        sizes = edges.diff() * row
-        if len(slots) == 1:
-            ring_at = first * row + (ring.data_ptr() + slots[0] * chunk * row)
-        else:
-            ring_at = (torch.tensor(slots)[first // chunk] * chunk + first % chunk) * row + ring.data_ptr()
-        mirror_at = host[first] * row + self.mirror.data_ptr()
+        sizes = edges.diff().mul_(row)
+        ring_at = first.add(first_slot * chunk).remainder_(ring.shape[0]).mul_(row).add_(ring.data_ptr())
+        mirror_at = host[first].mul_(row).add_(self.mirror.data_ptr())
         dsts, srcs = (mirror_at, ring_at) if blocks.direction is Direction.STORE else (ring_at, mirror_at)
+        if n <= chunk:
+            return [dma.Plan(dsts, srcs, sizes)]
         # Where each chunk's descriptors begin: the runs are in pair order, and every chunk's
         # first pair begins a run.
-        if len(slots) == 1:
-            return [dma.Plan(dsts, srcs, sizes)]
         cut = torch.searchsorted(first, torch.arange(0, n, chunk)).tolist() + [first.numel()]
         return [dma.Plan(dsts[a:b], srcs[a:b], sizes[a:b]) for a, b in zip(cut[:-1], cut[1:])]
 

@@ -100,6 +100,7 @@ def test_choose_says_none_where_nothing_was_measured_and_only_considers_the_path
         (dict(kernel=100.0, staged=101.0, dma=50.0), COPY_ENGINES, "staged"),  # simply the fastest
         (dict(kernel=50.0, staged=100.0, dma=97.0), COPY_ENGINES, "staged"),
         (dict(kernel=100.0, staged=50.0, dma=97.0), {"kernel": False, "staged": True, "dma": False}, "kernel"),
+        (dict(dma=99.0, staged=99.0, kernel=100.0), COPY_ENGINES, "staged"),  # a tie: the first in PATH_NAMES
     ],
     ids=[
         "staged-within-5pct",
@@ -108,6 +109,7 @@ def test_choose_says_none_where_nothing_was_measured_and_only_considers_the_path
         "staged-fastest",
         "kernel-slowest",
         "dma-counted-as-kernel",
+        "exact-tie",
     ],
 )
 def test_a_copy_engine_path_within_5_percent_of_the_fastest_wins(rates, engines, pick):
