@@ -19,13 +19,14 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .driver import check_driver, driver, driver_context, stream_is_capturing
-from .validation import check_ids_values, check_widths
+from .driver import c_function, check_code, check_driver, driver, driver_context, stream_is_capturing
+from .validation import check_host_ids, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
-# A module setting, read at every launch, so a benchmark can compare both.
+# A module setting, read when a launcher is made, so a benchmark can compare both.
 PREFER_OVERLAP_WITH_COMPUTE = True
 
 # One batched call takes at most this many copies; a larger plan is split (the driver documents
@@ -40,24 +41,46 @@ OP = "kv_ops.dma"  # how errors name this module
 
 @dataclass
 class Plan:
-    """Copies for one transfer: ``dsts[i] <- srcs[i]``, ``sizes[i]`` bytes (int64 host tensors)."""
+    """Copies for one transfer: ``dsts[i] <- srcs[i]``, ``sizes[i]`` bytes (contiguous int64 numpy
+    arrays: the descriptor arrays the driver reads)."""
 
-    dsts: torch.Tensor
-    srcs: torch.Tensor
-    sizes: torch.Tensor
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
 
     @property
     def count(self) -> int:
-        return self.sizes.numel()
+        return self.sizes.size
 
 
-def run_starts(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+def _host_array(ids) -> np.ndarray:
+    """Ids (a CPU tensor or an array) as a 1-D int64 numpy array, without a copy where possible."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+def run_starts(src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
     """Start index and length of each run of pairs whose ids both go up by one."""
-    n = src_ids.numel()
-    step = (src_ids[1:] - src_ids[:-1] == 1) & (dst_ids[1:] - dst_ids[:-1] == 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), (~step).nonzero().flatten() + 1])
-    lengths = torch.diff(starts, append=torch.tensor([n]))
+    src_ids, dst_ids = _host_array(src_ids), _host_array(dst_ids)
+    n = src_ids.size
+    if n == 0:
+        return _EMPTY, _EMPTY
+    breaks = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(starts, append=n)
     return starts, lengths
+
+
+def count_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    """How many runs :func:`run_starts` finds, with fewer operations (auto's pick needs only this)."""
+    n = src_ids.size
+    if n < 2:
+        return n
+    return int(np.count_nonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1))) + 1
 
 
 def back_to_back(region: torch.Tensor) -> bool:
@@ -70,68 +93,92 @@ def _merges(src: torch.Tensor, dst: torch.Tensor) -> bool:
     return back_to_back(src) and back_to_back(dst)
 
 
-def count_copies(
-    src: list[torch.Tensor], dst: list[torch.Tensor], num_pairs: int, runs: tuple[torch.Tensor, torch.Tensor]
-) -> int:
+def count_copies(src: list[torch.Tensor], dst: list[torch.Tensor], num_pairs: int, runs: tuple) -> int:
     """How many copies :func:`plan_copies` issues for ``num_pairs`` pairs forming ``runs``."""
-    return sum(runs[0].numel() if _merges(s, d) else num_pairs for s, d in zip(src, dst))
+    return sum(runs[0].size if _merges(s, d) else num_pairs for s, d in zip(src, dst))
 
 
-def _addresses(regions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Base address and block stride of each region, as int64 columns ``[R, 1]``."""
-    meta = torch.tensor([[r.data_ptr(), r.stride(0)] for r in regions], dtype=torch.int64)
-    return meta[:, :1], meta[:, 1:]
+class Planner:
+    """Plans copies between two fixed lists of regions; every address except the ids' is bound once.
+
+    ``src[r]`` and ``dst[r]`` are uint8 ``[num_blocks, block_bytes]`` regions with contiguous rows
+    (any row stride) and equal block sizes. Each plan is a few numpy broadcasts over all regions
+    at once, whatever their number. Ids are trusted: :func:`plan_copies` checks them, and the
+    engine checked them when the call came in.
+    """
+
+    def __init__(self, src: list[torch.Tensor], dst: list[torch.Tensor]):
+        check_widths(OP, src, dst)
+        self.src_limit = min(s.shape[0] for s in src) if src else 0
+        self.dst_limit = min(d.shape[0] for d in dst) if dst else 0
+        # Per group (regions whose runs merge into one copy, and the rest): base addresses, block
+        # strides and widths as [regions, 1] columns.
+        self.groups = []
+        merged = [_merges(s, d) for s, d in zip(src, dst)]
+        for merge in (True, False):
+            pick = [r for r, m in enumerate(merged) if m == merge]
+            if pick:
+                column = lambda values: np.array(values, dtype=np.int64).reshape(-1, 1)  # noqa: E731
+                self.groups.append(
+                    (
+                        merge,
+                        column([src[r].data_ptr() for r in pick]),
+                        column([src[r].stride(0) for r in pick]),
+                        column([dst[r].data_ptr() for r in pick]),
+                        column([dst[r].stride(0) for r in pick]),
+                        column([src[r].shape[1] for r in pick]),
+                    )
+                )
+
+    def plan(self, src_ids: np.ndarray, dst_ids: np.ndarray, runs: tuple | None = None) -> Plan:
+        if src_ids.size == 0 or not self.groups:
+            return Plan(_EMPTY, _EMPTY, _EMPTY)
+        if runs is None and self.groups[0][0]:
+            runs = run_starts(src_ids, dst_ids)
+        dsts, srcs, sizes = [], [], []
+        for merge, s_base, s_stride, d_base, d_stride, width in self.groups:
+            if merge:
+                # A run of consecutive blocks is one contiguous span on both sides: one copy.
+                starts, count = runs
+                s_first, d_first = src_ids[starts], dst_ids[starts]
+                sizes.append((width * count).ravel())
+            else:
+                s_first, d_first = src_ids, dst_ids
+                sizes.append(np.repeat(width.ravel(), src_ids.size))
+            # [regions, copies]: every region's copies in one broadcast.
+            srcs.append((s_base + s_first * s_stride).ravel())
+            dsts.append((d_base + d_first * d_stride).ravel())
+        if len(sizes) == 1:
+            return Plan(dsts[0], srcs[0], sizes[0])
+        return Plan(np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes))
 
 
 def plan_copies(
     src: list[torch.Tensor],
     dst: list[torch.Tensor],
-    src_ids: torch.Tensor,
-    dst_ids: torch.Tensor,
-    runs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    src_ids,
+    dst_ids,
+    runs: tuple | None = None,
 ) -> Plan:
     """Plan ``dst[r][dst_ids[i]] = src[r][src_ids[i]]`` for every region pair r.
 
     ``src[r]`` and ``dst[r]`` are uint8 ``[num_blocks, block_bytes]`` regions with contiguous
-    rows (any row stride), ids are 1-D integer host tensors of equal length. Ids are checked
-    against every region, so no copy can reach outside one. The work is a handful of tensor
-    operations over all regions at once, whatever their number. ``runs`` is
+    rows (any row stride), ids are 1-D integer host tensors or arrays of equal length. Ids are
+    checked against every region, so no copy can reach outside one. ``runs`` is
     ``run_starts(src_ids, dst_ids)`` when the caller already has it.
     """
-    src_ids = src_ids.to("cpu", torch.int64)
-    dst_ids = dst_ids.to("cpu", torch.int64)
-    if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
+    src_ids, dst_ids = _host_array(src_ids), _host_array(dst_ids)
+    if src_ids.shape != dst_ids.shape:
         raise ValueError(
             f"{OP}: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}"
         )
-    check_widths(OP, src, dst)
-    empty = torch.empty(0, dtype=torch.int64)
-    if src_ids.numel() == 0 or not src:
-        return Plan(empty, empty, empty)
+    planner = Planner(src, dst)
+    if src_ids.size == 0 or not src:
+        return Plan(_EMPTY, _EMPTY, _EMPTY)
     # The last guard before raw addresses: an id outside the smallest region would be a wild copy.
-    check_ids_values(OP, "src_ids", src_ids, min(s.shape[0] for s in src))
-    check_ids_values(OP, "dst_ids", dst_ids, min(d.shape[0] for d in dst))
-    merged = [_merges(s, d) for s, d in zip(src, dst)]
-    if any(merged):
-        starts, lengths = runs if runs is not None else run_starts(src_ids, dst_ids)
-    dsts, srcs, sizes = [], [], []
-    for merge in (True, False):
-        pick = [r for r, m in enumerate(merged) if m == merge]
-        if not pick:
-            continue
-        s_base, s_stride = _addresses([src[r] for r in pick])
-        d_base, d_stride = _addresses([dst[r] for r in pick])
-        width = torch.tensor([[src[r].shape[1]] for r in pick], dtype=torch.int64)
-        if merge:
-            # A run of consecutive blocks is one contiguous span on both sides: one copy.
-            s_first, d_first, count = src_ids[starts], dst_ids[starts], lengths
-        else:
-            s_first, d_first, count = src_ids, dst_ids, torch.ones_like(src_ids)
-        # [regions, copies]: every region's copies in one broadcast.
-        srcs.append((s_base + s_first * s_stride).flatten())
-        dsts.append((d_base + d_first * d_stride).flatten())
-        sizes.append((width * count).flatten())
-    return Plan(torch.cat(dsts), torch.cat(srcs), torch.cat(sizes))
+    check_host_ids(OP, "src_ids", src_ids, planner.src_limit)
+    check_host_ids(OP, "dst_ids", dst_ids, planner.dst_limit)
+    return planner.plan(src_ids, dst_ids, runs)
 
 
 # --- the driver calls ----------------------------------------------------------------------------
@@ -143,29 +190,18 @@ _P, _N = ctypes.c_void_p, ctypes.c_size_t
 def _entry_points() -> tuple[object | None, object, int]:
     """(batched call or None, per-copy cuMemcpyAsync, CUDA version of the batched signature)."""
     drv = driver()
-
     (version,) = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
-    flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-
-    def proc(name: str, cuda_version: int):
-        pfn, _status = check_driver(
-            drv.cuGetProcAddress(name.encode(), cuda_version, flags), f"cuGetProcAddress({name})"
-        )
-        return int(pfn)
-
     # cuMemcpyAsync(dst, src, bytes, stream)
-    memcpy = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _N, _P)(proc("cuMemcpyAsync", 12000))
+    memcpy = c_function("cuMemcpyAsync", 12000, ctypes.c_uint64, ctypes.c_uint64, _N, _P)
     batch, batch_version = None, 0
     if version >= 13000:
         # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
-        pfn = proc("cuMemcpyBatchAsync", 13000)
-        if pfn:
-            batch, batch_version = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _N, _P, _P, _N, _P)(pfn), 13000
+        batch, batch_version = c_function("cuMemcpyBatchAsync", 13000, _P, _P, _P, _N, _P, _P, _N, _P), 13000
     elif version >= 12080:
         # CUDA 12.8: the same with size_t* failIdx before the stream.
-        pfn = proc("cuMemcpyBatchAsync", 12080)
-        if pfn:
-            batch, batch_version = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _N, _P, _P, _N, _P, _P)(pfn), 12080
+        batch, batch_version = c_function("cuMemcpyBatchAsync", 12080, _P, _P, _P, _N, _P, _P, _N, _P, _P), 12080
+    if batch is None:
+        batch_version = 0
     return batch, memcpy, batch_version
 
 
@@ -197,11 +233,50 @@ def has_batched_copy() -> bool:
     return batched_copy_abi() != 0
 
 
-def _check(code: int, what: str) -> None:
-    if code:
-        drv = driver()
+class Launcher:
+    """Enqueues plans on one created stream: the entry points, the stream handle and the copy
+    attributes are bound once, so a launch is one ctypes call per :data:`MAX_COPIES_PER_CALL`.
 
-        check_driver((drv.CUresult(code),), what)
+    Callers make sure the stream is not being captured (the engine's streams never are; the
+    public :func:`launch` asks the driver first) and call from inside
+    :func:`kv_ops.driver.driver_context` of the stream's device (a path enters it once per
+    transfer).
+    """
+
+    def __init__(self, stream: torch.cuda.Stream):
+        if stream.cuda_stream == 0:  # (the batched call refuses it)
+            raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
+        self.stream = stream
+        self.device = stream.device
+        self.handle = ctypes.c_void_p(stream.cuda_stream)
+        self._batch, self._memcpy, version = _entry_points()
+        attrs, first = _stream_order_attributes(PREFER_OVERLAP_WITH_COMPUTE)
+        # The arguments after the three descriptor arrays and the count, in the driver's order.
+        self._tail = [_P(attrs.getPtr()), ctypes.cast(first, _P), 1]
+        if version == 12080:
+            self._fail_index = ctypes.c_size_t(0)
+            self._tail.append(ctypes.cast(ctypes.pointer(self._fail_index), _P))
+        self._tail.append(self.handle)
+
+    def __call__(self, plan: Plan) -> None:
+        count = plan.count
+        if count == 0:
+            return
+        if self._batch is None:
+            for dst, src, size in zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist()):
+                check_code(self._memcpy(dst, src, size, self.handle), "cuMemcpyAsync")
+            return
+        # The descriptor arrays are plain int64 arrays; the driver reads them during the call.
+        dsts, srcs, sizes = plan.dsts.ctypes.data, plan.srcs.ctypes.data, plan.sizes.ctypes.data
+        for lo in range(0, count, MAX_COPIES_PER_CALL):
+            n = min(MAX_COPIES_PER_CALL, count - lo)
+            code = self._batch(dsts + 8 * lo, srcs + 8 * lo, sizes + 8 * lo, n, *self._tail)
+            check_code(code, f"cuMemcpyBatchAsync({n} copies)")
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """One ``cuMemcpyAsync`` of ``nbytes`` between two addresses (unified addressing: GPU or
+        page-locked host memory on either side), e.g. a transfer's ids into the GPU."""
+        check_code(self._memcpy(dst, src, nbytes, self.handle), "cuMemcpyAsync")
 
 
 def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
@@ -216,30 +291,8 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
         raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
     if stream_is_capturing(stream):
         raise RuntimeError("kv_ops.dma: the DMA path cannot be captured into a CUDA graph; use kv_ops.copy_blocks")
-    batch, memcpy, batch_version = _entry_points()
-    handle = ctypes.c_void_p(stream.cuda_stream)
     with driver_context(stream.device):
-        if batch is None:
-            for dst, src, size in zip(plan.dsts.tolist(), plan.srcs.tolist(), plan.sizes.tolist()):
-                _check(memcpy(dst, src, size, handle), "cuMemcpyAsync")
-            return
-        attrs, first = _stream_order_attributes(PREFER_OVERLAP_WITH_COMPUTE)
-        fail_index = ctypes.c_size_t(0)
-        for lo in range(0, plan.count, MAX_COPIES_PER_CALL):
-            hi = min(lo + MAX_COPIES_PER_CALL, plan.count)
-            # The descriptor arrays are plain int64 tensors; the driver reads them during the call.
-            args = [
-                _P(plan.dsts.data_ptr() + 8 * lo),
-                _P(plan.srcs.data_ptr() + 8 * lo),
-                _P(plan.sizes.data_ptr() + 8 * lo),
-                hi - lo,
-                _P(attrs.getPtr()),
-                ctypes.cast(first, _P),
-                1,
-            ]
-            if batch_version == 12080:
-                args.append(ctypes.cast(ctypes.pointer(fail_index), _P))
-            _check(batch(*args, handle), f"cuMemcpyBatchAsync({hi - lo} copies)")
+        Launcher(stream)(plan)
 
 
 def run_on_host(plan: Plan) -> None:
@@ -272,7 +325,10 @@ def enqueue_copies(
 
 __all__ = [
     "Plan",
+    "Planner",
+    "Launcher",
     "plan_copies",
+    "count_runs",
     "run_starts",
     "back_to_back",
     "count_copies",

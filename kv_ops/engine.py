@@ -28,15 +28,26 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import crossover as crossover_mod
+from . import ids as ids_mod
 from .disk import BlockFile, DiskJob, DiskTier, aligned
-from .driver import stream_is_capturing
+from .driver import current_stream_handle, driver_context, record_event, stream_is_capturing
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import pinned_empty
-from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, Path, low_priority_streams, make_paths, mirror_views
-from .validation import check_ids_meta, check_ids_values
+from .paths import (
+    COPY_ENGINES,
+    PATH_NAMES,
+    Blocks,
+    Direction,
+    Events,
+    Path,
+    low_priority_streams,
+    make_paths,
+    mirror_views,
+)
 
 PATHS = ("auto", *PATH_NAMES)
 # GPU memory of each direction's staging ring, by default (the staged path's chunks pipeline
@@ -65,22 +76,26 @@ class Completed:
 
 class _Lane:
     """One direction: transfers in issue order, each with its completion event (None: already
-    complete) or the error that ended it. The head is reported first, so nothing overtakes."""
+    complete) or the error that ended it, and what must live until it completes (GPU ids the
+    transfer reads). The head is reported first, so nothing overtakes."""
 
-    def __init__(self):
-        self.pending: deque[tuple[int, torch.cuda.Event | None, BaseException | None]] = deque()
+    def __init__(self, events: Events | None = None):
+        self.pending: deque[tuple[int, torch.cuda.Event | None, BaseException | None, object]] = deque()
+        self.events = events  # where a reported transfer's event goes back, for reuse
 
-    def add(self, tid: int, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
-        self.pending.append((tid, event, error))
+    def add(self, tid: int, event: torch.cuda.Event | None, error: BaseException | None = None, keep=None) -> None:
+        self.pending.append((tid, event, error, keep))
 
     def poll(self, out: Completed, done: list[int], wait: bool = False) -> None:
         while self.pending:
-            tid, event, error = self.pending[0]
+            tid, event, error, _ = self.pending[0]
             if event is not None and not event.query():
                 if not wait:
                     return
                 event.synchronize()
             self.pending.popleft()
+            if self.events is not None and event is not None:
+                self.events.give(event)
             if error is None:
                 done.append(tid)
             else:
@@ -173,7 +188,14 @@ class OffloadEngine:
         self.path = path
         self.crossover: crossover_mod.Crossover | None = None
         self.path_counts = dict.fromkeys(PATH_NAMES, 0)  # transfers per path, for whoever tunes this
-        self._lanes = {d: _Lane() for d in Direction}
+        # The paths' completion events, reused once reported (none for the disk tier's own).
+        self._events = {d: Events() for d in Direction} if disk_dir is None else None
+        self._lanes = {d: _Lane(self._events[d] if self._events else None) for d in Direction}
+        self._ready_event = None
+        if self._streams is not None:
+            # Recorded once here, so that it exists: each call then records it with one driver call.
+            self._ready_event = torch.cuda.Event()
+            self._ready_event.record(self._streams[Direction.STORE])
         # Per direction, the path and completion event of the last transfer (see _transfer).
         self._last: dict[Direction, tuple[object, torch.cuda.Event | None]] = {}
         self._next_tid = 0  # taken only by a call that enqueued its transfer
@@ -197,7 +219,7 @@ class OffloadEngine:
             # Only the paths this engine may pick: on the GPU each binds its kernels now, and the
             # staged one allocates its ring (2 x ring_bytes), so that memory is taken at start.
             names = PATH_NAMES if path == "auto" else (path,)
-            self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names)
+            self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names, self._events)
         else:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
@@ -215,38 +237,25 @@ class OffloadEngine:
                 f"OffloadEngine.{call}: the engine is closed (close() was called); create a new engine"
             )
 
-    @staticmethod
-    def _ids_tensor(op: str, what: str, ids, limit: int, unique: bool) -> torch.Tensor:
-        """``ids`` as a flat int64 CPU tensor, checked by the ops' own rules (kv_ops.validation)."""
-        if isinstance(ids, torch.Tensor):
-            if ids.device.type == "meta":
-                raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
-            t = ids
-        else:
-            try:
-                t = torch.as_tensor(ids)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
-            if t.numel() == 0:
-                t = t.long()  # [] becomes torch's default float dtype, but holds no value to truncate
-        # The ops' dtype rule: a float id would be truncated to another block (0.7 -> 0), a bool
-        # would become block 0 or 1.
-        t = t.reshape(-1)
-        check_ids_meta(op, what, t)
-        t = t.cpu().long()
-        check_ids_values(op, what, t, limit, unique)
-        return t
-
-    def _ready(self, op: str, after) -> torch.cuda.Event | None:
+    def _ready(self, op: str, after, fresh: bool) -> torch.cuda.Event | None:
         """The event the transfer waits for: ``after`` itself, or recorded now on ``after`` (a
-        stream) or on the caller's current stream. Nothing blocks the caller's thread."""
-        if self.device.type != "cuda":
+        stream) or on the caller's current stream. Nothing blocks the caller's thread.
+
+        The paths wait on it before this call returns, so one event serves every call: a wait
+        holds the record before it, whatever is recorded afterwards. A disk job waits later,
+        on its I/O thread, so it gets a ``fresh`` event of its own.
+        """
+        if self._streams is None:
             if after is not None:
                 raise ValueError(f"{op}: after= orders GPU work; this engine's cache is on {self.device}")
             return None
         if isinstance(after, torch.cuda.Event):
             return after
         if after is None:
+            if not fresh:  # the common case, in one driver call: no Stream object is made
+                with driver_context(self.device):
+                    record_event(self._ready_event, current_stream_handle(self.device.index))
+                return self._ready_event
             stream = torch.cuda.current_stream(self.device)  # _transfer refused it if capturing
         elif not isinstance(after, torch.cuda.Stream):
             raise ValueError(
@@ -263,7 +272,7 @@ class OffloadEngine:
             )
         else:
             stream = after
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event() if fresh else self._ready_event
         ready.record(stream)
         return ready
 
@@ -271,34 +280,59 @@ class OffloadEngine:
         name = self.path
         if name == "auto":
             name = None
-            if self.crossover is not None:
+            if not blocks.on_host:
+                name = "kernel"  # the one path whose kernel reads both sides' ids
+            elif self.crossover is not None:
                 name = self.crossover.choose(blocks.direction, blocks.count, blocks.num_runs, COPY_ENGINES)
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
         return self.paths[name]
+
+    def _refuse_gpu_ids(self, op: str, gpu, host) -> None:
+        """GPU ids are never read by the host (that would wait for the caller's stream): only a
+        path whose kernel reads them takes them."""
+        for what, ids in (("gpu_ids", gpu), ("host_ids", host)):
+            if isinstance(ids, np.ndarray):
+                continue
+            where = "the disk tier" if self.disk is not None else f"path={self.path!r}"
+            if self.disk is not None or self.path == "dma" or (self.path == "staged" and what == "host_ids"):
+                raise ValueError(
+                    f"{op}: {what} is a {ids.device} tensor, but {where} plans its copies on the host, which "
+                    "would have to wait for the GPU to read it; pass host ids (a list, an array or a CPU tensor)"
+                )
 
     def _transfer(self, direction: Direction, gpu_ids, host_ids, after) -> int:
         kind = direction.value
         self._check_open(kind)
         op = f"OffloadEngine.{kind}"
+        load = direction is Direction.LOAD
         # Destinations must not repeat (which copy would win is undefined); sources may.
-        gpu = self._ids_tensor(op, "gpu_ids", gpu_ids, self.num_blocks, unique=direction is Direction.LOAD)
-        host = self._ids_tensor(op, "host_ids", host_ids, self.num_host_blocks, unique=direction is Direction.STORE)
-        if gpu.numel() != host.numel():
-            raise ValueError(f"{op}: {gpu.numel()} gpu_ids but {host.numel()} host_ids")
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        gpu = ids_mod.take(op, "gpu_ids", gpu_ids, self.num_blocks, load, self.device)
+        host = ids_mod.take(op, "host_ids", host_ids, self.num_host_blocks, not load, self.device)
+        if len(gpu) != len(host):
+            raise ValueError(f"{op}: {len(gpu)} gpu_ids but {len(host)} host_ids")
+        on_host = isinstance(gpu, np.ndarray) and isinstance(host, np.ndarray)
+        if not on_host:
+            self._refuse_gpu_ids(op, gpu, host)
+        if self._streams is not None and torch.cuda.is_current_stream_capturing():
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
             raise RuntimeError(
                 f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead"
             )
-        ready = self._ready(op, after)
+        ready = self._ready(op, after, fresh=self.disk is not None)
         tid = self._next_tid
         if self.disk is not None:
             # Copies: the I/O thread reads the ids later, and the caller may reuse its buffer.
-            self.disk.submit(DiskJob(tid, direction, gpu.clone(), host.clone(), ready))
+            self.disk.submit(
+                DiskJob(tid, direction, torch.from_numpy(gpu.copy()), torch.from_numpy(host.copy()), ready)
+            )
             self._next_tid += 1
             return tid
-        blocks = Blocks.of(direction, gpu, host)
+        ids_ready = None
+        if not on_host:
+            # The path copies the GPU ids on its own stream: after the caller's stream wrote them.
+            ids_ready = ready if after is None else self._ready(op, None, fresh=True)
+        blocks = Blocks(direction, gpu, host, ids_ready)
         path = self._pick(blocks)
         last = self._last.get(direction)
         if last is not None and last[0] is not path and last[1] is not None:
@@ -309,7 +343,8 @@ class OffloadEngine:
         done = path.enqueue(blocks, ready)
         self._next_tid += 1
         self._last[direction] = (path, done)
-        self._lanes[direction].add(tid, done)
+        # GPU ids live until their transfer has read them (the caller may drop them at once).
+        self._lanes[direction].add(tid, done, keep=None if on_host else (gpu, host))
         self.path_counts[path.name] += 1
         return tid
 

@@ -16,8 +16,10 @@ a plain kernel node that CUDA graphs capture.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -50,9 +52,10 @@ def _block_copy_kernel(
     packed_ptr,  # uint8*: the packed buffer of gather (dst) or scatter (src); unused by copy
     packed_stride,  # bytes between rows of the packed buffer
     num_regions,
-    src_ids_ptr,  # int32/int64 [num_pairs]: source block of pair i (unused when SRC_PACKED)
-    dst_ids_ptr,  # int32/int64 [num_pairs]: destination block of pair i (unused when DST_PACKED)
-    num_pairs,
+    src_ids_ptr,  # int32/int64 [num_pairs]: source block of pair i (unused when SRC_PACKED); with
+    #               IDS_IN_BLOCK, the id block instead (see there)
+    dst_ids_ptr,  # int32/int64 [num_pairs]: destination block of pair i (unused when DST_PACKED or IDS_IN_BLOCK)
+    num_pairs,  # pairs to copy (unused with IDS_IN_BLOCK)
     src_limit,  # a source id is valid in [0, src_limit)
     dst_limit,  # a destination id is valid in [0, dst_limit)
     error_ptr,  # int64 [1]: incremented by the number of invalid (skipped) pairs
@@ -62,10 +65,23 @@ def _block_copy_kernel(
     SRC_PACKED: tl.constexpr,
     DST_PACKED: tl.constexpr,
     LANES: tl.constexpr,  # ids examined per step of the counting phase
+    IDS_IN_BLOCK: tl.constexpr,  # src_ids_ptr is an int64 id block [n, src ids (n), dst ids (n)],
+    #                              without the ids of a packed side: what a CUDA-graph replay reads
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    n = num_pairs.to(tl.int64)
+    if IDS_IN_BLOCK:
+        # The count is data, not an argument: one captured graph serves every call size, and
+        # programs beyond the work simply find no tile.
+        block = src_ids_ptr
+        n = tl.load(block).to(tl.int64)
+        src_ids_ptr = block + 1
+        if SRC_PACKED:
+            dst_ids_ptr = block + 1
+        else:
+            dst_ids_ptr = block + 1 + n
+    else:
+        n = num_pairs.to(tl.int64)
 
     # Count invalid pairs once per launch (they are skipped in every region below).
     if not (SRC_PACKED and DST_PACKED):
@@ -246,17 +262,25 @@ class BoundCopy:
         """Launch on the current stream; returns Triton's handle, or None when nothing was launched."""
         if num_pairs == 0:
             return None
+        tiles = sum(-(-num_pairs * c // self.rows) for c in self.chunks)
+        return self._launch(packed, src_ids, dst_ids, num_pairs, errors, min(self.num_programs, tiles), False)
+
+    def launch_from_block(self, packed: torch.Tensor | None, block: torch.Tensor, capacity: int, errors: torch.Tensor):
+        """Launch on the current stream with the count and ids read from ``block`` (int64
+        ``[n, src ids, dst ids]``, ``n <= capacity``), on every program: what :class:`GraphedCopy`
+        captures."""
+        return self._launch(packed, block, block, capacity, errors, self.num_programs, True)
+
+    def _launch(self, packed, src_ids, dst_ids, num_pairs: int, errors, programs: int, in_block: bool):
         align, packed_stride = self.align, 0
         if packed is None:
             packed = self.anchor  # a copy never reads it
         else:
             packed_stride = packed.stride(0)
             align = min(align, _alignment([_address(packed, self.device), packed_stride]))
-        tiles = sum(-(-num_pairs * c // self.rows) for c in self.chunks)
-        grid = (max(1, min(self.num_programs, tiles)),)
         on_device = self.device.type == "cuda" and torch.cuda.current_device() != self.device.index
         with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
-            return _block_copy_kernel[grid](
+            return _block_copy_kernel[(max(1, programs),)](
                 self.table,
                 self.anchor,
                 packed,
@@ -274,8 +298,106 @@ class BoundCopy:
                 SRC_PACKED=self.src_packed,
                 DST_PACKED=self.dst_packed,
                 LANES=CHECK_LANES,
+                IDS_IN_BLOCK=in_block,
                 num_warps=self.num_warps,
             )
+
+
+class GraphedCopy:
+    """A :class:`BoundCopy` captured once into a CUDA graph that reads its ids from a block of its own.
+
+    The block (``self.block``, int64 on the device) holds the pair count, the source ids and the
+    destination ids, back to back (``[n, src (n), dst (n)]``; a packed side has no ids), at most
+    ``capacity`` pairs. ``packed`` (for a gather or scatter) is the packed buffer the graph reads
+    or writes, fixed at capture. CUDA only. Two ways to fill the block:
+
+    * ``from_host=True``: the graph itself first copies the block in from a page-locked twin,
+      ``self.words`` (a numpy view). A call writes the ids there and replays: one driver call
+      (``cuGraphLaunch``). The twin may be rewritten only once that replay has run (the caller
+      pools graphs and checks an event after the replay).
+    * otherwise, :meth:`launch_on_current_stream` copies the count and GPU ids in (a memset and a
+      device-to-device copy per side), then replays, all on one stream, so the block is rewritten
+      only after the replay before it has read it.
+
+    No Triton binder, no stream context and no allocation per call either way.
+    """
+
+    def __init__(
+        self,
+        bound: BoundCopy,
+        capacity: int,
+        errors: torch.Tensor,
+        packed: torch.Tensor | None = None,
+        from_host: bool = False,
+    ):
+        device = bound.device
+        self.capacity = capacity
+        self.sides = (not bound.src_packed) + (not bound.dst_packed)
+        words = 1 + self.sides * capacity
+        # Outside any graph pool (lasting_copy), zero: the warm-up below copies nothing.
+        self.block = host_memory.lasting_copy(torch.zeros(words, dtype=torch.int64), device)
+        self.address = self.block.data_ptr()
+        self.words = None
+        if from_host:
+            twin = host_memory.pinned_empty(words, dtype=torch.int64)
+            twin.zero_()
+            self.twin, self.words = twin, twin.numpy()
+        self.packed = packed  # the graph holds its address: keep it alive
+        stream = torch.cuda.Stream(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            bound.launch_from_block(packed, self.block, capacity, errors)  # compiles outside the capture
+            stream.synchronize()
+            # capture_begin/end rather than torch.cuda.graph, which collects garbage and empties
+            # torch's cache first; thread-local, so other threads' CUDA calls stay legal meanwhile.
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                if from_host:
+                    self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
+                bound.launch_from_block(packed, self.block, capacity, errors)
+            finally:
+                self.graph.capture_end()
+        self._exec = self.graph.raw_cuda_graph_exec()
+        self._graph_launch = driver.c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
+        self._memset = driver.c_function(
+            "cuMemsetD32Async", 12000, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p
+        )
+        self._memcpy = driver.c_function(
+            "cuMemcpyAsync", 12000, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+        )
+        self._lock = threading.Lock()
+        self._last: torch.cuda.Stream | None = None  # where the block was last read
+
+    def replay(self, stream: ctypes.c_void_p) -> None:
+        """Launch the graph on ``stream`` (a raw handle), after whatever wrote the block there."""
+        driver.check_code(self._graph_launch(self._exec, stream), "cuGraphLaunch")
+
+    def launch_on_current_stream(self, device: torch.device, *ids: torch.Tensor) -> None:
+        """One copy on the caller's current stream with GPU ids (an eager op): the count set in
+        the block, each side's ids copied in device to device, then the replay.
+
+        Calls may come on different streams (and threads): the block is rewritten on one stream
+        only after the replay that last read it on another (an event between them).
+        """
+        n = ids[0].shape[0]
+        with self._lock:
+            stream = torch.cuda.current_stream(device)
+            handle = stream.cuda_stream
+            if self._last is not None and self._last.cuda_stream != handle:
+                moved = torch.cuda.Event()
+                moved.record(self._last)
+                stream.wait_event(moved)
+            self._last = stream
+            with driver.driver_context(device):
+                # The count's high word is zero from the start and never written.
+                driver.check_code(self._memset(self.address, n, 1, handle), "cuMemsetD32Async")
+                at = self.address + 8
+                for side in ids:
+                    if side.dtype != torch.int64 or not side.is_contiguous():
+                        side = side.to(torch.int64).contiguous()  # read below, on this stream
+                    driver.check_code(self._memcpy(at, side.data_ptr(), 8 * n, handle), "cuMemcpyAsync")
+                    at += 8 * n
+                self.replay(handle)
 
 
 def block_copy(
@@ -312,4 +434,4 @@ def block_copy(
     return bound(packed, src_ids, dst_ids, num_pairs, errors)
 
 
-__all__ = ["block_copy", "BoundCopy", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]
+__all__ = ["block_copy", "BoundCopy", "GraphedCopy", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]

@@ -28,14 +28,18 @@ writes. The kernel and direct paths see it as per-region column views of it.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import dma, kernels, reference
+from .driver import driver_context, record_event, wait_event
+from .ids import IdBlock, Pool
 from .validation import error_counter
 
 # Ring slots per direction: with four, a store's gather of chunk i+1 (and i+2) runs while the
@@ -46,6 +50,15 @@ RING_SLOTS = 4
 # needs for the same bytes. A probe measured 8 programs at 23% and all SMs at 3.5%, which takes
 # 4x the SMs from the model while they run.
 STAGE_PROGRAMS = 32
+# Pairs one replay of the kernel path's graph moves; a larger call replays it once per this many
+# (its id block is 1 + 2 x this many int64: 256 KiB on the GPU and per pooled host block).
+REPLAY_PAIRS = 1 << 14
+# The kernel path's graphs copy their whole id block in from the host on every replay, so there is
+# one set per size: a call takes the smallest that holds its pairs.
+REPLAY_BUCKETS = (64, 1024, REPLAY_PAIRS)
+# Up to this many pairs the staged path plans its descriptors in plain Python (a dozen numpy calls
+# cost more than the loop), above it in numpy.
+SMALL_PLAN = 64
 
 
 class Direction(enum.Enum):
@@ -53,38 +66,45 @@ class Direction(enum.Enum):
     LOAD = "load"  # host mirror -> GPU cache
 
 
-@dataclass(frozen=True)
 class Blocks:
     """One transfer: GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``, ids checked.
 
-    ``gpu_ids`` and ``host_ids`` are int64 CPU tensors of equal length. ``runs`` is
-    :func:`kv_ops.dma.run_starts` of the pairs (start and length of each stretch in which both ids
-    go up by one), found on first use and kept for the choice and the plans.
+    Each side is a 1-D int64 numpy array, or an int64 tensor on the engine's GPU, which the host
+    never reads (the kernel path takes both sides there, the staged path ``gpu_ids``); then
+    ``ids_ready`` is an event after the work that wrote them. ``runs`` is
+    :func:`kv_ops.dma.run_starts` of the pairs and ``num_runs`` their count, found on first use.
     """
 
-    direction: Direction
-    gpu_ids: torch.Tensor
-    host_ids: torch.Tensor
+    __slots__ = ("direction", "gpu_ids", "host_ids", "ids_ready", "__dict__")
+
+    def __init__(self, direction: Direction, gpu_ids, host_ids, ids_ready: torch.cuda.Event | None = None):
+        self.direction = direction
+        self.gpu_ids = gpu_ids
+        self.host_ids = host_ids
+        self.ids_ready = ids_ready
 
     @classmethod
-    def of(cls, direction: Direction, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> "Blocks":
-        return cls(direction, gpu_ids, host_ids)
-
-    @functools.cached_property
-    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return dma.run_starts(self.gpu_ids, self.host_ids)
+    def of(cls, direction: Direction, gpu_ids, host_ids) -> "Blocks":
+        """From host ids of any form (CPU tensors, arrays), as int64 numpy arrays."""
+        return cls(direction, dma._host_array(gpu_ids), dma._host_array(host_ids))
 
     @property
     def count(self) -> int:
-        return self.gpu_ids.numel()
+        return len(self.gpu_ids)
+
+    @property
+    def on_host(self) -> bool:
+        """Both sides are host arrays (the copy-engine plans need them)."""
+        return isinstance(self.gpu_ids, np.ndarray) and isinstance(self.host_ids, np.ndarray)
+
+    @functools.cached_property
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        return dma.run_starts(self.gpu_ids, self.host_ids)
 
     @functools.cached_property
     def num_runs(self) -> int:
         """How many runs ``runs`` has, counted with fewer operations (auto's pick needs only this)."""
-        if self.count < 2:
-            return self.count
-        breaks = (self.gpu_ids.diff() != 1) | (self.host_ids.diff() != 1)
-        return int(torch.count_nonzero(breaks)) + 1
+        return dma.count_runs(self.gpu_ids, self.host_ids)
 
     def sides(self, gpu, host):
         """(src, dst, src_ids, dst_ids) for this direction, given the GPU and the host side."""
@@ -114,42 +134,153 @@ def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return event
 
 
-def _ids_on(device: torch.device, ids: torch.Tensor) -> torch.Tensor:
-    """``ids`` on ``device``, copied on the current stream (the allocator then reuses the memory
-    only after the work enqueued on that stream, the kernel that reads it, has run)."""
-    return ids.pin_memory().to(device, non_blocking=True)
+class Events:
+    """One direction's completion events, reused once reported.
+
+    The engine gives an event back when :meth:`OffloadEngine.poll` has seen it fire; a path then
+    records it again with one driver call instead of making a new one. Whoever still holds an
+    old reference (the engine's last transfer, an id block's reuse check) can only over-wait on
+    a later record, never under-wait, and every wait points at work issued before it.
+    """
+
+    def __init__(self):
+        self._free: deque[torch.cuda.Event] = deque()
+
+    def record(self, stream: torch.cuda.Stream, handle) -> torch.cuda.Event:
+        """An event recorded now on ``stream`` (``handle``: its raw handle)."""
+        if self._free:
+            event = self._free.pop()
+            record_event(event, handle)
+            return event
+        return _record(stream)
+
+    def give(self, event: torch.cuda.Event) -> None:
+        self._free.append(event)
+
+
+def _host_tensor(ids) -> torch.Tensor:
+    """Host ids for the CPU's reference copies (a view of the array, no copy)."""
+    return torch.from_numpy(ids)
+
+
+def _stage(launcher: dma.Launcher, graph: kernels.GraphedCopy, block: IdBlock, sides: Sequence) -> None:
+    """Write ``[n, *sides]`` into ``graph``'s id block on ``launcher``'s stream.
+
+    Host sides go through the page-locked ``block`` (one copy for the count and every host side
+    that follows it); a side already on the GPU is copied device to device. Either way the copy
+    is stream-ordered after the replay that last read the graph's block.
+    """
+    n = len(sides[0])
+    words, pinned, device = block.words, block.address, graph.address
+    words[0] = n
+    start, at = 0, 1  # the first word not yet copied in, and where the next side goes
+    for ids in sides:
+        if isinstance(ids, np.ndarray):
+            words[at : at + n] = ids
+        else:
+            if at > start:
+                launcher.copy(device + 8 * start, pinned + 8 * start, 8 * (at - start))
+            launcher.copy(device + 8 * at, ids.data_ptr(), 8 * n)
+            start = at + n
+        at += n
+    if at > start:
+        launcher.copy(device + 8 * start, pinned + 8 * start, 8 * (at - start))
 
 
 class KernelPath:
-    """The Triton block-copy kernel between the cache regions and the mirror's region views."""
+    """The Triton block-copy kernel between the cache regions and the mirror's region views.
+
+    On the GPU each direction's copy is captured into CUDA graphs that read the count and the
+    ids from a device block of their own (:class:`kv_ops.kernels.GraphedCopy`). With host ids
+    (the usual case) a graph copies its block in from a page-locked twin, so a transfer writes
+    the ids into the twin and replays the graph: one driver call. The graphs come in
+    :data:`REPLAY_BUCKETS` sizes and are pooled (:class:`kv_ops.ids.Pool`): a twin is rewritten
+    only after the replay that read it has run. GPU ids go through one graph per direction
+    whose block is filled device to device.
+    """
 
     name = "kernel"
     copy_engines = False
 
-    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None):
+    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
         self.regions = list(regions)
         self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
         self.streams = streams
         self.device = self.regions[0].device
-        # Each direction's copy, bound once (on the GPU only: the CPU runs the reference copy).
-        self._launch: dict[Direction, kernels.BoundCopy] = {}
+        self._events = events or {d: Events() for d in Direction}
         if streams is not None:
-            self._launch[Direction.STORE] = kernels.BoundCopy(self.device, self.regions, self.views)
-            self._launch[Direction.LOAD] = kernels.BoundCopy(self.device, self.views, self.regions)
+            # No more pairs than a call can have: stores have distinct host ids, loads distinct GPU ids.
+            self.capacity = min(REPLAY_PAIRS, max(mirror.shape[0], self.regions[0].shape[0]))
+            self.buckets = sorted({min(b, self.capacity) for b in REPLAY_BUCKETS})
+            self._errors = errors = error_counter(self.device)
+            self._copies = {
+                Direction.STORE: kernels.BoundCopy(self.device, self.regions, self.views),
+                Direction.LOAD: kernels.BoundCopy(self.device, self.views, self.regions),
+            }
+            self._host_fed = {
+                d: [
+                    Pool(functools.partial(kernels.GraphedCopy, self._copies[d], b, errors, from_host=True))
+                    for b in self.buckets
+                ]
+                for d in Direction
+            }
+            self._launchers = {d: dma.Launcher(streams[d]) for d in Direction}
+            self._device_fed: dict[Direction, tuple] = {}  # made on the first call with GPU ids
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
         if self.streams is None:
-            reference.copy_blocks(src, dst, src_ids, dst_ids)
+            reference.copy_blocks(src, dst, _host_tensor(src_ids), _host_tensor(dst_ids))
             return None
-        launch = self._launch[blocks.direction]
-        stream = self.streams[blocks.direction]
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            ids = _ids_on(self.device, torch.stack([src_ids, dst_ids]))
-            # The kernel directly: the engine checked the ids, so the op's checks add nothing.
-            launch(None, ids[0], ids[1], blocks.count, error_counter(self.device))
-            return _record(stream)
+        with driver_context(self.device):  # the raw driver calls below act on this thread's context
+            if blocks.on_host:
+                return self._enqueue_host_ids(blocks.direction, ready, src_ids, dst_ids)
+            return self._enqueue_gpu_ids(blocks, ready, src_ids, dst_ids)
+
+    def _enqueue_host_ids(self, d: Direction, ready, src_ids: np.ndarray, dst_ids: np.ndarray) -> torch.cuda.Event:
+        handle = self._launchers[d].handle
+        pools, taken = self._host_fed[d], []
+        n, step = len(src_ids), self.capacity
+        wait_event(handle, ready)  # the graph's own id copy, and the kernel, come after the caller
+        for lo in range(0, n, step):
+            m = min(step, n - lo)
+            pool = pools[bisect.bisect_left(self.buckets, m)]
+            graph = pool.take()
+            words = graph.words
+            words[0] = m
+            words[1 : 1 + m] = src_ids[lo : lo + m]
+            words[1 + m : 1 + 2 * m] = dst_ids[lo : lo + m]
+            graph.replay(handle)
+            taken.append((pool, graph))
+        done = self._events[d].record(self.streams[d], handle)
+        for pool, graph in taken:
+            pool.give(graph, done)
+        return done
+
+    def _enqueue_gpu_ids(self, blocks: Blocks, ready, src_ids, dst_ids) -> torch.cuda.Event:
+        d = blocks.direction
+        stream, launcher = self.streams[d], self._launchers[d]
+        if d not in self._device_fed:
+            graph = kernels.GraphedCopy(self._copies[d], self.capacity, self._errors)
+            self._device_fed[d] = (graph, Pool(functools.partial(IdBlock, 1 + 2 * self.capacity), initial=1))
+        graph, blocks_pool = self._device_fed[d]
+        handle = launcher.handle
+        wait_event(handle, blocks.ids_ready)  # GPU ids: after the work that wrote them
+        taken = []
+        n, step = blocks.count, self.capacity
+        for lo in range(0, n, step):
+            block = blocks_pool.take()
+            taken.append(block)
+            _stage(launcher, graph, block, [src_ids[lo : lo + step], dst_ids[lo : lo + step]])
+            if lo == 0:
+                wait_event(handle, ready)  # the ids' copy needs nothing; the kernel needs the caller
+            graph.replay(handle)
+        if n == 0:
+            wait_event(handle, ready)
+        done = self._events[d].record(stream, handle)
+        for block in taken:
+            blocks_pool.give(block, done)
+        return done
 
 
 class DirectDmaPath:
@@ -158,23 +289,32 @@ class DirectDmaPath:
     name = "dma"
     copy_engines = True
 
-    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None):
+    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
         self.regions = list(regions)
         self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
         self.streams = streams
-
-    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
+        self._events = events or {d: Events() for d in Direction}
         # Runs merge into one copy only where a region's blocks are back to back on both sides:
         # a one-region (cross-layer) cache, whose mirror view is the whole mirror.
-        plan = dma.plan_copies(src, dst, src_ids, dst_ids, blocks.runs)
+        self._planners = {
+            Direction.STORE: dma.Planner(self.regions, self.views),
+            Direction.LOAD: dma.Planner(self.views, self.regions),
+        }
+        self._launchers = {d: dma.Launcher(streams[d]) for d in Direction} if streams is not None else None
+        self.device = self.regions[0].device
+
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        _, _, src_ids, dst_ids = blocks.sides(self.regions, self.views)
+        d = blocks.direction
+        plan = self._planners[d].plan(src_ids, dst_ids)
         if self.streams is None:
             dma.run_on_host(plan)
             return None
-        stream = self.streams[blocks.direction]
-        stream.wait_event(ready)
-        dma.launch(plan, stream)  # reads the source in stream order: after the wait
-        return _record(stream)
+        launcher = self._launchers[d]
+        with driver_context(self.device):
+            wait_event(launcher.handle, ready)
+            launcher(plan)  # reads the source in stream order: after the wait
+            return self._events[d].record(self.streams[d], launcher.handle)
 
 
 class StagedPath:
@@ -192,8 +332,10 @@ class StagedPath:
       caller's compute); the kernel stream waits for that copy and, once, for ``ready``, then
       scatters the slot into the cache.
 
-    A slot is reused only after the work that reads it (a store's DMA, a load's scatter) has
-    finished: ordered by events on the GPU, never by the host waiting.
+    On the GPU each slot's gather and scatter is a CUDA graph over its own id block
+    (:class:`kv_ops.kernels.GraphedCopy`). A slot is reused only after the work that reads it (a
+    store's DMA, a load's scatter) has finished: ordered by one event per slot on the GPU, never
+    by the host waiting.
 
     Parameters
     ----------
@@ -211,86 +353,155 @@ class StagedPath:
     name = "staged"
     copy_engines = True
 
-    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int):
+    def __init__(
+        self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int, events=None
+    ):
         self.regions = list(regions)
         self.mirror = mirror
         self.streams = streams
+        self._events = events or {d: Events() for d in Direction}
         self.device = self.regions[0].device
         row_bytes = mirror.shape[1]
         most_pairs = max(mirror.shape[0], self.regions[0].shape[0])
         self.chunk = max(1, min(ring_bytes // (RING_SLOTS * row_bytes), -(-most_pairs // RING_SLOTS)))
-        self._free: dict[Direction, list[torch.cuda.Event | None]] = {d: [None] * RING_SLOTS for d in Direction}
         self._next = {d: 0 for d in Direction}
-        # Each direction's ring. On the GPU, made now with the bound gather and scatter; on the
-        # CPU, on first use (an engine there picks the kernel path's reference copy unless told).
+        # Each direction's ring. On the GPU, made now with its graphs; on the CPU, on first use
+        # (an engine there picks the kernel path's reference copy unless told).
         self._rings: dict[Direction, torch.Tensor] = {}
-        self._gather = self._scatter = None
         # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
         self.kernel_streams = None
         if streams is not None:
             self.kernel_streams = low_priority_streams(self.device)
-            for d in Direction:
-                self._ring(d)
-            self._gather = kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS)
-            self._scatter = kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS)
+            errors = error_counter(self.device)
+            bound = {
+                Direction.STORE: kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS),
+                Direction.LOAD: kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS),
+            }
+            self._bound = bound
+            self._errors = errors
+            # Per direction and slot: graphs of the slot's gather (or scatter) fed from host ids,
+            # pooled; and, made on first use, one fed device to device from GPU ids.
+            self._host_fed = {
+                d: [
+                    Pool(
+                        functools.partial(
+                            kernels.GraphedCopy, bound[d], self.chunk, errors, self._slot_rows(d, slot), from_host=True
+                        )
+                    )
+                    for slot in range(RING_SLOTS)
+                ]
+                for d in Direction
+            }
+            self._device_fed: dict[Direction, list] = {}
+            self._copy = {d: dma.Launcher(streams[d]) for d in Direction}
+            self._kernel = {d: dma.Launcher(self.kernel_streams[d]) for d in Direction}
+            # Per direction and slot: recorded after the work that last read the slot. Per
+            # direction: the hand-off from one stream to the other, waited on right after each
+            # record. Each recorded once now (on an idle stream), so that it exists and every
+            # later record is one driver call.
+            self._free = {d: [_record(streams[d]) for _ in range(RING_SLOTS)] for d in Direction}
+            self._handoff = {d: _record(streams[d]) for d in Direction}
 
     @property
     def ring_bytes(self) -> int:
         """GPU bytes of one direction's ring."""
         return RING_SLOTS * self.chunk * self.mirror.shape[1]
 
+    def _slot_rows(self, direction: Direction, slot: int) -> torch.Tensor:
+        return self._ring(direction)[slot * self.chunk : (slot + 1) * self.chunk]
+
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        d = blocks.direction
         if blocks.count == 0:
             if self.streams is None:
                 return None
             # On the stream where this direction's staged work ends (a load's last scatter), so
             # that the engine's issue order across paths still holds after an empty call.
-            d = blocks.direction
             stream = self.kernel_streams[d] if d is Direction.LOAD else self.streams[d]
             stream.wait_event(ready)
             return _record(stream)
-        d = blocks.direction
         ring = self._ring(d)
         # Slots for every chunk up front, so that the whole transfer is planned in one pass.
         slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]
         plans = self._plans(blocks, ring, slots[0])
+        bounds = self._bounds(blocks)
         if self.streams is None:
-            for (start, stop), slot, plan in zip(self._bounds(blocks), slots, plans):
+            gpu_ids = _host_tensor(blocks.gpu_ids)
+            for (start, stop), slot, plan in zip(bounds, slots, plans):
                 staged = ring[slot * self.chunk : slot * self.chunk + stop - start]
                 if d is Direction.STORE:
-                    reference.gather_blocks(self.regions, blocks.gpu_ids[start:stop], staged)
+                    reference.gather_blocks(self.regions, gpu_ids[start:stop], staged)
                     dma.run_on_host(plan)
                 else:
                     dma.run_on_host(plan)
-                    reference.scatter_blocks(staged, blocks.gpu_ids[start:stop], self.regions)
+                    reference.scatter_blocks(staged, gpu_ids[start:stop], self.regions)
             return None
-        kernel, copy, free = self.kernel_streams[d], self.streams[d], self._free[d]
-        errors = error_counter(self.device)
-        # One stream context for the whole transfer (each costs host time); the copies and
-        # events name their streams explicitly.
-        with torch.cuda.stream(kernel):
-            kernel.wait_event(ready)  # store: after the blocks' writers; load: after their readers
-            gpu_ids = _ids_on(self.device, blocks.gpu_ids)
-            for (start, stop), slot, plan in zip(self._bounds(blocks), slots, plans):
-                staged = ring[slot * self.chunk : slot * self.chunk + stop - start]
-                ids = gpu_ids[start:stop]
-                if d is Direction.STORE:
-                    if free[slot] is not None:
-                        kernel.wait_event(free[slot])  # the slot's last DMA has read it
-                    self._gather(staged, ids, None, stop - start, errors)
-                    copy.wait_event(_record(kernel))
-                    dma.launch(plan, copy)  # slot rows -> mirror rows, one descriptor per run
-                    free[slot] = _record(copy)
-                else:
-                    # Into the ring without waiting for ``ready``: the ring is the engine's own, so
-                    # the copy overlaps the caller's compute; only the scatter waits for it.
-                    if free[slot] is not None:
-                        copy.wait_event(free[slot])  # the slot's last scatter has read it
-                    dma.launch(plan, copy)
-                    kernel.wait_event(_record(copy))
-                    self._scatter(staged, None, ids, stop - start, errors)
-                    free[slot] = _record(kernel)
-        return free[slots[-1]]
+        with driver_context(self.device):  # the raw driver calls below act on this thread's context
+            return self._enqueue(blocks, ready, bounds, slots, plans)
+
+    def _enqueue(self, blocks: Blocks, ready, bounds, slots, plans) -> torch.cuda.Event:
+        d = blocks.direction
+        kernel, copy = self.kernel_streams[d], self.streams[d]
+        kernel_launch, copy_launch = self._kernel[d], self._copy[d]
+        free, handoff = self._free[d], self._handoff[d]
+        gpu_ids = blocks.gpu_ids
+        k, c = kernel_launch.handle, copy_launch.handle  # raw stream handles, for the driver calls
+        on_host = isinstance(gpu_ids, np.ndarray)
+        if not on_host:
+            wait_event(k, blocks.ids_ready)  # GPU ids: after the work that wrote them
+            graphs, blocks_pool = self._gpu_fed(d)
+        taken = []
+
+        def gather_or_scatter(slot: int, start: int, stop: int) -> None:
+            # The chunk's ids into a graph of this slot, then its replay on the kernel stream.
+            if on_host:
+                pool = self._host_fed[d][slot]
+                graph = pool.take()
+                words = graph.words
+                words[0] = stop - start
+                words[1 : 1 + stop - start] = gpu_ids[start:stop]
+                taken.append((pool, graph))
+            else:
+                graph, block = graphs[slot], blocks_pool.take()
+                _stage(kernel_launch, graph, block, [gpu_ids[start:stop]])
+                taken.append((blocks_pool, block))
+            graph.replay(k)
+
+        for i, ((start, stop), slot, plan) in enumerate(zip(bounds, slots, plans)):
+            if d is Direction.STORE:
+                if i == 0:
+                    wait_event(k, ready)  # after the blocks' writers
+                wait_event(k, free[slot])  # the slot's last DMA has read it
+                gather_or_scatter(slot, start, stop)
+                record_event(handoff, k)
+                wait_event(c, handoff)
+                copy_launch(plan)  # slot rows -> mirror rows, one descriptor per run
+                record_event(free[slot], c)
+            else:
+                # Into the ring without waiting for ``ready``: the ring is the engine's own, so
+                # the copy overlaps the caller's compute; only the scatter waits for it.
+                wait_event(c, free[slot])  # the slot's last scatter has read it
+                copy_launch(plan)
+                record_event(handoff, c)
+                wait_event(k, handoff)
+                if i == 0:
+                    wait_event(k, ready)  # after the blocks' readers
+                gather_or_scatter(slot, start, stop)
+                record_event(free[slot], k)
+        done = self._events[d].record(*((copy, c) if d is Direction.STORE else (kernel, k)))
+        for pool, item in taken:
+            pool.give(item, done)
+        return done
+
+    def _gpu_fed(self, d: Direction):
+        """Each slot's graph fed device to device (for GPU ids), and the pool of count blocks."""
+        if d not in self._device_fed:
+            graphs = [
+                kernels.GraphedCopy(self._bound[d], self.chunk, self._errors, self._slot_rows(d, slot))
+                for slot in range(RING_SLOTS)
+            ]
+            self._device_fed[d] = [graphs, Pool(functools.partial(IdBlock, 1 + self.chunk), initial=1)]
+        return self._device_fed[d]
 
     def _ring(self, direction: Direction) -> torch.Tensor:
         ring = self._rings.get(direction)
@@ -307,6 +518,31 @@ class StagedPath:
     def _bounds(self, blocks: Blocks):
         return [(start, min(start + self.chunk, blocks.count)) for start in range(0, blocks.count, self.chunk)]
 
+    def _small_plans(self, host: list[int], ring: torch.Tensor, first_slot: int, direction) -> list[dma.Plan]:
+        """:meth:`_plans` for a few pairs, in plain Python: a dozen numpy calls cost more there."""
+        chunk, row, rows = self.chunk, self.mirror.shape[1], ring.shape[0]
+        ring_base, mirror_base = ring.data_ptr(), self.mirror.data_ptr()
+        plans, ring_at, mirror_at, sizes = [], [], [], []
+        previous = None
+        for i, h in enumerate(host):
+            if i % chunk == 0 and i:
+                plans.append((ring_at, mirror_at, sizes))
+                ring_at, mirror_at, sizes = [], [], []
+            if i % chunk == 0 or h != previous + 1:
+                ring_at.append((first_slot * chunk + i) % rows * row + ring_base)
+                mirror_at.append(h * row + mirror_base)
+                sizes.append(row)
+            else:
+                sizes[-1] += row
+            previous = h
+        plans.append((ring_at, mirror_at, sizes))
+        out = []
+        for ring_at, mirror_at, sizes in plans:
+            r, m = np.array(ring_at, dtype=np.int64), np.array(mirror_at, dtype=np.int64)
+            dsts, srcs = (m, r) if direction is Direction.STORE else (r, m)
+            out.append(dma.Plan(dsts, srcs, np.array(sizes, dtype=np.int64)))
+        return out
+
     def _plans(self, blocks: Blocks, ring: torch.Tensor, first_slot: int) -> list[dma.Plan]:
         """Each chunk's copies between its ring slot and the mirror, planned in one pass.
 
@@ -315,22 +551,22 @@ class StagedPath:
         host ids within a chunk is one descriptor: ``mirror[h0 : h0 + n] <-> ring[r0 : r0 + n]``.
         """
         host, n, chunk, row = blocks.host_ids, blocks.count, self.chunk, self.mirror.shape[1]
-        # Few tensor operations, in place where possible: on the host each costs microseconds,
-        # and this runs every call.
-        begins = torch.ones(n + 1, dtype=torch.bool)  # [n] stays True: the end of the last run
-        torch.ne(host.diff(), 1, out=begins[1:n])
+        if n <= SMALL_PLAN:
+            return self._small_plans(host.tolist(), ring, first_slot, blocks.direction)
+        begins = np.ones(n + 1, dtype=bool)  # [n] stays True: the end of the last run
+        np.not_equal(np.diff(host), 1, out=begins[1:n])
         begins[:n:chunk] = True  # a run never crosses into the next chunk's slot (nor the ring's end)
-        edges = begins.nonzero().view(-1)
+        edges = np.flatnonzero(begins)
         first = edges[:-1]
-        sizes = edges.diff().mul_(row)
-        ring_at = first.add(first_slot * chunk).remainder_(ring.shape[0]).mul_(row).add_(ring.data_ptr())
-        mirror_at = host[first].mul_(row).add_(self.mirror.data_ptr())
+        sizes = np.diff(edges) * row
+        ring_at = (first + first_slot * chunk) % ring.shape[0] * row + ring.data_ptr()
+        mirror_at = host[first] * row + self.mirror.data_ptr()
         dsts, srcs = (mirror_at, ring_at) if blocks.direction is Direction.STORE else (ring_at, mirror_at)
         if n <= chunk:
             return [dma.Plan(dsts, srcs, sizes)]
         # Where each chunk's descriptors begin: the runs are in pair order, and every chunk's
         # first pair begins a run.
-        cut = torch.searchsorted(first, torch.arange(0, n, chunk)).tolist() + [first.numel()]
+        cut = np.searchsorted(first, np.arange(0, n, chunk)).tolist() + [first.size]
         return [dma.Plan(dsts[a:b], srcs[a:b], sizes[a:b]) for a, b in zip(cut[:-1], cut[1:])]
 
 
@@ -347,13 +583,15 @@ def make_paths(
     streams: dict | None,
     ring_bytes: int,
     names: Sequence[str] = PATH_NAMES,
+    events: dict | None = None,
 ) -> dict[str, Path]:
     """The paths ``names`` over ``regions`` and ``mirror``, by name (an engine makes the ones it
-    may pick, which on the GPU allocates the staged ring; auto's measurement makes all three)."""
+    may pick, which on the GPU allocates the staged ring; auto's measurement makes all three).
+    ``events`` (per direction, :class:`Events`) is where they take completion events from."""
     makers = {
-        KernelPath.name: lambda: KernelPath(regions, mirror, streams),
-        StagedPath.name: lambda: StagedPath(regions, mirror, streams, ring_bytes),
-        DirectDmaPath.name: lambda: DirectDmaPath(regions, mirror, streams),
+        KernelPath.name: lambda: KernelPath(regions, mirror, streams, events),
+        StagedPath.name: lambda: StagedPath(regions, mirror, streams, ring_bytes, events),
+        DirectDmaPath.name: lambda: DirectDmaPath(regions, mirror, streams, events),
     }
     return {name: make() for name, make in makers.items() if name in names}
 
@@ -361,6 +599,7 @@ def make_paths(
 __all__ = [
     "Direction",
     "Blocks",
+    "Events",
     "KernelPath",
     "StagedPath",
     "DirectDmaPath",
@@ -372,4 +611,5 @@ __all__ = [
     "mirror_views",
     "RING_SLOTS",
     "STAGE_PROGRAMS",
+    "REPLAY_PAIRS",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import host_memory
@@ -49,6 +50,11 @@ def id_checks(enabled: bool):
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def id_checks_enabled() -> bool:
+    """Whether :func:`set_id_checks` has the id-value checks on (capture aside)."""
+    return _id_checks
 
 
 def should_check_ids(device: torch.device) -> bool:
@@ -184,31 +190,43 @@ def check_devices(
 
 
 def check_ids_values(op: str, what: str, ids: torch.Tensor, limit: int, unique: bool = False) -> None:
-    """Every id lies in ``[0, limit)``; with ``unique``, no id repeats. One host sync."""
+    """Every id lies in ``[0, limit)``; with ``unique``, no id repeats. CUDA ids: one copy to the
+    host (one sync), then the numpy check."""
     if ids.numel() == 0:
         return
-    if ids.device.type == "cpu":
-        # Host ids (the engine's every call): the fewest tensor operations, each costs microseconds.
-        lo, hi = torch.aminmax(ids)
-        found = [int(lo) < 0 or int(hi) >= limit, False]
-        if unique and not found[0] and ids.numel() > 1:
-            ordered = ids.sort().values
-            found[1] = bool((ordered[1:] == ordered[:-1]).any())
+    check_host_ids(op, what, ids.detach().cpu().numpy(), limit, unique)
+
+
+def check_pair_values(op: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, src_limit: int, dst_limit: int) -> None:
+    """:func:`check_ids_values` of a copy's ids (sources in range; destinations in range and
+    distinct), with one copy of both to the host (one sync for CUDA ids)."""
+    n = src_ids.numel()
+    if n == 0:
+        return
+    if src_ids.device.type == "cpu":
+        src, dst = src_ids.numpy(), dst_ids.numpy()
     else:
-        flags = [((ids < 0) | (ids >= limit)).any()]
-        if unique:
-            ordered = ids.sort().values
-            flags.append((ordered[1:] == ordered[:-1]).any())
-        found = torch.stack(flags).tolist() + [False]
-    if found[0]:
-        bad = (ids < 0) | (ids >= limit)
-        i = int(bad.nonzero()[0])
+        both = torch.cat([src_ids, dst_ids]).cpu().numpy()
+        src, dst = both[:n], both[n:]
+    check_host_ids(op, "src_ids", src, src_limit)
+    check_host_ids(op, "dst_ids", dst, dst_limit, unique=True)
+
+
+def check_host_ids(op: str, what: str, ids: np.ndarray, limit: int, unique: bool = False) -> None:
+    """:func:`check_ids_values` for ids already on the host as a 1-D integer numpy array: a few
+    numpy operations (about a microsecond each), and the message only if an id is bad."""
+    if ids.size == 0:
+        return
+    if int(ids.min()) < 0 or int(ids.max()) >= limit:
+        i = int(np.flatnonzero((ids < 0) | (ids >= limit))[0])
         raise ValueError(f"{op}: {what}[{i}] = {int(ids[i])} is outside [0, {limit})")
-    if unique and found[1]:
-        values, counts = ids.unique(return_counts=True)
-        dup = int(values[counts > 1][0])
-        where = (ids == dup).nonzero().flatten().tolist()
-        raise ValueError(f"{op}: {what} names block {dup} more than once (positions {where[:4]})")
+    if unique and ids.size > 1:
+        ordered = np.sort(ids)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
+            dup = int(repeated[0])  # the smallest repeated id
+            where = np.flatnonzero(ids == dup).tolist()
+            raise ValueError(f"{op}: {what} names block {dup} more than once (positions {where[:4]})")
 
 
 def check_disjoint_ids(op: str, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
@@ -235,5 +253,8 @@ __all__ = [
     "check_packed",
     "check_devices",
     "check_ids_values",
+    "check_host_ids",
+    "check_pair_values",
+    "id_checks_enabled",
     "check_disjoint_ids",
 ]

@@ -132,3 +132,31 @@ def test_aligned_blocks_compile_to_16_byte_accesses(direction):
     assert all(".v4." in line for line in ptx.splitlines() if "st.global" in line and "b32" in line), ptx[:2000]
     for s, d in zip(src, dst):
         assert torch.equal(d.cpu(), s.cpu().flip(0))
+
+
+def test_a_launch_from_an_id_block_reads_the_count_and_both_sides_ids_from_it():
+    # What the engine's captured graphs run: [n, src ids (n), dst ids (n)] in one int64 block, the
+    # count data rather than an argument, so one graph serves every call size up to its capacity.
+    gen = torch.Generator().manual_seed(11)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    src = [torch.randint(0, 256, (12, w), dtype=torch.uint8, generator=gen).to(device) for w in (64, 48)]
+    dst = [torch.randint(0, 256, (10, w), dtype=torch.uint8, generator=gen).to(device) for w in (64, 48)]
+    errors = torch.zeros(1, dtype=torch.int64, device=device)
+    capacity, n = 8, 5
+    src_ids, dst_ids = torch.randint(0, 12, (n,), generator=gen), torch.randperm(10, generator=gen)[:n]
+    src_ids[4] = 12  # out of range: skipped and counted
+    block = torch.full((1 + 2 * capacity,), -7, dtype=torch.int64)  # poison past the ids it holds
+    block[0], block[1 : 1 + n], block[1 + n : 1 + 2 * n] = n, src_ids, dst_ids
+    want = [d.cpu().clone() for d in dst]
+    reference.copy_blocks([s.cpu() for s in src], want, src_ids, dst_ids)
+    kernels.BoundCopy(torch.device(device), src, dst).launch_from_block(None, block.to(device), capacity, errors)
+    assert all(torch.equal(d.cpu(), w) for d, w in zip(dst, want))
+    assert int(errors.item()) == 1
+    # A gather: the packed side has no ids, so the block is [n, src ids].
+    out = torch.randint(0, 256, (capacity, 112), dtype=torch.uint8, generator=gen).to(device)
+    before = out.cpu().clone()
+    gather = torch.cat([torch.tensor([3]), src_ids[:3], torch.full((capacity - 3,), -7)])
+    kernels.BoundCopy(torch.device(device), src, None).launch_from_block(out, gather.to(device), capacity, errors)
+    want_out = before.clone()
+    reference.gather_blocks([s.cpu() for s in src], src_ids[:3], want_out)
+    assert torch.equal(out.cpu(), want_out)

@@ -9,7 +9,7 @@ import torch
 from byte_checks import assert_same_storages, clone_views, host_regions, make_regions, random_bytes
 
 import kv_ops
-from kv_ops import reference
+from kv_ops import kernels, reference
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -278,3 +278,52 @@ def test_the_fakes_refuse_what_the_eager_checks_refuse_in_the_same_words(op, arg
         with pytest.raises(RuntimeError) as fake:
             getattr(torch.ops.kv_ops, op.__name__)(*fake_args)
     assert str(eager.value) in str(fake.value)
+
+
+@pytest.mark.gpu
+def test_a_copy_used_again_is_replayed_from_its_graph_with_new_ids_on_any_stream():
+    # The first call launches the kernel; from the second on, the copy is one replay of a graph
+    # over its own id block. New ids, sizes, int32 ids and a switch of stream must all land.
+    gen = torch.Generator().manual_seed(21)
+    src = make_regions([256, 48, 1024], 40, "cuda", generator=gen)
+    dst = [kv_ops.pinned_empty((30, w)) for w in (256, 48, 1024)]
+    for d in dst:
+        d.copy_(torch.randint(0, 256, d.shape, dtype=torch.uint8, generator=gen))  # poison
+    want = clone_views(dst)
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    for call in range(12):
+        n = int(torch.randint(1, 31, (1,), generator=gen))
+        src_ids, dst_ids = torch.randint(0, 40, (n,), generator=gen), torch.randperm(30, generator=gen)[:n]
+        dtype = torch.int32 if call % 3 == 2 else torch.int64
+        stream = streams[call % 3]
+        stream.wait_stream(streams[(call - 1) % 3])  # the test's own order between its calls
+        with torch.cuda.stream(stream):
+            kv_ops.copy_blocks(src, dst, src_ids.to("cuda", dtype), dst_ids.to("cuda", dtype))
+        reference.copy_blocks([s.cpu() for s in src], want, src_ids, dst_ids)
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, w) for d, w in zip(dst, want))
+
+
+@pytest.mark.gpu
+def test_an_eager_copy_used_again_launches_one_replay_and_no_torch_operation(monkeypatch):
+    # The regression guard of the eager op: with id checks off, a hot copy is one graph replay
+    # (no Triton launch) and no aten operation; with them on, one copy of the ids to the host.
+    gen = torch.Generator().manual_seed(22)
+    src = make_regions([4096] * 16, 64, "cuda", generator=gen)
+    dst = [kv_ops.pinned_empty((64, 4096)) for _ in range(16)]
+    ids = torch.randperm(64, generator=gen)[:16].cuda()
+    for _ in range(3):
+        kv_ops.copy_blocks(src, dst, ids, ids)
+    replays, launches = [], []
+    replay, launch = kernels.GraphedCopy.replay, kernels.BoundCopy._launch
+    monkeypatch.setattr(kernels.GraphedCopy, "replay", lambda *a: replays.append(1) or replay(*a))
+    monkeypatch.setattr(kernels.BoundCopy, "_launch", lambda *a: launches.append(1) or launch(*a))
+    with (
+        kv_ops.validation.id_checks(False),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
+        kv_ops.copy_blocks(src, dst, ids, ids)
+    aten = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert (len(replays), len(launches), aten) == (1, 0, [])
+    torch.cuda.synchronize()
+    assert all(torch.equal(d[ids.cpu()], s[ids].cpu()) for d, s in zip(dst, src))

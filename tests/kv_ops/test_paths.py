@@ -22,6 +22,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from byte_checks import as_bytes
@@ -29,7 +30,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kv_ops
-from kv_ops import dma
+from kv_ops import dma, paths
 from kv_ops.paths import RING_SLOTS, Blocks, Direction
 
 gpu = pytest.mark.gpu
@@ -45,7 +46,7 @@ def test_the_run_count_auto_picks_by_is_the_number_of_runs_the_plans_merge(steps
     # num_runs is counted apart from run_starts (fewer operations on every auto call); they must agree.
     gpu = torch.tensor([g for g, _ in steps]).cumsum(0) + 100
     host = torch.tensor([h for _, h in steps]).cumsum(0) + 100
-    assert Blocks.of(Direction.LOAD, gpu, host).num_runs == dma.run_starts(gpu, host)[0].numel()
+    assert Blocks.of(Direction.LOAD, gpu, host).num_runs == dma.run_starts(gpu, host)[0].size
 
 
 # --- layouts and their bytes, read through the typed tensors ---------------------------------------
@@ -553,3 +554,32 @@ def test_the_staged_ring_is_allocated_with_the_engine_not_by_its_first_transfer(
     rows = cache_rows(kv, layers, 64)
     assert torch.equal(rows[16:32], rows[:16])
     engine.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ring_rows=st.integers(1, 8),
+    host=st.lists(st.integers(0, 299), min_size=1, max_size=64, unique=True),
+    sort=st.booleans(),
+    first_slot=st.integers(0, RING_SLOTS - 1),
+    direction=st.sampled_from(list(Direction)),
+)
+def test_the_staged_plan_of_a_few_pairs_in_python_equals_the_numpy_plan(ring_rows, host, sort, first_slot, direction):
+    # Up to paths.SMALL_PLAN pairs the descriptors are planned in plain Python: every chunk's
+    # descriptors must be exactly the numpy plan's (runs within a chunk merged, none across).
+    staged = paths.StagedPath(
+        [torch.empty(200, 64, dtype=torch.uint8)],
+        torch.empty(300, 64, dtype=torch.uint8),
+        None,
+        RING_SLOTS * ring_rows * 64,
+    )
+    ring = staged._ring(direction)
+    host = sorted(host) if sort else host
+    blocks = Blocks(direction, np.arange(len(host), dtype=np.int64), np.array(host, dtype=np.int64))
+    small = staged._small_plans(host, ring, first_slot, direction)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paths, "SMALL_PLAN", 0)
+        vectorised = staged._plans(blocks, ring, first_slot)
+    assert [(p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) for p in small] == [
+        (p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) for p in vectorised
+    ]

@@ -1,0 +1,117 @@
+"""Block ids on the engine's hot path: taken in once (lists, arrays or tensors), checked in numpy,
+and staged for the GPU through pooled page-locked id blocks.
+
+A scheduler hands the engine Python lists. Turning one into a torch tensor and checking it with
+torch costs a dozen tiny torch operations (3-4 us each on the H200's host); the same in numpy
+is a few microseconds in all. Ids already on the GPU are never read by the host (that would
+wait for the caller's stream): they go to a path whose kernel reads them, which skips and
+counts an invalid pair (:func:`kv_ops.error_count`) instead of raising.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+from .host_memory import pinned_empty
+from .validation import check_host_ids, check_ids_meta, ids_message
+
+# What numpy makes of integers and what the ops take: anything else is refused.
+_INTEGER_KINDS = "iu"
+
+
+def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device) -> np.ndarray | torch.Tensor:
+    """``ids`` as a 1-D int64 numpy array checked against ``[0, limit)`` (and for repeats with
+    ``unique``), or, for a tensor on ``device`` (CUDA), as that tensor in int64, unchecked.
+
+    The rule and the words are the ops' (:mod:`kv_ops.validation`): float ids would be truncated
+    to another block (0.7 -> 0) and booleans become block 0 or 1, so both are refused; so are
+    meta tensors, which hold no values. The array may share memory with the caller's; the
+    engine copies what it keeps beyond the call.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type == "meta":
+            raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(ids_message(op, what, ids.reshape(-1)))
+        if ids.device.type == "cpu":
+            array = ids.reshape(-1).numpy()
+        elif ids.device == device:
+            return ids.reshape(-1).to(torch.int64)
+        else:
+            raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
+    else:
+        try:
+            array = np.asarray(ids)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
+        if array.size == 0:
+            array = array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
+        elif array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64:
+            _refuse(op, what, ids)
+        elif array.ndim == 1 and type(ids) in (list, tuple):
+            # A scheduler's short list: Python's min, max and set on it beat numpy's per-call cost.
+            array = array.astype(np.int64, copy=False)
+            if min(ids) < 0 or max(ids) >= limit or (unique and len(set(ids)) < len(ids)):
+                check_host_ids(op, what, array, limit, unique)  # raises, in the one rule's words
+            return array
+        array = array.reshape(-1)
+    array = array.astype(np.int64, copy=False)
+    check_host_ids(op, what, array, limit, unique)
+    return array
+
+
+def _refuse(op: str, what: str, ids) -> None:
+    """Raise for a sequence that is not integer ids, in the words the ops use for its torch dtype
+    (off the hot path: only a refused call gets here)."""
+    try:
+        t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
+    check_ids_meta(op, what, t.reshape(-1))
+    raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} of {t.dtype}")
+
+
+class IdBlock:
+    """One page-locked int64 buffer of ``words`` ids, with its numpy view and device address."""
+
+    __slots__ = ("tensor", "words", "address")
+
+    def __init__(self, words: int):
+        self.tensor = pinned_empty(words, dtype=torch.int64)
+        self.words = self.tensor.numpy()
+        self.address = self.tensor.data_ptr()  # UVA: the copy engines read it as it is
+
+
+class Pool:
+    """Things the GPU reads (page-locked id blocks, graphs fed from them), reused only after it has.
+
+    A call takes one, writes it, enqueues the work that reads it, and gives it back with an event
+    that completes after that work. They come back in issue order, so the oldest is the first
+    that can be free: :meth:`take` reuses it if its event has fired and otherwise makes one more
+    (the pool grows to the number of calls in flight, and no further). No host wait, ever.
+    """
+
+    def __init__(self, make, initial: int = 2):
+        self._make = make
+        self.made = initial  # made so far: the pool's size
+        self._free: deque = deque(make() for _ in range(initial))
+        self._busy: deque[tuple[object, torch.cuda.Event]] = deque()
+
+    def take(self):
+        busy = self._busy
+        while busy and busy[0][1].query():
+            self._free.append(busy.popleft()[0])
+        if self._free:
+            return self._free.popleft()
+        self.made += 1
+        return self._make()
+
+    def give(self, item, read: torch.cuda.Event) -> None:
+        """``item`` may be rewritten once ``read`` has completed."""
+        self._busy.append((item, read))
+
+
+__all__ = ["take", "IdBlock", "Pool"]

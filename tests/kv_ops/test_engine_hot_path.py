@@ -1,0 +1,322 @@
+"""The engine's per-call host work: ids taken in numpy, pooled id blocks, GPU ids never read by
+the host, and exactly what one call issues (the regression guard: counts, not timings).
+
+The CPU tests cover the intake (every id form, every refusal) and the pool's reuse rule; the tests
+marked gpu queue a long ``torch.cuda._sleep`` before a call to prove it returns at once, and count
+the graph replays, copies, descriptor batches, event records, torch operations and host syncs
+one ``store`` of 16 blocks issues on each path.
+"""
+
+import functools
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kv_ops
+from kv_ops import dma, kernels, paths
+from kv_ops import engine as engine_mod
+from kv_ops import ids as ids_mod
+from kv_ops.paths import RING_SLOTS
+
+gpu = pytest.mark.gpu
+LAYERS = 4
+BLOCK = 2 * 16 * 2 * 16 * 2  # per K/V-first layer: 2 x 1 KiB regions
+
+
+def make_engine(device, path, num_blocks=64, host_blocks=96, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv = {
+        f"layer{i}": torch.randint(-99, 99, (2, num_blocks, 16, 2, 16), generator=gen).to(device, torch.bfloat16)
+        for i in range(LAYERS)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pinned_empty warns once on the CPU
+        ring = {} if path == "auto" else {"ring_bytes": RING_SLOTS * 32 * LAYERS * BLOCK}
+        engine = kv_ops.OffloadEngine(kv, num_blocks, capacity_bytes=host_blocks * LAYERS * BLOCK, path=path, **ring)
+    engine.mirror.copy_(torch.randint(0, 256, engine.mirror.shape, dtype=torch.uint8, generator=gen))  # poison
+    return engine, kv
+
+
+def rows(engine) -> torch.Tensor:
+    """Every GPU block's bytes in mirror-row order (region by region), on the host."""
+    return torch.cat([r.cpu() for r in engine.regions.values()], dim=1)
+
+
+# --- the intake (CPU) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [3, 1, 2],
+        (3, 1, 2),
+        range(3, 0, -1),
+        np.array([3, 1, 2], dtype=np.int32),
+        np.array([[3], [1], [2]]),  # flattened, as torch.reshape(-1) did
+        torch.tensor([3, 1, 2], dtype=torch.int32),
+        torch.tensor([3, 1, 2])[None],
+    ],
+    ids=["list", "tuple", "range", "int32-array", "2-d-array", "int32-tensor", "2-d-tensor"],
+)
+def test_ids_of_every_host_form_come_out_as_int64_arrays(ids):
+    got = ids_mod.take("op", "ids", ids, 4, unique=True, device=torch.device("cpu"))
+    assert isinstance(got, np.ndarray) and got.dtype == np.int64
+    assert got.tolist() == np.asarray(ids).reshape(-1).tolist()
+
+
+def test_an_empty_list_is_no_ids_not_a_float_tensor():
+    got = ids_mod.take("op", "ids", [], 4, unique=True, device=torch.device("cpu"))
+    assert got.dtype == np.int64 and got.size == 0
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([0, 4], r"op: ids\[1\] = 4 is outside \[0, 4\)"),
+        (np.array([-1]), r"op: ids\[0\] = -1 is outside \[0, 4\)"),
+        ([1, 2, 1], r"op: ids names block 1 more than once \(positions \[0, 2\]\)"),
+        ([0.5], r"op: ids must be a 1-D int32 or int64 tensor, got torch.float32"),
+        (np.array([1.0]), r"op: ids must be a 1-D int32 or int64 tensor, got torch.float64"),
+        ([True], r"op: ids must be a 1-D int32 or int64 tensor, got torch.bool"),
+        (np.array([1], dtype=np.uint64), r"op: ids must be a 1-D int32 or int64 tensor, got torch.uint64"),
+        ([2**70], "op: ids must be integer block ids, got list"),
+        (["a"], "op: ids must be integer block ids, got list"),
+        (torch.tensor([1], dtype=torch.int16), r"op: ids must be a 1-D int32 or int64 tensor, got torch.int16"),
+        (torch.tensor([1], device="meta"), "op: ids is a meta tensor"),
+    ],
+    ids=[
+        "too-large",
+        "negative",
+        "repeat",
+        "float-list",
+        "float-array",
+        "bool",
+        "uint64",
+        "huge",
+        "string",
+        "int16-tensor",
+        "meta",
+    ],
+)
+def test_bad_ids_are_refused_with_the_ops_words(ids, message):
+    with pytest.raises(ValueError, match=message):
+        ids_mod.take("op", "ids", ids, 4, unique=True, device=torch.device("cpu"))
+
+
+def test_the_intake_reads_no_torch_operation_for_list_ids():
+    # The point of the numpy intake: a scheduler's list never becomes a torch tensor.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            ids_mod.take("op", "ids", [5, 3, 9, 1], 16, unique=True, device=torch.device("cpu"))
+    assert [e.name for e in prof.events() if e.name.startswith("aten::")] == []
+
+
+class FakeEvent:  # what Pool asks of an event
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+@pytest.mark.filterwarnings("ignore:kv_ops.pinned_empty")
+def test_an_id_block_is_reused_only_after_its_event_fired_and_the_pool_grows_meanwhile():
+    pool = ids_mod.Pool(functools.partial(ids_mod.IdBlock, 8), initial=1)
+    first = pool.take()
+    pending = FakeEvent()
+    pool.give(first, pending)
+    second = pool.take()  # the first is still being read: a new block
+    assert second is not first and pool.made == 2
+    pool.give(second, FakeEvent(done=True))
+    pending.done = True  # now both have been read: the oldest comes back first
+    assert pool.take() is first and pool.take() is second
+    assert pool.made == 2
+
+
+def test_back_to_back_cpu_transfers_land_byte_for_byte_on_every_path():
+    for path in ("kernel", "staged", "dma"):
+        engine, _ = make_engine("cpu", path)
+        gen = torch.Generator().manual_seed(1)
+        want = engine.mirror.clone()
+        for _ in range(20):
+            n = int(torch.randint(0, 40, (1,), generator=gen))
+            gpu_ids = torch.randint(0, 64, (n,), generator=gen).tolist()
+            host_ids = torch.randperm(96, generator=gen)[:n].tolist()
+            engine.store(gpu_ids, host_ids)
+            want[host_ids] = rows(engine)[gpu_ids]
+        engine.flush()
+        assert torch.equal(engine.mirror, want), path
+        engine.close()
+
+
+# --- on the GPU ----------------------------------------------------------------------------------
+
+SLEEP_CYCLES = 1_000_000_000  # ~0.5 s on an H200
+
+
+@gpu
+@pytest.mark.parametrize(
+    "path, sides",
+    [
+        ("kernel", "both"),
+        ("auto", "both"),
+        ("auto", "gpu_ids"),
+        ("staged", "gpu_ids"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_gpu_ids_are_never_read_by_the_host_the_call_returns_at_once(path, sides, kind):
+    kv_ops.reset_error_count("cuda")  # other tests skip bad ids on purpose
+    engine, kv = make_engine("cuda", path)
+    engine.store([0], [0]), engine.load([0], [1])
+    engine.flush()  # warm: nothing below compiles or allocates
+    gen = torch.Generator().manual_seed(2)
+    gpu_ids = torch.randperm(64, generator=gen)[:16]
+    host_ids = torch.randperm(96, generator=gen)[:16]
+    before = rows(engine)
+    mirror = engine.mirror.clone()
+    g, h = gpu_ids.cuda(), (host_ids.cuda() if sides == "both" else host_ids)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the caller's stream is busy for half a second
+    start = time.perf_counter()
+    tid = engine.store(g, h) if kind == "store" else engine.load(h, g)
+    took = time.perf_counter() - start
+    del g, h  # the engine keeps what it reads alive
+    assert took < 0.05, f"{kind} took {took * 1e3:.1f} ms behind a 0.5 s sleep: it waited for the GPU"
+    done = engine.flush()
+    assert (done.stores if kind == "store" else done.loads) == [tid]
+    if kind == "store":
+        mirror[host_ids] = before[gpu_ids]
+        assert torch.equal(engine.mirror, mirror)
+    else:
+        before[gpu_ids] = mirror[host_ids]
+        assert torch.equal(rows(engine), before)
+    assert kv_ops.error_count("cuda") == 0
+    engine.close()
+
+
+@gpu
+def test_invalid_gpu_ids_are_skipped_and_counted_never_read_by_the_host():
+    engine, _ = make_engine("cuda", "kernel")
+    kv_ops.reset_error_count("cuda")
+    before = engine.mirror.clone()
+    engine.store(torch.tensor([0, 64, 1], device="cuda"), torch.tensor([5, 6, 200], device="cuda"))
+    engine.flush()
+    assert kv_ops.error_count("cuda") == 2  # gpu id 64 and host id 200: their pairs are skipped
+    assert torch.equal(engine.mirror[6], before[6])
+    assert torch.equal(engine.mirror[5], rows(engine)[0])
+    kv_ops.reset_error_count("cuda")
+    engine.close()
+
+
+@gpu
+@pytest.mark.parametrize(
+    "path, which",
+    [("dma", "gpu_ids"), ("dma", "host_ids"), ("staged", "host_ids")],
+    ids=["dma-gpu", "dma-host", "staged-host"],
+)
+def test_a_path_that_plans_on_the_host_refuses_gpu_ids_before_anything_moves(path, which):
+    engine, _ = make_engine("cuda", path)
+    mirror, cache = engine.mirror.clone(), rows(engine)
+    g = torch.tensor([1, 2], device="cuda") if which == "gpu_ids" else [1, 2]
+    h = torch.tensor([3, 4], device="cuda") if which == "host_ids" else [3, 4]
+    with pytest.raises(ValueError, match=rf"OffloadEngine.store: {which} is a cuda:0 tensor, but path='{path}'"):
+        engine.store(g, h)
+    torch.cuda.synchronize()
+    assert torch.equal(engine.mirror, mirror) and torch.equal(rows(engine), cache)
+    assert engine.store([0], [0]) == 0  # no transfer id was used
+    engine.close()
+
+
+@gpu
+def test_the_disk_tier_refuses_gpu_ids(tmp_path):
+    kv = {"l": torch.zeros(2, 8, 16, 2, 16, dtype=torch.bfloat16, device="cuda")}
+    with kv_ops.OffloadEngine(kv, 8, capacity_bytes=1 << 20, disk_dir=str(tmp_path)) as engine:
+        with pytest.raises(ValueError, match="gpu_ids is a cuda:0 tensor, but the disk tier plans"):
+            engine.store(torch.tensor([1], device="cuda"), [0])
+
+
+class Counts:
+    """Counts what the hot path hands to the GPU, by wrapping the seams it goes through."""
+
+    def __init__(self, monkeypatch):
+        self.n = dict.fromkeys(["replay", "copy", "batch", "triton", "record", "pinned", "graphs"], 0)
+        for name, owner, attr in [
+            ("replay", kernels.GraphedCopy, "replay"),
+            ("copy", dma.Launcher, "copy"),
+            ("batch", dma.Launcher, "__call__"),
+            ("triton", kernels.BoundCopy, "_launch"),
+            ("record", torch.cuda.Event, "record"),
+            ("pinned", ids_mod.IdBlock, "__init__"),
+            ("graphs", kernels.GraphedCopy, "__init__"),
+            ("record", paths, "record_event"),  # the raw records of events made before
+            ("record", engine_mod, "record_event"),
+        ]:
+            monkeypatch.setattr(owner, attr, self._counting(name, getattr(owner, attr)))
+
+    def _counting(self, name, fn):
+        def counted(*args, **kwargs):
+            self.n[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@gpu
+@pytest.mark.parametrize(
+    "path, want",
+    [
+        ("kernel", {"replay": 1, "copy": 0, "batch": 0, "triton": 0, "record": 2, "pinned": 0, "graphs": 0}),
+        ("staged", {"replay": 1, "copy": 0, "batch": 1, "triton": 0, "record": 4, "pinned": 0, "graphs": 0}),
+        ("dma", {"replay": 0, "copy": 0, "batch": 1, "triton": 0, "record": 2, "pinned": 0, "graphs": 0}),
+    ],
+)
+def test_one_store_of_16_blocks_issues_exactly_this_and_never_syncs(monkeypatch, path, want):
+    # The regression guard: a change that adds a launch, a copy, an event or a torch operation
+    # to the hot path fails here (the timings are benchmarks/host_cost.py's).
+    engine, _ = make_engine("cuda", path)
+    for _ in range(3):  # warm: the pools hold enough blocks for the calls below
+        engine.store(list(range(16)), list(range(16)))
+    engine.flush()
+    counts = Counts(monkeypatch)
+    gpu_ids, host_ids = list(range(20, 36)), list(range(40, 72, 2))  # a run on one side only
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing torch call raises
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.store(gpu_ids, host_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert counts.n == want
+    assert [e.name for e in prof.events() if e.name.startswith("aten::")] == []
+    engine.flush()
+    assert torch.equal(engine.mirror[host_ids], rows(engine)[gpu_ids])
+    engine.close()
+
+
+@gpu
+@pytest.mark.parametrize("path", ["kernel", "staged"])
+def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue_of_calls(path):
+    # 60 stores queue up behind a sleep: each takes a graph whose page-locked ids the GPU has not
+    # read yet, so the pools must grow instead of overwriting; every store's bytes must land.
+    engine, _ = make_engine("cuda", path, num_blocks=64, host_blocks=96)
+    engine.store([0], [0]), engine.load([0], [1])
+    engine.flush()
+    gen = torch.Generator().manual_seed(5)
+    cache = rows(engine)
+    want = engine.mirror.clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    for _ in range(60):
+        n = int(torch.randint(1, 80, (1,), generator=gen))  # across the 64-pair bucket's edge
+        gpu_ids = torch.randint(0, 64, (n,), generator=gen).tolist()
+        host_ids = torch.randperm(96, generator=gen)[:n].tolist()
+        engine.store(gpu_ids, host_ids)
+        want[host_ids] = cache[gpu_ids]
+    engine.flush()
+    assert torch.equal(engine.mirror, want)
+    pools = engine.paths[path]._host_fed[kv_ops.paths.Direction.STORE]
+    assert max(p.made for p in pools) > 2  # they grew while the calls were queued
+    engine.close()
