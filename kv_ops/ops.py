@@ -34,7 +34,8 @@ from . import validation as V
 
 Regions = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
-_lib = torch.library.Library("kv_ops", "DEF")
+_lib = torch.library.Library("kv_ops", "DEF")  # kept for the life of the process
+_TAGS = (torch.Tag.pt2_compliant_tag,)  # as custom_op gave them: compile may trust the schema
 
 
 def _kernel_device(*groups: Sequence[torch.Tensor]) -> torch.device:
@@ -138,7 +139,7 @@ def _check_fake_packed(op: str, regions, ids: torch.Tensor, what: str, packed: t
 
 # --- copy_blocks ---------------------------------------------------------------------------------
 
-_lib.define("copy_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor src_ids, Tensor dst_ids) -> ()")
+_lib.define("copy_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor src_ids, Tensor dst_ids) -> ()", tags=_TAGS)
 
 
 @torch.library.register_fake("kv_ops::copy_blocks", lib=_lib)
@@ -261,7 +262,7 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
 
 # --- gather_blocks -------------------------------------------------------------------------------
 
-_lib.define("gather_blocks(Tensor[] regions, Tensor ids, Tensor(a!) out) -> ()")
+_lib.define("gather_blocks(Tensor[] regions, Tensor ids, Tensor(a!) out) -> ()", tags=_TAGS)
 
 
 @torch.library.register_fake("kv_ops::gather_blocks", lib=_lib)
@@ -339,7 +340,7 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
 
 # --- scatter_blocks ------------------------------------------------------------------------------
 
-_lib.define("scatter_blocks(Tensor packed, Tensor ids, Tensor(a!)[] regions) -> ()")
+_lib.define("scatter_blocks(Tensor packed, Tensor ids, Tensor(a!)[] regions) -> ()", tags=_TAGS)
 
 
 @torch.library.register_fake("kv_ops::scatter_blocks", lib=_lib)

@@ -225,7 +225,15 @@ class KernelPath:
                 for d in Direction
             }
             self._launchers = {d: dma.Launcher(streams[d]) for d in Direction}
-            self._device_fed: dict[Direction, tuple] = {}  # made on the first call with GPU ids
+            # For GPU ids: one graph per direction fed device to device, and its count blocks.
+            # Made now: making a graph synchronises with the legacy stream, which a call must not.
+            self._device_fed = {
+                d: (
+                    kernels.GraphedCopy(self._copies[d], self.capacity, errors),
+                    Pool(functools.partial(IdBlock, 1 + 2 * self.capacity), initial=1),
+                )
+                for d in Direction
+            }
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
@@ -260,9 +268,6 @@ class KernelPath:
     def _enqueue_gpu_ids(self, blocks: Blocks, ready, src_ids, dst_ids) -> torch.cuda.Event:
         d = blocks.direction
         stream, launcher = self.streams[d], self._launchers[d]
-        if d not in self._device_fed:
-            graph = kernels.GraphedCopy(self._copies[d], self.capacity, self._errors)
-            self._device_fed[d] = (graph, Pool(functools.partial(IdBlock, 1 + 2 * self.capacity), initial=1))
         graph, blocks_pool = self._device_fed[d]
         handle = launcher.handle
         wait_event(handle, blocks.ids_ready)  # GPU ids: after the work that wrote them
@@ -392,7 +397,18 @@ class StagedPath:
                 ]
                 for d in Direction
             }
-            self._device_fed: dict[Direction, list] = {}
+            # For GPU ids: each slot's graph fed device to device, and the pool of count blocks.
+            # Made now: making a graph synchronises with the legacy stream, which a call must not.
+            self._device_fed = {
+                d: [
+                    [
+                        kernels.GraphedCopy(bound[d], self.chunk, errors, self._slot_rows(d, slot))
+                        for slot in range(RING_SLOTS)
+                    ],
+                    Pool(functools.partial(IdBlock, 1 + self.chunk), initial=1),
+                ]
+                for d in Direction
+            }
             self._copy = {d: dma.Launcher(streams[d]) for d in Direction}
             self._kernel = {d: dma.Launcher(self.kernel_streams[d]) for d in Direction}
             # Per direction and slot: recorded after the work that last read the slot. Per
@@ -449,7 +465,7 @@ class StagedPath:
         on_host = isinstance(gpu_ids, np.ndarray)
         if not on_host:
             wait_event(k, blocks.ids_ready)  # GPU ids: after the work that wrote them
-            graphs, blocks_pool = self._gpu_fed(d)
+            graphs, blocks_pool = self._device_fed[d]
         taken = []
 
         def gather_or_scatter(slot: int, start: int, stop: int) -> None:
@@ -492,16 +508,6 @@ class StagedPath:
         for pool, item in taken:
             pool.give(item, done)
         return done
-
-    def _gpu_fed(self, d: Direction):
-        """Each slot's graph fed device to device (for GPU ids), and the pool of count blocks."""
-        if d not in self._device_fed:
-            graphs = [
-                kernels.GraphedCopy(self._bound[d], self.chunk, self._errors, self._slot_rows(d, slot))
-                for slot in range(RING_SLOTS)
-            ]
-            self._device_fed[d] = [graphs, Pool(functools.partial(IdBlock, 1 + self.chunk), initial=1)]
-        return self._device_fed[d]
 
     def _ring(self, direction: Direction) -> torch.Tensor:
         ring = self._rings.get(direction)

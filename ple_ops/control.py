@@ -122,6 +122,9 @@ class ControlBlock:
 
     Attributes
     ----------
+    words : ctypes array of int64
+        The header words, indexed by :class:`Word` (or its int value): what :meth:`get` and
+        :meth:`set` read and write, for a hot path that binds it once.
     ids : Tensor
         int64 ``[max_tokens]``, the requested step's token ids.
     flags, waiting : list of CpuGpuSemaphore
@@ -137,7 +140,7 @@ class ControlBlock:
         self.max_tokens = max_tokens
         self.num_layers = num_layers
         base = buffer.bytes.data_ptr()
-        self._words = (ctypes.c_int64 * _HEADER_WORDS).from_address(base)
+        self.words = (ctypes.c_int64 * _HEADER_WORDS).from_address(base)
         self.ids = buffer.view(layout.ids, (max_tokens,), torch.int64)
         self.flags = [
             CpuGpuSemaphore.in_host_memory(buffer.view(layout.flag(i), (1,), torch.int32), map_for_gpu=map_for_gpu)
@@ -171,10 +174,10 @@ class ControlBlock:
         return ControlHandle(self.buffer.handle, self.max_tokens, self.num_layers)
 
     def get(self, word: Word) -> int:
-        return self._words[word]
+        return self.words[word]
 
     def set(self, word: Word, value: int) -> None:
-        self._words[word] = value
+        self.words[word] = value
 
     def delivered(self, layer: int) -> int:
         """The last step whose rows the worker published for ``layer``."""

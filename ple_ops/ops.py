@@ -1,31 +1,40 @@
 """The PLE operators ``torch.ops.ple_ops.wait / wait_copy / release``: schema, fake, CPU and CUDA.
 
-Registration follows the project's one pattern (see kv_ops/ops.py): ``torch.library.custom_op``
-on the CPU implementation, ``register_fake`` under it, ``register_kernel("cuda")``, then a public
-wrapper. Each op mutates ``out``, the layer's output buffer (a module buffer, so a real graph
-input): that keeps compile from deleting the op, orders ``wait``/``wait_copy`` before every
-reader of ``out`` and ``release`` after every reader. ``dep`` is read only; it orders the wait
-after the work that produced it.
+Registration: a ``torch.library.Library`` with each schema written out (``Tensor(a0!) out``: the
+op mutates ``out``), a CPU and a CUDA implementation, and ``register_fake`` (its ``torch._check``s
+state the contract), then a public wrapper. Not ``torch.library.custom_op``, the form kv_ops
+used: its Python autograd and ADInplaceOrView wrappers cost 20-30 us of dispatch per eager call
+on a CPU where this form costs about 4 us, and an eager (or compiled, not graph-captured)
+forward makes two op calls per PLE layer. The schemas are the ones custom_op inferred, tags
+included; ``wait_copy`` bumps ``out``'s version counter itself, as torch's in-place ops do.
+
+Each op mutates ``out``, the layer's output buffer (a module buffer, so a real graph input): that
+keeps compile from deleting the op, orders ``wait``/``wait_copy`` before every reader of ``out``
+and ``release`` after every reader. ``dep`` is read only; it orders the wait after the work that
+produced it.
 
 The ops carry a layer name and counts, never an address: the flag and the host slot are looked
 up in :mod:`ple_ops.registry` on every call, in the process that runs the op. A layer armed by a
 runtime has a step guard there: the ops ask it first whether the wait or release can end in this
-step's rows (it raises otherwise), and on the CPU path it does the waiting, bounded.
+step's rows (it raises otherwise), and on the CPU path it does the waiting, bounded. On the GPU
+path the driver handles (flag addresses, the slot's address, the current stream's handle) are
+bound once (:class:`ple_ops.semaphore.BoundDriver`), and each op looks up the current stream once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Iterator
 
 import torch
 
-from kv_ops.driver import check_driver, driver
+from kv_ops.driver import check_driver
 
-from . import reference, registry
+from . import registry
 from .control import IDLE, WAITING
-from .semaphore import DONE
+from .semaphore import DONE, RESET, bound_driver
 
 _observation = threading.local()
 
@@ -86,8 +95,8 @@ def _host_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
     layer.check()  # a failed producer's flags are raised over poisoned rows: report, don't return them
 
 
-def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
-    """GPU path: enqueue (or record) the wait on the layer's flag on the current stream."""
+def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream) -> None:
+    """GPU path: enqueue (or record) the wait on the layer's flag on ``stream`` (the current one)."""
     if layer.guard is not None:
         layer.guard.before_stream_wait(layer.name, num_tokens)
     else:
@@ -96,30 +105,53 @@ def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
         # In stream order just before the wait: while the stream is parked on the flag, the
         # runtime's watchdog can see that it waits, and free it if no prepared step will raise
         # the flag. The step's release clears the word (ple_ops.control).
-        layer.waiting.write(WAITING)
-    layer.flag.wait_done()
+        layer.waiting.write_on(stream, WAITING)
+    layer.flag.wait_on(stream, DONE)
+
+
+def _device_out(layer: registry.ArmedLayer, out: torch.Tensor):
+    """The driver handle of ``out``'s address, bound once per layer while ``out`` stays where it is."""
+    address = out.data_ptr()
+    bound = layer.bound_out
+    if bound is None or bound[0] != address:
+        bound = layer.bound_out = (address, bound_driver().CUdeviceptr(address))
+    return bound[1]
+
+
+# --- the registration ----------------------------------------------------------------------------
+
+_lib = torch.library.Library("ple_ops", "DEF")  # kept for the life of the process
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+
+
+def _register(schema: str, cpu, cuda, fake) -> None:
+    name = schema.split("(", 1)[0]
+    _lib.define(schema, tags=_TAGS)
+    _lib.impl(name, cpu, "CPU")
+    _lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"ple_ops::{name}", fake, lib=_lib)
 
 
 # --- wait ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ple_ops::wait", mutates_args=("out",), device_types="cpu")
-def _wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
+def _wait_cpu(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     layer = registry.lookup(name)
     _check_out("ple_ops.wait", layer, out)
     _host_wait(layer, None)
 
 
-@_wait.register_fake
-def _(out, dep, name):
+def _wait_fake(out, dep, name):
     torch._check(out.dim() == 2, lambda: "ple_ops.wait: out must be 2-D [rows, dim]")
 
 
-@_wait.register_kernel("cuda")
-def _(out, dep, name):
+def _wait_cuda(out, dep, name):
     layer = registry.lookup(name)
     _check_out("ple_ops.wait", layer, out)
-    _enqueue_wait(layer, None)
+    _enqueue_wait(layer, None, bound_driver().current_stream())
+
+
+_register("wait(Tensor(a0!) out, Tensor dep, str name) -> ()", _wait_cpu, _wait_cuda, _wait_fake)
 
 
 def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
@@ -144,39 +176,47 @@ def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
 # --- wait_copy -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ple_ops::wait_copy", mutates_args=("out",), device_types="cpu")
-def _wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) -> None:
+def _wait_copy_cpu(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) -> None:
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
     _record(name, num_tokens, layer.row_bytes)
     _host_wait(layer, num_tokens)
-    reference.pull_rows(out, layer.slot, num_tokens)
+    if num_tokens:
+        # The first rows of the slot into out, byte for byte (what reference.pull_rows does, in
+        # one call: out is contiguous and its rows are the slot's width, as checked above).
+        ctypes.memmove(out.data_ptr(), layer.slot_address, num_tokens * layer.row_bytes)
+        torch.autograd.graph.increment_version(out)
 
 
-@_wait_copy.register_fake
-def _(out, dep, num_tokens, name):
+def _wait_copy_fake(out, dep, num_tokens, name):
     torch._check(out.dim() == 2, lambda: "ple_ops.wait_copy: out must be 2-D [rows, dim]")
     torch._check(num_tokens >= 0, lambda: "ple_ops.wait_copy: num_tokens must be >= 0")
     torch._check(num_tokens <= out.shape[0], lambda: "ple_ops.wait_copy: num_tokens exceeds out's rows")
 
 
-@_wait_copy.register_kernel("cuda")
-def _(out, dep, num_tokens, name):
-    drv = driver()
-
+def _wait_copy_cuda(out, dep, num_tokens, name):
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
+    d = bound_driver()
+    stream = d.current_stream()
     # Stream order does the rest: the copy starts only after the GPU has seen the flag, and the
     # producer stored the rows before the flag (release fence), so the DMA reads complete rows.
-    _enqueue_wait(layer, num_tokens)
+    _enqueue_wait(layer, num_tokens, stream)
     _record(name, num_tokens, layer.row_bytes)
     nbytes = num_tokens * layer.row_bytes
     if nbytes:
-        stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
-        check_driver(
-            drv.cuMemcpyHtoDAsync(drv.CUdeviceptr(out.data_ptr()), layer.slot.data_ptr(), nbytes, stream),
-            f"cuMemcpyHtoDAsync({nbytes} bytes for {name!r})",
-        )
+        result = d.memcpy_htod(_device_out(layer, out), layer.slot_address, nbytes, stream)
+        if result[0] != d.success:
+            check_driver(result, f"cuMemcpyHtoDAsync({nbytes} bytes for {name!r})")
+        torch.autograd.graph.increment_version(out)
+
+
+_register(
+    "wait_copy(Tensor(a0!) out, Tensor dep, SymInt num_tokens, str name) -> ()",
+    _wait_copy_cpu,
+    _wait_copy_cuda,
+    _wait_copy_fake,
+)
 
 
 def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) -> torch.Tensor:
@@ -211,8 +251,7 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
 # --- release -------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ple_ops::release", mutates_args=("out",), device_types="cpu")
-def _release(out: torch.Tensor, name: str) -> None:
+def _release_cpu(out: torch.Tensor, name: str) -> None:
     layer = registry.lookup(name)
     if layer.guard is not None:
         layer.guard.host_release(name)
@@ -220,16 +259,15 @@ def _release(out: torch.Tensor, name: str) -> None:
         layer.flag.host_reset()
 
 
-@_release.register_fake
-def _(out, name):
+def _release_fake(out, name):
     torch._check(out.dim() == 2, lambda: "ple_ops.release: out must be 2-D [rows, dim]")
 
 
-@_release.register_kernel("cuda")
-def _(out, name):
+def _release_cuda(out, name):
     layer = registry.lookup(name)
     if layer.guard is not None and not layer.guard.before_stream_release(name):
         return  # this step already released the layer (eagerly): a second reset would clear the next step
+    stream = bound_driver().current_stream()
     if layer.waiting is not None:
         # Never reset a flag before the raise it answers: a release enqueued without the step's
         # wait (no forward) would run at once, the worker's raise would come after it, and the
@@ -237,10 +275,14 @@ def _(out, name):
         # reset consume exactly this step's raise; after a forward the wait passes at once.
         # Marked waiting in stream order, as every wait is, so that the watchdog also frees a
         # replay of a graph that holds the releases alone (a forward's wait marked it already).
-        layer.waiting.write(WAITING)
-        layer.flag.wait_done()
-        layer.waiting.write(IDLE)  # before the reset: "waiting on a reset flag" then never shows a finished wait
-    layer.flag.reset()
+        layer.waiting.write_on(stream, WAITING)
+        layer.flag.wait_on(stream, DONE)
+        # Cleared before the reset: "waiting on a reset flag" then never shows a finished wait.
+        layer.waiting.write_on(stream, IDLE)
+    layer.flag.write_on(stream, RESET)
+
+
+_register("release(Tensor(a0!) out, str name) -> ()", _release_cpu, _release_cuda, _release_fake)
 
 
 def release(out: torch.Tensor, name: str) -> None:

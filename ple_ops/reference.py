@@ -1,4 +1,4 @@
-"""Pure-torch reference of what the PLE ops deliver: the CPU path and the test oracle."""
+"""Pure-torch reference of what the PLE ops deliver (the test oracle), and the poison of failed rows."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ class ArmedLayer:
     flag : CpuGpuSemaphore
         Raised by the producer when the layer's rows are in ``slot``.
     slot : Tensor
-        uint8 ``[max_tokens, row_bytes]`` in shared page-locked host memory.
+        uint8 ``[max_tokens, row_bytes]`` in shared page-locked host memory. Fixed once the layer
+        is made: ``max_tokens``, ``row_bytes`` and ``slot_address`` are read from it then.
     check : callable
         Raises if the producer has failed; host-side waits call it while they spin.
     out : Tensor or None
@@ -71,14 +72,18 @@ class ArmedLayer:
     out: torch.Tensor | None = None
     waiting: CpuGpuSemaphore | None = None
     guard: StepGuard | None = None
+    # Bound once from the slot, which stays the same tensor while the layer is armed: every op
+    # call reads them.
+    max_tokens: int = field(init=False, repr=False, compare=False)
+    row_bytes: int = field(init=False, repr=False, compare=False)
+    slot_address: int = field(init=False, repr=False, compare=False)
+    # (address, driver handle) of the last output buffer a GPU copy wrote (ple_ops.ops).
+    bound_out: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def max_tokens(self) -> int:
-        return self.slot.shape[0]
-
-    @property
-    def row_bytes(self) -> int:
-        return self.slot.shape[1]
+    def __post_init__(self) -> None:
+        if self.slot.dim() == 2:  # arm() refuses any other slot, with its own message
+            self.max_tokens, self.row_bytes = self.slot.shape
+        self.slot_address = self.slot.data_ptr()
 
 
 _armed: dict[str, ArmedLayer] = {}

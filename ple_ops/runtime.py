@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import multiprocessing
 import os
@@ -33,6 +34,10 @@ from .semaphore import DONE, RESET, ProducerFailed, release_fence, spin_wait
 from .shared_memory import SharedHostBuffer
 
 _POLL = 0.005  # seconds between two looks of the watchdog
+# Header words as plain ints, for the hot paths' direct loads and stores (ControlBlock.words).
+_REQUEST, _NUM_TOKENS, _TAKEN, _FAILED = int(Word.REQUEST), int(Word.NUM_TOKENS), int(Word.TAKEN), int(Word.FAILED)
+# Id dtypes that pass prepare()'s dtype check at once (any other non-float, non-bool one passes too).
+_ID_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 # A stream must look stuck (waiting on a reset flag that no prepared step will raise) on looks at
 # least this far apart before the runtime acts: the words are read one by one, not atomically.
 _STUCK_GRACE = 0.05
@@ -62,31 +67,25 @@ class _Layer:
     module: layer_mod.PleOffloadLayer
     slot_buffer: SharedHostBuffer
     armed: registry.ArmedLayer
-    waited: bool = False  # an executed (not captured) wait of this step
-    released: bool = False  # an executed release of this step: a second one does nothing
+    # The last step in which a wait of this layer executed (not captured), and the last in which
+    # its release did (a second release in that step does nothing). Steps are numbered from 1, so
+    # prepare() needs no per-layer reset: a new step number clears both.
+    waited_step: int = 0
+    released_step: int = 0
 
-    @property
-    def flag(self):
-        return self.armed.flag
+    def __post_init__(self) -> None:
+        self.flag = self.armed.flag  # read on every wait and release
 
 
 class _Guard:
-    """The runtime as the ops see it through the registry (:class:`ple_ops.registry.StepGuard`)."""
+    """The runtime as the ops see it through the registry (:class:`ple_ops.registry.StepGuard`):
+    its methods, bound once."""
 
     def __init__(self, runtime: "OffloadRuntime"):
-        self._rt = runtime
-
-    def host_wait(self, name: str, num_tokens: int | None) -> None:
-        self._rt._host_wait(name, num_tokens)
-
-    def host_release(self, name: str) -> None:
-        self._rt._host_release(name)
-
-    def before_stream_wait(self, name: str, num_tokens: int | None) -> None:
-        self._rt._before_stream_wait(name, num_tokens)
-
-    def before_stream_release(self, name: str) -> bool:
-        return self._rt._before_stream_release(name)
+        self.host_wait = runtime._host_wait
+        self.host_release = runtime._host_release
+        self.before_stream_wait = runtime._before_stream_wait
+        self.before_stream_release = runtime._before_stream_release
 
 
 def _capture_replays_at_once() -> bool:
@@ -205,6 +204,10 @@ class OffloadRuntime:
         self._open = False
         self._num_tokens = 0
         self._prepared_at = 0.0
+        # Executed (not captured) waits and first releases of the open step: release(enqueue=False)
+        # after a replay, where none executed, then looks at no layer.
+        self._waits = 0
+        self._releases = 0
         # Failed steps, from the pipe (watchdog and callers both drain it, under _pipe_lock).
         self._pipe_lock = threading.Lock()
         self._step_failures: dict[int, StepFailed] = {}
@@ -296,6 +299,8 @@ class OffloadRuntime:
                 fatal=True,
             )
         self._control = ControlBlock.create(self.max_tokens, len(modules), map_for_gpu=self._on_gpu)
+        self._words = self._control.words
+        self._ids_address = self._control.ids.data_ptr()
         shared.append(self._control.buffer)
         for i, ((name, module), spec) in enumerate(zip(modules, report.layers)):
             slot_buffer = SharedHostBuffer(self.max_tokens * spec.row_bytes, register=self._on_gpu)
@@ -371,7 +376,8 @@ class OffloadRuntime:
             )
         ids = self._checked_ids(input_ids)
         n = ids.shape[0]
-        if self._control.get(Word.TAKEN) != self._step:
+        words = self._words
+        if words[_TAKEN] != self._step:
             # A GPU step is released when its resets are enqueued, so the caller may come back
             # before the offload process has even read the previous step's ids. Overwriting them
             # would serve that step other ids' rows, and its request number would be skipped.
@@ -379,7 +385,7 @@ class OffloadRuntime:
             # never more than one step ahead of the offload process.
             try:
                 spin_wait(
-                    lambda: self._control.get(Word.TAKEN),
+                    lambda: words[_TAKEN],
                     self._step,
                     "prepare",
                     self._check_usable,
@@ -390,27 +396,32 @@ class OffloadRuntime:
                     f"the offload process did not take step {self._step} within step_timeout {self.step_timeout} s"
                 )
                 self._check_usable()
-        self._control.ids[:n].copy_(ids)
-        self._control.set(Word.NUM_TOKENS, n)
-        for layer in self._layers:
-            layer.waited = layer.released = False
+        if type(ids) is torch.Tensor and ids.is_contiguous() and not ids.is_neg():
+            ctypes.memmove(self._ids_address, ids.data_ptr(), 8 * n)  # CPU int64 (_checked_ids)
+        else:
+            self._control.ids[:n].copy_(ids)
+        words[_NUM_TOKENS] = n
         self._step += 1
+        self._waits = self._releases = 0
         self._num_tokens = n
         self._prepared_at = time.monotonic()  # before the request: the watchdog reads them in the other order
         self._open = True
         release_fence()  # ids and count before the request number
-        self._control.set(Word.REQUEST, self._step)
+        words[_REQUEST] = self._step
 
     def _checked_ids(self, input_ids) -> torch.Tensor:
+        """The ids as a CPU int64 tensor (``input_ids`` itself when it is one), checked."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"prepare: input_ids must be a tensor, got {type(input_ids).__name__}")
         dtype = input_ids.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        if dtype not in _ID_DTYPES and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
             raise TypeError(f"prepare: input_ids must have an integer dtype, got {dtype} (ids are never rounded)")
         if input_ids.dim() != 1 or not 0 < input_ids.shape[0] <= self.max_tokens:
             raise ValueError(
                 f"prepare: input_ids must be 1-D with 1..{self.max_tokens} ids, got shape {tuple(input_ids.shape)}"
             )
+        if dtype == torch.int64 and input_ids.is_cpu:
+            return input_ids
         return input_ids.detach().to("cpu", torch.int64)
 
     def release(self, enqueue: bool = True) -> None:
@@ -428,7 +439,7 @@ class OffloadRuntime:
             executed paths, ``enqueue=False`` although the forward reset nothing (the runtime
             resets the flags, so later steps are served); or the runtime is dead.
         """
-        self._check_usable()
+        self._check_failed()
         if self._on_gpu and torch.cuda.is_current_stream_capturing():
             if self._open:
                 raise self._captured_while_prepared("release()")
@@ -447,7 +458,12 @@ class OffloadRuntime:
                 # What executed here (not captured) shows whether the resets ran. On the CPU
                 # every op executes; on the GPU a wait that executed without its release shows an
                 # eager forward, while a replay shows nothing and is trusted.
-                missing = [layer for layer in self._layers if not layer.released and (layer.waited or not self._on_gpu)]
+                step = self._step
+                if not self._on_gpu:
+                    if self._releases < len(self._layers):
+                        missing = [layer for layer in self._layers if layer.released_step != step]
+                elif self._waits:
+                    missing = [layer for layer in self._layers if layer.waited_step == step != layer.released_step]
                 for layer in missing:
                     self._release_layer(layer)
         finally:
@@ -462,7 +478,7 @@ class OffloadRuntime:
         self._raise_unreported(self._step)
 
     def _release_layer(self, layer: _Layer) -> None:
-        if not layer.released:
+        if layer.released_step != self._step:
             layer.module.release_offloaded()  # the op marks its own flag wait as waiting
 
     def served_steps(self) -> int:
@@ -475,13 +491,13 @@ class OffloadRuntime:
     def _before_wait(self, name: str, num_tokens: int | None) -> _Layer:
         """The checks of an executed wait, CPU or GPU."""
         layer = self._by_name[name]
-        self._check_usable()
+        self._check_failed()
         if not self._open:
             raise OffloadError(
                 f"layer {name!r} waited for its rows with no step prepared: prepare() was missing "
                 "(call prepare(input_ids) before each forward, release() after it)"
             )
-        if layer.released:
+        if layer.released_step == self._step:
             raise OffloadError(
                 f"layer {name!r} waited for rows it already released in this step (a second forward of a "
                 "step whose graph contains the releases?): prepare() the next step first"
@@ -491,18 +507,21 @@ class OffloadRuntime:
                 f"layer {name!r}: the forward has {num_tokens} tokens but the prepared step has "
                 f"{self._num_tokens}: prepare() the ids the forward uses"
             )
-        layer.waited = True
+        layer.waited_step = self._step
+        self._waits += 1
         return layer
 
     def _host_wait(self, name: str, num_tokens: int | None) -> None:
         layer = self._before_wait(name, num_tokens)
         self._await_published(layer)
-        if self._control.get(Word.FAILED) == self._step:
+        if self._words[_FAILED] == self._step:
             raise self._step_error(self._step, report=True)
 
     def _await_published(self, layer: _Layer) -> None:
         """CPU path: until the worker published this step's rows of ``layer`` (bounded)."""
         control, flag, i, step = self._control, layer.flag, layer.index, self._step
+        if flag.host_value() == DONE and control.delivered(i) == step:
+            return  # the usual case: the offload process is ahead
 
         def published() -> int:
             return int(flag.host_value() == DONE and control.delivered(i) == step)
@@ -517,16 +536,17 @@ class OffloadRuntime:
 
     def _host_release(self, name: str) -> None:
         layer = self._by_name[name]
-        self._check_usable()
+        self._check_failed()
         if not self._open:
             raise OffloadError(f"layer {name!r} was released with no step prepared: prepare() was missing")
-        if layer.released:
+        if layer.released_step == self._step:
             return
         # Wait for the raise this reset answers: resetting first would leave this step's late
         # flag raised over its rows for the next step's wait.
         self._await_published(layer)
         layer.flag.host_reset()
-        layer.released = True
+        layer.released_step = self._step
+        self._releases += 1
 
     def _before_stream_wait(self, name: str, num_tokens: int | None) -> None:
         if torch.cuda.is_current_stream_capturing():
@@ -538,16 +558,18 @@ class OffloadRuntime:
 
     def _before_stream_release(self, name: str) -> bool:
         layer = self._by_name[name]
-        self._check_usable()
         if torch.cuda.is_current_stream_capturing():
+            self._check_usable()
             if self._open and not _capture_replays_at_once():
                 raise self._captured_while_prepared(f"layer {name!r}'s release")
             return True
+        self._check_failed()
         if not self._open:
             raise OffloadError(f"layer {name!r} was released with no step prepared: prepare() was missing")
-        if layer.released:
+        if layer.released_step == self._step:
             return False
-        layer.released = True
+        layer.released_step = self._step
+        self._releases += 1
         return True
 
     def _captured_while_prepared(self, what: str) -> OffloadError:
@@ -589,10 +611,12 @@ class OffloadRuntime:
 
     def _take_unreported(self, up_to: int) -> OffloadError | None:
         """The error of the earliest failed step <= ``up_to`` that no call has raised, marked raised."""
-        failed = self._control.get(Word.FAILED)  # one load on the hot path; the pipe only when it moved
+        failed = self._words[_FAILED]  # one load on the hot path; the pipe only when it moved
         if failed != self._failed_seen:
             self._collect()
             self._failed_seen = failed
+        if not self._step_failures:
+            return None
         pending = [s for s in self._step_failures if s <= up_to and s not in self._reported]
         if not pending:
             return None
@@ -611,13 +635,38 @@ class OffloadRuntime:
     # --- failure handling --------------------------------------------------------------------
 
     def _check_usable(self) -> None:
-        """Raise if closed or failed (fatal); notice a dead offload process at once."""
+        """Raise if closed or failed (fatal); notice a dead offload process at once.
+
+        Asks the kernel whether the process lives (``is_alive``: two system calls). Called once
+        per step (by ``prepare``) and by the other once-per-call entry points; the ops, several
+        calls per layer and step, use :meth:`_check_failed`.
+        """
         if self._closed:
             raise self._closed_error()
         if self._failure is None and not self.process.is_alive():
             self._fail(self._death_reason())
         if self._failure is not None:
             raise self._failure
+
+    def _check_failed(self) -> None:
+        """:meth:`_check_usable` without the system calls, for the per-layer checks and ``release``.
+
+        A death is noticed here once the process's exit status was collected: by the watchdog,
+        which asks every ``_POLL`` seconds (and then fails the runtime itself), by ``prepare()``
+        or ``check()``, or by a join. Nothing can hang on the difference: a CPU wait checks
+        fully while it spins, and the watchdog frees a GPU stream that waits on a dead process.
+        """
+        if self._closed:
+            raise self._closed_error()
+        if self._failure is None and self._reaped():
+            self._fail(self._death_reason())
+        if self._failure is not None:
+            raise self._failure
+
+    def _reaped(self) -> bool:
+        """Whether the offload process's exit status was collected (an attribute read, no system call)."""
+        popen = self.process._popen  # multiprocessing's: returncode stays None until a wait saw the exit
+        return popen is not None and getattr(popen, "returncode", None) is not None
 
     def _closed_error(self) -> OffloadError:
         after = f" (it had failed: {self._failure})" if self._failure is not None else ""

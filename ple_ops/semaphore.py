@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +63,52 @@ def spin_wait(
             time.sleep(delay)
 
 
+class BoundDriver:
+    """The driver calls of the stream operations, looked up once per process (:func:`bound_driver`).
+
+    The ops enqueue two to four stream operations per call; looking up the bindings, building
+    each handle and formatting each call's error text on every call cost more host time than the
+    calls themselves. Here each function and constant is bound once, the current stream's handle
+    is built once per stream, and an error text is formatted only when a call fails.
+    """
+
+    _MAX_STREAMS = 64  # handles kept; past that the table starts again (a handle is a plain wrapper)
+
+    def __init__(self):
+        drv = driver()
+        self.success = drv.CUresult.CUDA_SUCCESS
+        self.write_value32 = drv.cuStreamWriteValue32
+        self.wait_value32 = drv.cuStreamWaitValue32
+        self.wait_eq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
+        self.memcpy_htod = drv.cuMemcpyHtoDAsync
+        self.CUdeviceptr = drv.CUdeviceptr
+        self._CUstream = drv.CUstream
+        self._streams: dict[int, object] = {}
+        # The current stream's raw handle without building a torch.cuda.Stream (what Inductor's
+        # generated code calls); torch.cuda.current_stream() where this torch lacks them.
+        raw, device = getattr(torch._C, "_cuda_getCurrentRawStream", None), getattr(torch._C, "_cuda_getDevice", None)
+        if raw is not None and device is not None:
+            self._raw_stream = lambda: raw(device())
+        else:
+            self._raw_stream = lambda: torch.cuda.current_stream().cuda_stream
+
+    def current_stream(self):
+        """The driver handle of the current device's current stream, as it is at this call."""
+        raw = self._raw_stream()
+        stream = self._streams.get(raw)
+        if stream is None:
+            if len(self._streams) >= self._MAX_STREAMS:
+                self._streams.clear()
+            stream = self._streams[raw] = self._CUstream(raw)
+        return stream
+
+
+@functools.cache
+def bound_driver() -> BoundDriver:
+    """This process's :class:`BoundDriver` (made on the first GPU stream operation)."""
+    return BoundDriver()
+
+
 class CpuGpuSemaphore:
     """A 32-bit flag between a GPU stream and a CPU (or GPU) producer.
 
@@ -75,8 +122,10 @@ class CpuGpuSemaphore:
 
     Stream operations (:meth:`signal`, :meth:`reset`, :meth:`wait_done`) are
     enqueued on the caller's current stream at call time (``torch.cuda.graph`` captures on a
-    stream of its own) and are capturable into CUDA graphs. The flag's address is held here, in
-    the process that made or attached it, never in an op argument.
+    stream of its own) and are capturable into CUDA graphs; :meth:`write_on` and :meth:`wait_on`
+    take the stream's driver handle from a caller that enqueues several (the ops look the
+    current stream up once per call). The flag's address is held here, in the process that made
+    or attached it, never in an op argument; its driver handle is built once, on first use.
 
     Examples
     --------
@@ -90,6 +139,7 @@ class CpuGpuSemaphore:
             raise ValueError(f"CpuGpuSemaphore: the flag must be one int32, got {flag.dtype} {tuple(flag.shape)}")
         self.flag = flag
         self._device_address = device_address
+        self._cu_address = None  # the driver handle of device_address, bound on first stream op
         self._host_word = ctypes.c_int32.from_address(flag.data_ptr()) if flag.device.type == "cpu" else None
 
     @classmethod
@@ -122,32 +172,42 @@ class CpuGpuSemaphore:
             raise RuntimeError("this semaphore has no device address in this process (attached without CUDA)")
         return self._device_address
 
-    def _stream_op(self, op: str, value: int) -> None:
-        drv = driver()
+    def _address(self):
+        """The flag's device address as a driver handle, built on first use and kept."""
+        address = self._cu_address
+        if address is None:
+            address = self._cu_address = bound_driver().CUdeviceptr(self.device_address)
+        return address
 
-        stream = drv.CUstream(torch.cuda.current_stream().cuda_stream)
-        address = drv.CUdeviceptr(self.device_address)
-        if op == "write":
-            check_driver(drv.cuStreamWriteValue32(stream, address, value, 0), f"cuStreamWriteValue32({value})")
-        else:
-            flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
-            check_driver(drv.cuStreamWaitValue32(stream, address, value, flags), f"cuStreamWaitValue32(== {value})")
+    def write_on(self, stream, value: int) -> None:
+        """Enqueue ``flag = value`` on ``stream``, a driver handle from :meth:`BoundDriver.current_stream`."""
+        d = bound_driver()
+        result = d.write_value32(stream, self._address(), value, 0)
+        if result[0] != d.success:
+            check_driver(result, f"cuStreamWriteValue32({value})")
+
+    def wait_on(self, stream, value: int = DONE) -> None:
+        """Enqueue a wait until ``flag == value`` on ``stream`` (a driver handle, as for :meth:`write_on`)."""
+        d = bound_driver()
+        result = d.wait_value32(stream, self._address(), value, d.wait_eq)
+        if result[0] != d.success:
+            check_driver(result, f"cuStreamWaitValue32(== {value})")
 
     def write(self, value: int) -> None:
         """Enqueue ``flag = value`` on the current stream (any 32-bit value, e.g. a status word)."""
-        self._stream_op("write", value)
+        self.write_on(bound_driver().current_stream(), value)
 
     def signal(self) -> None:
         """Enqueue ``flag = DONE`` on the current stream."""
-        self._stream_op("write", DONE)
+        self.write_on(bound_driver().current_stream(), DONE)
 
     def reset(self) -> None:
         """Enqueue ``flag = RESET`` on the current stream."""
-        self._stream_op("write", RESET)
+        self.write_on(bound_driver().current_stream(), RESET)
 
     def wait_done(self) -> None:
         """Enqueue a wait until ``flag == DONE`` on the current stream."""
-        self._stream_op("wait", DONE)
+        self.wait_on(bound_driver().current_stream(), DONE)
 
     # --- host operations (host form only; no CUDA) --------------------------------------------
 
@@ -175,4 +235,13 @@ class CpuGpuSemaphore:
         spin_wait(lambda: word.value, value, "CpuGpuSemaphore.host_wait", check, timeout, spin)
 
 
-__all__ = ["CpuGpuSemaphore", "ProducerFailed", "release_fence", "spin_wait", "DONE", "RESET"]
+__all__ = [
+    "CpuGpuSemaphore",
+    "BoundDriver",
+    "bound_driver",
+    "ProducerFailed",
+    "release_fence",
+    "spin_wait",
+    "DONE",
+    "RESET",
+]

@@ -157,3 +157,39 @@ def test_a_name_disarmed_with_a_reason_raises_it_until_armed_again(armed):
     with pytest.raises(RuntimeError, match="no layer named 'test.ple' is armed"):
         ple_ops.lookup("test.ple")
     ple_ops.arm(armed)  # for the fixture's teardown
+
+
+def test_the_op_schemas_declare_the_mutation_of_out_and_are_pt2_compliant():
+    # Written by hand (torch.library.Library): the schemas must stay those that custom_op inferred.
+    want = {
+        "wait": "ple_ops::wait(Tensor(a0!) out, Tensor dep, str name) -> ()",
+        "wait_copy": "ple_ops::wait_copy(Tensor(a0!) out, Tensor dep, SymInt num_tokens, str name) -> ()",
+        "release": "ple_ops::release(Tensor(a0!) out, str name) -> ()",
+    }
+    for name, schema in want.items():
+        op = getattr(torch.ops.ple_ops, name).default
+        assert str(op._schema) == schema
+        assert op._schema.arguments[0].alias_info.is_write
+        assert torch.Tag.pt2_compliant_tag in op.tags
+
+
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 32), (torch.bfloat16, 64), (torch.uint8, 128)])
+def test_wait_copy_pulls_the_slot_bytes_into_an_offset_view_and_bumps_its_version(armed, dtype, dim):
+    # out is a view into a larger buffer (storage offset): the copy must land at its own rows.
+    gen = torch.Generator().manual_seed(int(dim))
+    armed.slot.copy_(torch.randint(0, 256, armed.slot.shape, dtype=torch.uint8, generator=gen))
+    armed.flag.host_signal()
+    big = torch.randint(0, 256, (20, 128), dtype=torch.uint8, generator=gen).view(dtype)
+    before = big.clone()
+    out = big[3:19]
+    for n in (int(torch.randint(1, 17, (1,), generator=gen)), 16, 0):
+        version = out._version
+        want = before[3:19].clone()
+        ple_ops.reference.pull_rows(want, armed.slot, n)  # the oracle
+        ple_ops.wait_copy(out, torch.zeros(1), n, "test.ple")
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+        assert out._version > version or n == 0
+        # Nothing outside the view is touched.
+        assert torch.equal(big[:3].view(torch.uint8), before[:3].view(torch.uint8))
+        assert torch.equal(big[19:].view(torch.uint8), before[19:].view(torch.uint8))
+        before[3:19] = out

@@ -178,6 +178,62 @@ def test_killing_the_offload_process_mid_step_raises_within_a_second():
         rt.close()
 
 
+def wait_served(rt):
+    """Until the offload process has served the prepared step (read from its word: no liveness check)."""
+    deadline = time.monotonic() + rt.step_timeout
+    while rt._control.get(Word.SERVED) < rt._control.get(Word.REQUEST):
+        assert time.monotonic() < deadline, "the step was not served"
+        time.sleep(1e-4)
+
+
+def test_liveness_is_asked_of_the_kernel_once_per_step_not_per_layer(runtime, local, monkeypatch):
+    # is_alive() costs two system calls; the ops (two per layer and step) must not make them.
+    # prepare() asks once per step; the watchdog (its own thread) asks every few milliseconds.
+    main, calls, alive = threading.current_thread(), [], runtime.process.is_alive
+
+    def counted():
+        if threading.current_thread() is main:
+            calls.append(1)
+        return alive()
+
+    monkeypatch.setattr(runtime.process, "is_alive", counted)
+    gen = torch.Generator().manual_seed(21)
+    steps = 6
+    for _ in range(steps):
+        ids, hidden = random_step(gen, int(torch.randint(1, 33, (1,), generator=gen)))
+        runtime.prepare(ids)
+        wait_served(runtime)  # rows already published: no wait of the forward spins (and checks)
+        out = runtime.model(hidden, ids)
+        runtime.release()
+        torch.testing.assert_close(out, local(hidden, ids), rtol=0, atol=0)
+    assert len(calls) == steps
+
+
+@pytest.mark.parametrize("noticed_by", ["join", "watchdog"])
+def test_a_death_after_the_rows_were_published_fails_the_next_forward(local, noticed_by):
+    with ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", step_timeout=2.0) as rt:
+        ids, hidden = random_step(torch.Generator().manual_seed(22), 6)
+        rt.prepare(ids)
+        wait_served(rt)
+        if noticed_by == "join":
+            # No watchdog: the forward's own (system-call-free) check must see the collected exit.
+            rt._stop_watching.set()
+            rt._watchdog.join(5.0)
+            os.kill(rt.process.pid, 9)
+            rt.process.join(10)
+        else:
+            os.kill(rt.process.pid, 9)
+            deadline = time.monotonic() + 1.0
+            while rt._failure is None:
+                assert time.monotonic() < deadline, "the watchdog did not notice the death within a second"
+                time.sleep(1e-3)
+        with pytest.raises(ple_ops.OffloadError, match="died") as e:
+            rt.model(hidden, ids)
+        assert e.value.fatal
+        with pytest.raises(ple_ops.OffloadError, match="died"):
+            rt.release()
+
+
 # --- C (the CPU side): every release answers its own step ----------------------------------------
 
 

@@ -1,0 +1,47 @@
+"""benchmarks/host_cost.py's smoke test: its tiny CPU configuration, run as CI runs scripts, in a
+subprocess (the PLE rows spawn an offload process, which imports the script as its main module)."""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CALLS = ("copy_blocks", "gather_blocks", "scatter_blocks", "store", "load", "poll", "flush", "prepare", "release")
+
+
+def test_host_cost_quick_on_the_cpu_writes_every_call(tmp_path):
+    # CUDA hidden: the CPU configuration (seconds) wherever the suite runs.
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    cmd = [sys.executable, "benchmarks/host_cost.py", "--quick", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = result.stdout
+    assert result.returncode == 0, f"{out[-4000:]}\n{result.stderr[-4000:]}"
+
+    with open(tmp_path / "host_cost.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for call in CALLS:
+        measured = [r for r in rows if r["call"] == call and r["status"] == "ok"]
+        assert measured, f"no measured row for {call}"
+        for r in measured:
+            for key in ("host_p50_us", "host_p90_us"):
+                value = float(r[key])
+                assert math.isfinite(value) and value > 0, (call, key, r)
+            assert float(r["host_p90_us"]) >= float(r["host_p50_us"]), r
+    # Every engine path ran, and each transfer row sits beside its same-run baselines.
+    assert {r["path"] for r in rows if r["call"] == "store"} == {"kernel", "staged", "dma", "auto"}
+    for r in rows:
+        if r["call"] in ("store", "load", "copy_blocks") and r["status"] == "ok":
+            assert float(r["copy_host_p50_us"]) > 0 and float(r["torch_host_p50_us"]) > 0, r
+            assert float(r["bw_vs_copy"]) > 0, r
+
+    table = (tmp_path / "host_cost.md").read_text()
+    assert table.startswith("# Host cost per call"), table[:200]
+    assert "| call | path | dir | ids | checks | blocks | host p50 us | host p90 us | call-to-done us |" in table
+    assert "# Host cost per call" in out  # printed too
