@@ -288,21 +288,23 @@ def _packed_set(kind: str, op: str, regions, device: torch.device) -> _RegionSet
     return _sets.add(key, regions, entry)
 
 
-def _check_gather(regions, ids, out, device: torch.device) -> _RegionSet:
-    op = "kv_ops.gather_blocks"
-    entry = _packed_set("gather", op, regions, device)
+def _check_packed_call(kind: str, regions, ids, packed, device: torch.device) -> _RegionSet:
+    """Per call of a gather or scatter: the ids, and the packed side against the regions' width.
+    A scatter's ids are destinations, so they must not repeat."""
+    op, what = ("kv_ops.gather_blocks", "out") if kind == "gather" else ("kv_ops.scatter_blocks", "packed")
+    entry = _packed_set(kind, op, regions, device)
     _check_ids(op, device, [("ids", ids)], None)
-    V.check_packed(op, "out", out, ids.shape[0], entry.width)
-    V.check_devices(op, device, ids=[], data=[("out", out)])
+    V.check_packed(op, what, packed, ids.shape[0], entry.width)
+    V.check_devices(op, device, ids=[], data=[(what, packed)])
     if V.should_check_ids(device):
-        V.check_ids_values(op, "ids", ids, entry.src_limit)
+        V.check_ids_values(op, "ids", ids, entry.src_limit, unique=kind == "scatter")
     return entry
 
 
 @torch.library.impl(_lib, "gather_blocks", "CPU")
 def _gather_blocks_cpu(regions, ids, out) -> None:
     device = torch.device("cpu")
-    _check_gather(regions, ids, out, device)
+    _check_packed_call("gather", regions, ids, out, device)
     skipped = reference.gather_blocks(regions, ids, out)
     if skipped:
         V.error_counter(device).add_(skipped)
@@ -311,7 +313,7 @@ def _gather_blocks_cpu(regions, ids, out) -> None:
 @torch.library.impl(_lib, "gather_blocks", "CUDA")
 def _gather_blocks_cuda(regions, ids, out) -> None:
     device = _kernel_device([ids, out], regions)
-    entry = _check_gather(regions, ids, out, device)
+    entry = _check_packed_call("gather", regions, ids, out, device)
     entry.bound(out, ids, None, ids.shape[0], V.error_counter(device))
 
 
@@ -348,21 +350,10 @@ def _(packed, ids, regions):
     _check_fake_packed("kv_ops.scatter_blocks", regions, ids, "packed", packed)
 
 
-def _check_scatter(packed, ids, regions, device: torch.device) -> _RegionSet:
-    op = "kv_ops.scatter_blocks"
-    entry = _packed_set("scatter", op, regions, device)
-    _check_ids(op, device, [("ids", ids)], None)
-    V.check_packed(op, "packed", packed, ids.shape[0], entry.width)
-    V.check_devices(op, device, ids=[], data=[("packed", packed)])
-    if V.should_check_ids(device):
-        V.check_ids_values(op, "ids", ids, entry.dst_limit, unique=True)
-    return entry
-
-
 @torch.library.impl(_lib, "scatter_blocks", "CPU")
 def _scatter_blocks_cpu(packed, ids, regions) -> None:
     device = torch.device("cpu")
-    _check_scatter(packed, ids, regions, device)
+    _check_packed_call("scatter", regions, ids, packed, device)
     skipped = reference.scatter_blocks(packed, ids, regions)
     if skipped:
         V.error_counter(device).add_(skipped)
@@ -371,7 +362,7 @@ def _scatter_blocks_cpu(packed, ids, regions) -> None:
 @torch.library.impl(_lib, "scatter_blocks", "CUDA")
 def _scatter_blocks_cuda(packed, ids, regions) -> None:
     device = _kernel_device([ids, packed], regions)
-    entry = _check_scatter(packed, ids, regions, device)
+    entry = _check_packed_call("scatter", regions, ids, packed, device)
     entry.bound(packed, None, ids, ids.shape[0], V.error_counter(device))
 
 
