@@ -144,8 +144,12 @@ class OffloadEngine:
     Notes
     -----
     One thread drives an engine: the calls are not safe to make concurrently. Ids are integer
-    sequences or int32/int64 tensors on the CPU or the engine's device; anything else (floats,
-    booleans, meta tensors) is refused with ``ValueError`` before any byte moves.
+    sequences, numpy arrays, or int32/int64 tensors on the CPU or the engine's device; anything
+    else (floats, booleans, meta tensors) is refused with ``ValueError`` before any byte moves.
+    Host ids are checked on the host (numpy). GPU ids are never read by the host: the transfer
+    copies them on its own stream after the caller's current stream, and the kernel skips and
+    counts a pair with an invalid id (:func:`kv_ops.error_count`); only the kernel path (what
+    ``auto`` picks for them) and, for ``gpu_ids``, the staged path take them.
 
     Examples
     --------
@@ -375,8 +379,10 @@ class OffloadEngine:
         Raises
         ------
         ValueError
-            Bad ids (out of range, repeated destination, float or meta, length mismatch), before
-            any byte moves and without using up a transfer id; a bad ``after``.
+            Bad host ids (out of range, repeated destination, float or meta, length mismatch),
+            before any byte moves and without using up a transfer id; GPU ids given to a path
+            or tier that plans on the host (``dma``, the disk tier, ``host_ids`` on ``staged``);
+            a bad ``after``.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
@@ -412,8 +418,10 @@ class OffloadEngine:
         Raises
         ------
         ValueError
-            Bad ids (out of range, repeated destination, float or meta, length mismatch), before
-            any byte moves and without using up a transfer id; a bad ``after``.
+            Bad host ids (out of range, repeated destination, float or meta, length mismatch),
+            before any byte moves and without using up a transfer id; GPU ids given to a path
+            or tier that plans on the host (``dma``, the disk tier, ``host_ids`` on ``staged``);
+            a bad ``after``.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError

@@ -1,5 +1,6 @@
-"""Block ids on the engine's hot path: taken in once (lists, arrays or tensors), checked in numpy,
-and staged for the GPU through pooled page-locked id blocks.
+"""Block ids on the engine's hot path: taken in once (lists, arrays or tensors) and checked in
+numpy, and the pool of what the GPU reads (id blocks, the graphs fed from them) reused only
+after it has.
 
 A scheduler hands the engine Python lists. Turning one into a torch tensor and checking it with
 torch costs a dozen tiny torch operations (3-4 us each on the H200's host); the same in numpy

@@ -15,9 +15,13 @@ shape; the engine picks one per call and launches it once.
   between the cache and the mirror. One descriptor per block for a cross-layer cache (one region,
   packed like the mirror); one per region and block otherwise.
 
-On the GPU a path sets itself up when it is made: its copy kernels are bound and the staged
-ring is allocated, so a serving engine pays for them (and runs out of memory, if it must) at
-start, never on a transfer in the middle of serving. On the CPU (an engine over CPU tensors)
+On the GPU a path sets itself up when it is made: its copy kernels are bound and captured into
+CUDA graphs that read their ids from blocks of their own (:class:`kv_ops.kernels.GraphedCopy`),
+and the staged ring is allocated, so a serving engine pays for them (and runs out of memory, if
+it must) at start, never on a transfer in the middle of serving. Per transfer a path then does
+only what depends on it: the ids written where a graph reads them, one replay per chunk, the
+plan's descriptors (numpy, or plain Python for a few pairs), and its events recorded and waited
+on with one driver call each. On the CPU (an engine over CPU tensors)
 each path runs synchronously through the same plans: :func:`kv_ops.dma.run_on_host` executes
 what the copy engines would.
 
