@@ -212,7 +212,9 @@ def _copy_blocks_cuda(src, dst, src_ids, dst_ids) -> None:
     if capturing or n == 0 or n > entry.dst_limit:
         entry.bound(None, src_ids, dst_ids, n, errors)  # the kernel itself: what a capture records
         return
-    # Used again: replay the copy from its own CUDA graph (no Triton launcher per call).
+    # Used again: replay the copy from its own CUDA graph (no Triton launcher per call). Making
+    # the graph, once per region pair, waits for the device to go idle (its block is made by a
+    # short-lived thread on the legacy stream): the one host wait of this op, on its second call.
     if entry.graph is None:
         entry.uses += 1
         if entry.uses < 2:

@@ -389,7 +389,7 @@ class StagedPath:
             self._bound = bound
             self._errors = errors
             # Per direction and slot: graphs of the slot's gather (or scatter) fed from host ids,
-            # pooled; and, made on first use, one fed device to device from GPU ids.
+            # pooled (a twin is rewritten only after the replay that read it has run).
             self._host_fed = {
                 d: [
                     Pool(
