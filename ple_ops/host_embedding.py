@@ -91,7 +91,8 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
         no longer referenced (replacing it in the model, as below, does that). Ids must lie in
         ``[0, num_embeddings)``: eager calls check them (``ValueError``); inside graphs an
         out-of-range id is skipped and counted (``kv_ops.error_count``), its row left
-        unwritten. No gradient reaches the table.
+        unwritten. No gradient reaches the table. Convert after the model is on its device: a
+        later ``.to("cuda")`` of a module converted on the CPU copies the rows onto the GPU.
 
     Raises
     ------
