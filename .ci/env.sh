@@ -2,23 +2,27 @@
 # offload-ops and the test tools, installing what is missing.
 #
 # A machine whose python3 already has a CUDA build of torch keeps it: we only add this tree to
-# PYTHONPATH and pip-install pytest/hypothesis/pytest-timeout if they are absent. Anywhere else
-# we build .venv with the CPU wheel of torch 2.13.0 (pip finds it on local disk; a bare "torch"
-# would pull a multi-GB CUDA build) and install this package into it in editable mode.
+# PYTHONPATH and pip-install pytest/hypothesis/pytest-timeout and transformers if they are absent.
+# Anywhere else we build .venv with the CPU wheel of torch 2.13.0 (pip finds it on local disk; a bare "torch"
+# would pull a multi-GB CUDA build) and install this package into it in editable mode, with its
+# test and hf (transformers) extras.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 if python3 -c 'import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     PY=python3
     export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
     python3 -c 'import pytest, hypothesis, pytest_timeout' 2>/dev/null || python3 -m pip install -q "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.2"
+    # pyproject.toml's hf extra; a machine that cannot install it skips the tests that need it.
+    python3 -c 'import transformers' 2>/dev/null || python3 -m pip install -q "transformers>=5.16.1,<5.20" ||
+        echo "env.sh: transformers is not installed; its tests and examples/gemma3n_transformers.py skip" >&2
 else
     venv="$root/.venv"
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     PY="$venv/bin/python"
-    if ! "$PY" -c 'import torch, triton, pytest, hypothesis, pytest_timeout, ruff, kv_ops' 2>/dev/null; then
+    if ! "$PY" -c 'import torch, triton, pytest, hypothesis, pytest_timeout, ruff, transformers, kv_ops' 2>/dev/null; then
         "$PY" -m pip install -q --upgrade pip
         "$PY" -m pip install -q "torch==2.13.0"
-        "$PY" -m pip install -q -e "$root[test]"
+        "$PY" -m pip install -q -e "$root[test,hf]"
     fi
 fi
 export PY

@@ -17,11 +17,14 @@ Where each piece lives:
 * ``runtime``       -- ``OffloadRuntime``: the GPU side of the step transaction and the watchdog.
 * ``host_table``    -- ``gather_from_host``: the gather transport (lookup tables in page-locked
                        host memory, gathered zero-copy inside the graph).
+* ``host_embedding`` -- ``host_embedding``: the same for a stock ``nn.Embedding`` (or Gemma 3n's
+                       scaled one) in a transformers model, in one call.
 * ``reference``     -- pure-torch row pull and poison: the CPU path and the test oracle.
 """
 
 from kv_ops import __version__  # one version for the distribution, written in kv_ops
 
+from .host_embedding import HostEmbedding, host_embedding
 from .host_table import gather_from_host
 from .layer import PleOffloadLayer, building_placeholders, mark_offload_worker
 from .ops import observe_copy_geometry, release, wait, wait_copy
@@ -33,6 +36,8 @@ from .shared_memory import SharedHandle, SharedHostBuffer
 __all__ = [
     "__version__",
     "gather_from_host",
+    "host_embedding",
+    "HostEmbedding",
     "PleOffloadLayer",
     "building_placeholders",
     "mark_offload_worker",

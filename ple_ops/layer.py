@@ -9,9 +9,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-import kv_ops
-
 from . import ops
+from .host_table import gather_rows
 
 # Which role this process plays. "local": offload off, layers are ordinary modules.
 # "placeholder": the GPU process with offload on, while it builds the model: PLE layers skip
@@ -107,11 +106,7 @@ class PleOffloadLayer(nn.Module, ABC):
         if self.ple_gathers:
             # One kernel reads the rows over PCIe (zero-copy) into a graph-owned buffer: no flag,
             # no other process, nothing to wait for.
-            rows = torch.empty(
-                input_ids.shape[0], self.ple_host_table.shape[1], dtype=torch.uint8, device=input_ids.device
-            )
-            kv_ops.gather_blocks([self.ple_host_table], input_ids, rows)
-            return rows.view(self.ple_dtype)
+            return gather_rows(self.ple_host_table, input_ids, self.ple_dtype)
         if self.ple_placeholder:
             raise RuntimeError("a placeholder PleOffloadLayer was called before an offload runtime armed it")
         return self.forward_impl(input_ids)

@@ -1,0 +1,140 @@
+"""host_embedding: a stock nn.Embedding (or Gemma 3n's scaled one) served from page-locked host memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .host_table import gather_rows, pin_rows
+
+# Subclasses of nn.Embedding whose forward is known: (module, qualified name) -> how the table
+# is pre-scaled so that a plain lookup gives what their forward gives. Gemma 3n's forward is
+# ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)`` (transformers 5.x): an
+# elementwise product of each row with one scalar of the weight's dtype, which commutes with the
+# row lookup bit for bit. ``host_embedding`` also checks each conversion against the original
+# forward on a sample of ids, so a forward that changed in another transformers release is refused.
+_SCALED = {("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nTextScaledWordEmbedding")}
+
+_SAMPLE_IDS = 64  # ids compared against the original forward at conversion
+
+
+class HostEmbedding(nn.Module):
+    """An embedding whose table lives in page-locked host memory; rows are gathered zero-copy.
+
+    Made by :func:`host_embedding`; it holds no parameter. ``host_rows`` is uint8
+    ``[num_embeddings, row_bytes]``: a CUDA device view of the page-locked bytes (rows land on
+    the GPU) or, on the CPU, the page-locked tensor itself. The rows' dtype is fixed at
+    conversion (``model.to(dtype)`` leaves it alone).
+    """
+
+    def __init__(self, host_rows: torch.Tensor, embedding_dim: int, dtype: torch.dtype, source: str):
+        super().__init__()
+        self.num_embeddings = host_rows.shape[0]
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.source = source
+        self.register_buffer("host_rows", host_rows, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = gather_rows(self.host_rows, input_ids.reshape(-1), self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, "
+            f"device={self.host_rows.device}, from={self.source}"
+        )
+
+
+def _scale_of(module: nn.Embedding):
+    """The elementwise transform that makes ``weight[ids]`` equal ``module(ids)``, or raise."""
+    cls = type(module)
+    if cls is nn.Embedding:
+        return None
+    if (cls.__module__, cls.__qualname__) in _SCALED:
+        scale = module.embed_scale.to(module.weight.dtype)  # exactly the forward's factor
+        return lambda rows: rows * scale.to(rows.device)
+    raise ValueError(
+        f"host_embedding: {cls.__module__}.{cls.__qualname__} is a subclass of nn.Embedding whose forward "
+        "is not known to be a plain row lookup (or a known elementwise scaling of one); refusing to replace it"
+    )
+
+
+def host_embedding(module: nn.Embedding) -> HostEmbedding:
+    """Move an embedding's table into page-locked host memory; return a module that gathers rows.
+
+    The table is copied into :func:`kv_ops.pinned_empty` memory and the returned
+    :class:`HostEmbedding` gathers the rows a forward needs with one zero-copy kernel
+    (:func:`kv_ops.gather_blocks`, the mechanism of :func:`ple_ops.gather_from_host`) that
+    reads them over PCIe. It is an ordinary op, kept by ``torch.compile(fullgraph=True)`` and by
+    CUDA-graph capture (``mode="reduce-overhead"`` included).
+
+    Outputs are bitwise what ``module(ids)`` gives, in the weight's dtype. For transformers'
+    ``Gemma3nTextScaledWordEmbedding`` (rows times ``embed_scale`` cast to the weight's dtype)
+    the table is stored pre-scaled: an elementwise product with one scalar commutes with the
+    lookup exactly. Every conversion is also checked against ``module``'s own forward on a
+    sample of ids and refused if any bit differs.
+
+    Parameters
+    ----------
+    module : nn.Embedding
+        A stock ``nn.Embedding`` or ``Gemma3nTextScaledWordEmbedding``, on a CUDA device or the
+        CPU. ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` only concern gradients and are
+        accepted; ``max_norm`` (which renormalises rows in the forward), other subclasses, forward
+        hooks and patched forwards are refused. ``module`` itself is left unchanged.
+
+    Returns
+    -------
+    HostEmbedding
+        No parameters and no GPU memory of its own. On CUDA its rows land on the weight's device;
+        on the CPU they are plain CPU rows. The GPU copy of the table is freed once ``module`` is
+        no longer referenced (replacing it in the model, as below, does that). Ids must lie in
+        ``[0, num_embeddings)``: eager calls check them (``ValueError``); inside graphs an
+        out-of-range id is skipped and counted (``kv_ops.error_count``), its row left
+        unwritten. No gradient reaches the table. Convert after the model is on its device: a
+        later ``.to("cuda")`` of a module converted on the CPU copies the rows onto the GPU.
+
+    Raises
+    ------
+    ValueError
+        For anything whose forward is not proven to be a (scaled) row lookup, naming the class.
+
+    Examples
+    --------
+    >>> model = transformers.Gemma3nForCausalLM(config).cuda()
+    >>> model.model.embed_tokens_per_layer = ple_ops.host_embedding(model.model.embed_tokens_per_layer)
+    """
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(f"host_embedding: expected an nn.Embedding, got {type(module).__qualname__}")
+    name = f"{type(module).__module__}.{type(module).__qualname__}"
+    transform = _scale_of(module)
+    if module.max_norm is not None:
+        raise ValueError(f"host_embedding: {name} has max_norm={module.max_norm}, which renormalises rows in forward")
+    if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        raise ValueError(f"host_embedding: {name} has a patched forward or forward hooks, which change its output")
+    weight = module.weight
+    if weight.dim() != 2:
+        raise ValueError(f"host_embedding: {name}'s weight must be [num_embeddings, dim], got {tuple(weight.shape)}")
+    device = weight.device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"host_embedding: {name}'s weight is on {device}; only CUDA and CPU are supported")
+    table = weight.detach().contiguous()
+    out = HostEmbedding(pin_rows(table, device, transform), table.shape[1], table.dtype, type(module).__qualname__)
+    del table
+    _check_against(module, out, name)
+    return out
+
+
+def _check_against(module: nn.Embedding, out: HostEmbedding, name: str) -> None:
+    vocab = out.num_embeddings
+    ids = torch.linspace(0, vocab - 1, steps=min(vocab, _SAMPLE_IDS)).long()
+    if module.padding_idx is not None:
+        ids = torch.cat([ids, torch.tensor([module.padding_idx])])
+    ids = ids.to(module.weight.device)
+    with torch.no_grad():
+        want, got = module(ids), out(ids)
+    if want.dtype != got.dtype or not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
+        raise ValueError(f"host_embedding: {name}'s forward does not equal a lookup of its pre-scaled table; refused")
+
+
+__all__ = ["HostEmbedding", "host_embedding"]

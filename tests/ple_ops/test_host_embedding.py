@@ -1,0 +1,161 @@
+"""ple_ops.host_embedding: bitwise the original forward (stock and Gemma 3n's scaled embedding),
+the dtype kept, the refusals, and on the GPU the table's memory given back."""
+
+import gc
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ple_ops
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def gemma3n_embedding_class():
+    modeling = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
+    return modeling.Gemma3nTextScaledWordEmbedding
+
+
+def random_ids(vocab, shape, seed):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_bitwise(want, got):
+    assert got.dtype == want.dtype and got.shape == want.shape and got.device == want.device
+    assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_stock_embedding_gives_its_rows_bitwise_in_its_dtype(dtype):
+    torch.manual_seed(0)
+    emb = nn.Embedding(300, 40, padding_idx=0).to(dtype)
+    host = ple_ops.host_embedding(emb)
+    assert isinstance(host, ple_ops.HostEmbedding) and list(host.parameters()) == []
+    assert host.host_rows.dtype == torch.uint8 and host.dtype == dtype
+    for seed, shape in enumerate([(7,), (2, 5), (3, 1, 4), (0,)]):
+        ids = random_ids(300, shape, seed)
+        assert_bitwise(emb(ids), host(ids))
+    host.to(torch.float16)  # a model cast leaves the rows' dtype alone, as the stored bytes are uint8
+    assert host(torch.tensor([1, 2])).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [48, 256, 3072 // 16], ids=lambda d: f"dim{d}")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gemma3n_scaled_embedding_pre_scaled_equals_its_forward_bitwise(dtype, dim, seed):
+    # The scale sqrt(dim) is irrational for 48 and 192 (sqrt(256) = 16 is the E2B PLE width's
+    # exact one), so the product rounds; pre-scaling must round every element the same way.
+    cls = gemma3n_embedding_class()
+    torch.manual_seed(seed)
+    emb = cls(512, dim, padding_idx=0, embed_scale=dim**0.5).to(dtype)
+    nn.init.normal_(emb.weight, std=3.0)
+    assert emb.embed_scale.dtype == dtype  # .to(dtype) casts the buffer too; the forward casts it anyway
+    host = ple_ops.host_embedding(emb)
+    ids = random_ids(512, (4, 97), seed)
+    assert_bitwise(emb(ids), host(ids))
+    every = torch.arange(512)  # every row of the table, not a sample
+    assert_bitwise(emb(every), host(every))
+
+
+def test_gemma3n_scaled_embedding_with_a_float32_scale_on_a_bf16_table():
+    # transformers builds the buffer as float32 and may load bf16 weights without casting it:
+    # the forward casts the scale to the weight's dtype, and so must the pre-scaling.
+    cls = gemma3n_embedding_class()
+    torch.manual_seed(3)
+    emb = cls(256, 96, padding_idx=0, embed_scale=96**0.5)
+    emb.weight.data = emb.weight.data.to(torch.bfloat16)
+    assert emb.embed_scale.dtype == torch.float32
+    ids = random_ids(256, (64,), 3)
+    assert_bitwise(emb(ids), ple_ops.host_embedding(emb)(ids))
+
+
+def test_the_original_module_is_left_unchanged():
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 8)
+    before = emb.weight.detach().clone()
+    ple_ops.host_embedding(emb)
+    assert torch.equal(emb.weight, before)
+
+
+class Shifted(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) + 1
+
+
+def test_an_unknown_subclass_is_refused_by_name():
+    with pytest.raises(ValueError, match="Shifted"):
+        ple_ops.host_embedding(Shifted(10, 4))
+
+
+def test_max_norm_is_refused():
+    with pytest.raises(ValueError, match="max_norm"):
+        ple_ops.host_embedding(nn.Embedding(10, 4, max_norm=1.0))
+
+
+def test_hooks_and_patched_forwards_are_refused():
+    hooked = nn.Embedding(10, 4)
+    hooked.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.raises(ValueError, match="hooks"):
+        ple_ops.host_embedding(hooked)
+    patched = nn.Embedding(10, 4)
+    patched.forward = lambda ids: torch.zeros(4)
+    with pytest.raises(ValueError, match="patched"):
+        ple_ops.host_embedding(patched)
+
+
+def test_something_that_is_not_an_embedding_is_refused():
+    with pytest.raises(ValueError, match="Linear"):
+        ple_ops.host_embedding(nn.Linear(4, 4))
+
+
+def test_gradient_only_options_are_accepted():
+    torch.manual_seed(0)
+    emb = nn.Embedding(20, 6, padding_idx=3, scale_grad_by_freq=True, sparse=True)
+    ids = torch.tensor([3, 0, 19, 3])
+    assert_bitwise(emb(ids), ple_ops.host_embedding(emb)(ids))
+
+
+def test_out_of_range_ids_raise_in_eager_mode():
+    host = ple_ops.host_embedding(nn.Embedding(10, 4))
+    with pytest.raises(ValueError):
+        host(torch.tensor([10]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_on_the_gpu_rows_land_there_bitwise_and_the_table_is_freed(dtype):
+    cls = gemma3n_embedding_class()
+    torch.manual_seed(0)
+    emb = cls(65536, 1536, padding_idx=0, embed_scale=48**0.5).to("cuda", dtype)  # 192 / 384 MiB
+    table_bytes = emb.weight.numel() * emb.weight.element_size()
+    ids = random_ids(65536, (3, 41), 0).cuda()
+    want = emb(ids)
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    host = ple_ops.host_embedding(emb)
+    del emb
+    gc.collect()
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    assert abs(freed - table_bytes) <= 0.01 * table_bytes, (freed, table_bytes)
+    assert host.host_rows.is_cuda and list(host.parameters()) == []
+    assert_bitwise(want, host(ids))
+
+
+class ScaledOtherwise(nn.Embedding):  # looks like Gemma 3n's, but its forward does more
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.embed_scale = nn.Buffer(torch.tensor(2.0), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale + 1e-3
+
+
+def test_a_known_class_whose_forward_differs_is_refused_by_the_conversion_check(monkeypatch):
+    module = sys.modules["ple_ops.host_embedding"]  # the module; ple_ops.host_embedding is the function
+    monkeypatch.setattr(module, "_SCALED", {(ScaledOtherwise.__module__, ScaledOtherwise.__qualname__)})
+    with pytest.raises(ValueError, match="ScaledOtherwise.*does not equal"):
+        ple_ops.host_embedding(ScaledOtherwise(10, 4))
