@@ -145,6 +145,7 @@ class OffloadOpsWorker(OffloadingWorker):
         )
         self._jobs: dict[int, tuple[int, int, float]] = {}  # engine id -> (job id, bytes, submit time)
         self._finished: list[TransferResult] = []
+        self.submitted = {"stores": 0, "loads": 0}  # jobs so far, per direction
 
     def _rows(self, gpu_spec: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> tuple[np.ndarray, np.ndarray, int]:
         """GPU ids, mirror rows and bytes of one transfer."""
@@ -180,11 +181,13 @@ class OffloadOpsWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         gpu, host, nbytes = self._rows(src_spec, dst_spec)
         self._jobs[self.engine.store(gpu, host)] = (job_id, nbytes, time.perf_counter())
+        self.submitted["stores"] += 1
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         gpu, host, nbytes = self._rows(dst_spec, src_spec)
         self._jobs[self.engine.load(host, gpu)] = (job_id, nbytes, time.perf_counter())
+        self.submitted["loads"] += 1
         return True
 
     def _take(self, done: kv_ops.Completed) -> None:

@@ -5,7 +5,11 @@ GPULoadStoreSpec, CPUOffloadingManager, CPUOffloadingSpec, OffloadingSpecFactory
 worker's sub-block enumeration (compute_sub_block_ptrs). Runs on the CPU.
 """
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -338,3 +342,18 @@ def test_submit_overhead_is_reported(capsys):
     worker.engine.flush()  # the direct calls' ids are not the worker's jobs
     worker.shutdown()
     print(f"submit_store {adapter * 1e6:.1f} us/job, engine.store {direct * 1e6:.1f} us/job")
+
+
+def test_llm_end_to_end_on_the_cpu(tmp_path):
+    """vLLM's own engine on the CPU: the OffloadingConnector loads OffloadOpsSpec from its
+    module path, stores the prompt's blocks, and after the prefix cache is dropped the second
+    generation loads them back through the worker and gives the same greedy tokens."""
+    harness = Path(__file__).with_name("vllm_e2e_harness.py")
+    out = subprocess.run(
+        [sys.executable, str(harness), str(tmp_path / "tiny")], capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, (out.stdout + out.stderr)[-4000:]
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["workers"] == 1 and result["stores"] >= 1 and result["loads"] >= 1, result
+    assert len(result["first"]) == 8 and result["second"] == result["first"], result
