@@ -146,6 +146,7 @@ class OffloadOpsWorker(OffloadingWorker):
         self._jobs: dict[int, tuple[int, int, float]] = {}  # engine id -> (job id, bytes, submit time)
         self._finished: list[TransferResult] = []
         self.submitted = {"stores": 0, "loads": 0}  # jobs so far, per direction
+        self._closed = False
 
     def _rows(self, gpu_spec: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> tuple[np.ndarray, np.ndarray, int]:
         """GPU ids, mirror rows and bytes of one transfer."""
@@ -208,7 +209,9 @@ class OffloadOpsWorker(OffloadingWorker):
             self._take(self.engine.flush())
 
     def shutdown(self) -> None:
-        if self.engine is not None:
+        """Wait for every transfer, free the mirror; what finished stays for ``get_finished``."""
+        if not self._closed:
+            self._closed = True
             self._take(self.engine.close())
 
 

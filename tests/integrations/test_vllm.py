@@ -219,6 +219,7 @@ def test_every_job_once_and_sizes():
     assert {r.job_id: r.transfer_size for r in seen} == expected
     worker.wait({12345})  # unknown ids: returns at once
     worker.shutdown()
+    worker.shutdown()  # a second shutdown does nothing
 
 
 def test_wait_waits_for_the_bytes():
