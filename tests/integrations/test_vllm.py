@@ -317,32 +317,38 @@ def test_canonical_layout_refused():
         kv_vllm.OffloadOpsSpec(config)
 
 
-def test_submit_overhead_is_reported(capsys):
-    """Not a threshold: prints the adapter's host cost per job against engine.store directly."""
-    caches = make_caches("per_layer", 1, np.random.default_rng(0))
-    spec = kv_vllm.OffloadOpsSpec(make_config(caches, 1, 1 << 20))
+@pytest.mark.parametrize("layout,blocks_per_chunk", [("one", 1), ("per_layer", 1), ("per_layer", 4)])
+def test_submit_overhead_is_reported(layout, blocks_per_chunk):
+    """Not a threshold: prints the adapter's host cost per job (16 blocks), median of calls
+    alternating with engine.store on the same ids (`pytest -s` shows it; README numbers)."""
+    caches = make_caches(layout, 1, np.random.default_rng(0))
+    spec = kv_vllm.OffloadOpsSpec(make_config(caches, blocks_per_chunk, 4 << 20))
     worker = spec.get_worker(caches)
-    ids = list(range(16))
-    g, c = GPULoadStoreSpec(ids, [16], [0]), CPULoadStoreSpec(ids)
-    n = 200
-    for j in range(10):  # warm-up: the first call of a region list checks and binds it
-        worker.submit_store(-1 - j, g, c)
-    worker.wait({-1})
-    worker.get_finished()
-    t0 = time.perf_counter()
-    for j in range(n):
+    n = 16
+    g = GPULoadStoreSpec(list(range(n)), [n], [0])
+    c = CPULoadStoreSpec(list(range(n // blocks_per_chunk)))
+    gpu_ids, rows = g.block_ids, kv_vllm.chunk_rows(c.block_ids, blocks_per_chunk, 0, n)
+    adapter, direct, mapping = [], [], []
+    for j in range(300):  # the first calls of a region list check and bind it: warm-up
+        t0 = time.perf_counter()
         worker.submit_store(j, g, c)
-    adapter = (time.perf_counter() - t0) / n
-    worker.wait(set(range(n)))
-    worker.get_finished()
-    gi, hi = g.block_ids, np.asarray(ids)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        worker.engine.store(gi, hi)
-    direct = (time.perf_counter() - t0) / n
-    worker.engine.flush()  # the direct calls' ids are not the worker's jobs
+        t1 = time.perf_counter()
+        worker.engine.store(gpu_ids, rows)
+        t2 = time.perf_counter()
+        worker._rows(g, c)
+        t3 = time.perf_counter()
+        if j >= 20:
+            adapter.append(t1 - t0)
+            direct.append(t2 - t1)
+            mapping.append(t3 - t2)
+        if j % 50 == 0:
+            worker.wait({j})
+            worker.get_finished()
     worker.shutdown()
-    print(f"submit_store {adapter * 1e6:.1f} us/job, engine.store {direct * 1e6:.1f} us/job")
+    a, d, m = (np.median(x) * 1e6 for x in (adapter, direct, mapping))
+    print(
+        f"\n{layout}, blocks_per_chunk {blocks_per_chunk}: submit_store {a:.1f} us, engine.store {d:.1f} us, ids alone {m:.1f} us"
+    )
 
 
 def test_llm_end_to_end_on_the_cpu(tmp_path):
