@@ -2,7 +2,8 @@
 
 Makes a tiny random Llama in argv[1], generates greedily from a prompt of four blocks, drops
 vLLM's prefix cache, and generates again: the second run's prefix comes back through
-OffloadOpsWorker.submit_load. Prints one JSON line: both token lists and the worker's calls.
+OffloadOpsWorker.submit_load; then zeroes the worker's host copy and generates a third time.
+Prints one JSON line: the token lists and the worker's calls.
 """
 
 import json
@@ -20,6 +21,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 import kv_ops.integrations.vllm as kv_vllm  # noqa: E402
 
 calls = {"workers": 0, "stores": 0, "loads": 0}
+workers = []
 _init, _store, _load = (
     kv_vllm.OffloadOpsWorker.__init__,
     kv_vllm.OffloadOpsWorker.submit_store,
@@ -35,7 +37,12 @@ def _counted(fn, key):
     return wrapper
 
 
-kv_vllm.OffloadOpsWorker.__init__ = _counted(_init, "workers")
+def _init_kept(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    workers.append(self)
+
+
+kv_vllm.OffloadOpsWorker.__init__ = _counted(_init_kept, "workers")
 kv_vllm.OffloadOpsWorker.submit_store = _counted(_store, "stores")
 kv_vllm.OffloadOpsWorker.submit_load = _counted(_load, "loads")
 
@@ -79,4 +86,11 @@ prompt = {"prompt_token_ids": list(range(3, 131))}  # 128 tokens: four blocks
 first = list(llm.generate([prompt], params)[0].outputs[0].token_ids)
 llm.reset_prefix_cache()
 second = list(llm.generate([prompt], params)[0].outputs[0].token_ids)
-print("RESULT " + json.dumps({"first": first, "second": second, **calls}), flush=True)
+loads = calls["loads"]
+# Control: zero the host copy and load again; the tokens must change, so the second run's
+# tokens came from the bytes the worker loaded.
+workers[0].engine.mirror.zero_()
+llm.reset_prefix_cache()
+zeroed = list(llm.generate([prompt], params)[0].outputs[0].token_ids)
+result = {"first": first, "second": second, "zeroed": zeroed, "loads_before_control": loads, **calls}
+print("RESULT " + json.dumps(result), flush=True)
