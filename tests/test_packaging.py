@@ -63,7 +63,13 @@ def test_the_wheel_installs_and_imports_from_outside_the_tree(tmp_path):
     (wheel,) = wheels.glob("offload_ops-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    assert {"kv_ops/py.typed", "ple_ops/py.typed", "kv_ops/ops.py", "ple_ops/runtime.py"} <= names
+    assert {
+        "kv_ops/py.typed",
+        "ple_ops/py.typed",
+        "kv_ops/ops.py",
+        "ple_ops/runtime.py",
+        "kv_ops/integrations/vllm.py",
+    } <= names
     assert not any(n.startswith(("tests/", "compile_tests/", "examples/", "benchmarks/")) for n in names)
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
