@@ -56,7 +56,7 @@ class Plan:
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def _host_array(ids) -> np.ndarray:
+def host_array(ids) -> np.ndarray:
     """Ids (a CPU tensor or an array) as a 1-D int64 numpy array, without a copy where possible."""
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
@@ -65,7 +65,7 @@ def _host_array(ids) -> np.ndarray:
 
 def run_starts(src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
     """Start index and length of each run of pairs whose ids both go up by one."""
-    src_ids, dst_ids = _host_array(src_ids), _host_array(dst_ids)
+    src_ids, dst_ids = host_array(src_ids), host_array(dst_ids)
     n = src_ids.size
     if n == 0:
         return _EMPTY, _EMPTY
@@ -167,7 +167,7 @@ def plan_copies(
     checked against every region, so no copy can reach outside one. ``runs`` is
     ``run_starts(src_ids, dst_ids)`` when the caller already has it.
     """
-    src_ids, dst_ids = _host_array(src_ids), _host_array(dst_ids)
+    src_ids, dst_ids = host_array(src_ids), host_array(dst_ids)
     if src_ids.shape != dst_ids.shape:
         raise ValueError(
             f"{OP}: ids must be 1-D and of equal length, got {tuple(src_ids.shape)} and {tuple(dst_ids.shape)}"
@@ -329,6 +329,7 @@ __all__ = [
     "Launcher",
     "plan_copies",
     "count_runs",
+    "host_array",
     "run_starts",
     "back_to_back",
     "count_copies",

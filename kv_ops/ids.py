@@ -40,7 +40,8 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
         if ids.device.type == "cpu":
             array = ids.reshape(-1).numpy()
         elif ids.device == device:
-            return ids.reshape(-1).to(torch.int64)
+            # Contiguous: the engine copies these bytes device to device as one span.
+            return ids.reshape(-1).to(torch.int64).contiguous()
         else:
             raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
     else:

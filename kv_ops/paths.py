@@ -90,7 +90,7 @@ class Blocks:
     @classmethod
     def of(cls, direction: Direction, gpu_ids, host_ids) -> "Blocks":
         """From host ids of any form (CPU tensors, arrays), as int64 numpy arrays."""
-        return cls(direction, dma._host_array(gpu_ids), dma._host_array(host_ids))
+        return cls(direction, dma.host_array(gpu_ids), dma.host_array(host_ids))
 
     @property
     def count(self) -> int:

@@ -36,8 +36,6 @@ from .shared_memory import SharedHostBuffer
 _POLL = 0.005  # seconds between two looks of the watchdog
 # Header words as plain ints, for the hot paths' direct loads and stores (ControlBlock.words).
 _REQUEST, _NUM_TOKENS, _TAKEN, _FAILED = int(Word.REQUEST), int(Word.NUM_TOKENS), int(Word.TAKEN), int(Word.FAILED)
-# Id dtypes that pass prepare()'s dtype check at once (any other non-float, non-bool one passes too).
-_ID_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 # A stream must look stuck (waiting on a reset flag that no prepared step will raise) on looks at
 # least this far apart before the runtime acts: the words are read one by one, not atomically.
 _STUCK_GRACE = 0.05
@@ -396,7 +394,7 @@ class OffloadRuntime:
                     f"the offload process did not take step {self._step} within step_timeout {self.step_timeout} s"
                 )
                 self._check_usable()
-        if type(ids) is torch.Tensor and ids.is_contiguous() and not ids.is_neg():
+        if ids.is_contiguous():
             ctypes.memmove(self._ids_address, ids.data_ptr(), 8 * n)  # CPU int64 (_checked_ids)
         else:
             self._control.ids[:n].copy_(ids)
@@ -414,7 +412,7 @@ class OffloadRuntime:
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"prepare: input_ids must be a tensor, got {type(input_ids).__name__}")
         dtype = input_ids.dtype
-        if dtype not in _ID_DTYPES and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise TypeError(f"prepare: input_ids must have an integer dtype, got {dtype} (ids are never rounded)")
         if input_ids.dim() != 1 or not 0 < input_ids.shape[0] <= self.max_tokens:
             raise ValueError(

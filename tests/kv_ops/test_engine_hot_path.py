@@ -320,3 +320,21 @@ def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue
     pools = engine.paths[path]._host_fed[kv_ops.paths.Direction.STORE]
     assert max(p.made for p in pools) > 2  # they grew while the calls were queued
     engine.close()
+
+
+@gpu
+@pytest.mark.parametrize("path", ["kernel", "staged"])
+def test_strided_gpu_ids_move_the_blocks_they_name(path):
+    # The engine copies GPU ids device to device as one span: a strided view must be made
+    # contiguous first, or the copy would read the ids in between.
+    engine, _ = make_engine("cuda", path)
+    gen = torch.Generator().manual_seed(9)
+    every = torch.randperm(64, generator=gen)[:32].cuda()
+    gpu_ids = every[::2]  # 16 ids, stride 2
+    host_ids = torch.randperm(96, generator=gen)[:16]
+    before, want = rows(engine), engine.mirror.clone()
+    engine.store(gpu_ids, host_ids.tolist())
+    engine.flush()
+    want[host_ids] = before[gpu_ids.cpu()]
+    assert torch.equal(engine.mirror, want)
+    engine.close()

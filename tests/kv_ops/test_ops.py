@@ -327,3 +327,17 @@ def test_an_eager_copy_used_again_launches_one_replay_and_no_torch_operation(mon
     assert (len(replays), len(launches), aten) == (1, 0, [])
     torch.cuda.synchronize()
     assert all(torch.equal(d[ids.cpu()], s[ids].cpu()) for d, s in zip(dst, src))
+
+
+def test_a_region_list_freed_and_made_again_is_checked_again_whatever_ids_python_reuses():
+    # The ops find region lists by their tensors' identity; an entry must go with its tensors, or
+    # a new tensor at a reused id would skip the checks (here: a block-size mismatch).
+    ids = torch.tensor([0, 1])
+    for _ in range(50):
+        good_src, good_dst = make_regions([64], 4), make_regions([64], 4)
+        kv_ops.copy_blocks(good_src, good_dst, ids, ids)
+        del good_src, good_dst
+        bad_src, bad_dst = make_regions([64], 4), make_regions([48], 4)
+        with pytest.raises(ValueError, match=r"region pair 0 has block sizes 64 \(src\) and 48 \(dst\)"):
+            kv_ops.copy_blocks(bad_src, bad_dst, ids, ids)
+        del bad_src, bad_dst
