@@ -14,6 +14,7 @@ Where each piece lives:
 * ``paths``       -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
 * ``crossover``   -- what ``path="auto"`` measured on the engine's own shape, and its pick.
 * ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
+* ``layerwise``   -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
 * ``disk``        -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 * ``aot``         -- ``compile_step`` / ``load_step``: AOT-compiling a model's step that uses these ops.
@@ -34,6 +35,7 @@ from .disk import BlockFile
 from .engine import AllRanks, Completed, EngineClosedError, OffloadEngine
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from .host_memory import device_view, pinned_empty
+from .layerwise import LayerwiseLoads, wait_layer
 from .ops import copy_blocks, gather_blocks, scatter_blocks
 from .validation import error_count, error_counter, id_checks, reset_error_count, set_id_checks
 
@@ -58,5 +60,7 @@ __all__ = [
     "Completed",
     "EngineClosedError",
     "AllRanks",
+    "LayerwiseLoads",
+    "wait_layer",
     "dma",
 ]

@@ -183,6 +183,7 @@ class OffloadEngine:
         (self.device,) = devices
         self.regions = resolve_regions(kv_caches, specs, num_blocks) if specs else infer_regions(kv_caches, num_blocks)
         self.num_blocks = num_blocks
+        self.cache_names = list(kv_caches)  # the layers, in the caller's order
         self.block_bytes = block_bytes(self.regions)
         slot_bytes = aligned(self.block_bytes) if disk_dir is not None else self.block_bytes
         self.num_host_blocks = capacity_bytes // slot_bytes
@@ -291,23 +292,26 @@ class OffloadEngine:
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
         return self.paths[name]
 
-    def _refuse_gpu_ids(self, op: str, gpu, host) -> None:
+    def _refuse_gpu_ids(self, op: str, gpu, host, path) -> None:
         """GPU ids are never read by the host (that would wait for the caller's stream): only a
         path whose kernel reads them takes them."""
+        name = path.name if path is not None else self.path
         for what, ids in (("gpu_ids", gpu), ("host_ids", host)):
             if isinstance(ids, np.ndarray):
                 continue
-            where = "the disk tier" if self.disk is not None else f"path={self.path!r}"
-            if self.disk is not None or self.path == "dma" or (self.path == "staged" and what == "host_ids"):
+            where = "the disk tier" if self.disk is not None else f"path={name!r}"
+            if self.disk is not None or name in ("dma", "layerwise") or (name == "staged" and what == "host_ids"):
                 raise ValueError(
                     f"{op}: {what} is a {ids.device} tensor, but {where} plans its copies on the host, which "
                     "would have to wait for the GPU to read it; pass host ids (a list, an array or a CPU tensor)"
                 )
 
-    def _transfer(self, direction: Direction, gpu_ids, host_ids, after) -> int:
+    def _transfer(self, direction: Direction, gpu_ids, host_ids, after, path=None) -> int:
+        """One store or load: ids checked, ordered after ``after``, enqueued on ``path`` (picked
+        here unless given: :class:`kv_ops.LayerwiseLoads` passes its own), tracked in its lane."""
         kind = direction.value
         self._check_open(kind)
-        op = f"OffloadEngine.{kind}"
+        op = f"OffloadEngine.{kind}" if path is None else "LayerwiseLoads.start"
         load = direction is Direction.LOAD
         # Destinations must not repeat (which copy would win is undefined); sources may.
         gpu = ids_mod.take(op, "gpu_ids", gpu_ids, self.num_blocks, load, self.device)
@@ -316,13 +320,12 @@ class OffloadEngine:
             raise ValueError(f"{op}: {len(gpu)} gpu_ids but {len(host)} host_ids")
         on_host = isinstance(gpu, np.ndarray) and isinstance(host, np.ndarray)
         if not on_host:
-            self._refuse_gpu_ids(op, gpu, host)
+            self._refuse_gpu_ids(op, gpu, host, path)
         if self._streams is not None and torch.cuda.is_current_stream_capturing():
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
-            raise RuntimeError(
-                f"OffloadEngine.{kind} cannot be captured into a CUDA graph; capture kv_ops.copy_blocks instead"
-            )
+            instead = "capture kv_ops.copy_blocks instead" if path is None else "start it before the replay"
+            raise RuntimeError(f"{op} cannot be captured into a CUDA graph; {instead}")
         ready = self._ready(op, after, fresh=self.disk is not None)
         tid = self._next_tid
         if self.disk is not None:
@@ -337,7 +340,7 @@ class OffloadEngine:
             # The path copies the GPU ids on its own stream: after the caller's stream wrote them.
             ids_ready = ready if after is None else self._ready(op, None, fresh=True)
         blocks = Blocks(direction, gpu, host, ids_ready)
-        path = self._pick(blocks)
+        path = path or self._pick(blocks)
         last = self._last.get(direction)
         if last is not None and last[0] is not path and last[1] is not None:
             # Transfers of one direction land in issue order whatever their paths: a staged load

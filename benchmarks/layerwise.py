@@ -1,0 +1,285 @@
+"""Layer-wise KV loads inside a compiled, captured prefill-like step: how much of the load is hidden.
+
+The step: ``--layers`` layers (32 by default), each reading its cache blocks and running a
+Llama-3-8B-sized MLP over ``--tokens`` tokens (bf16 ``[T, 4096] @ [4096, 14336] @ [14336, 4096]``,
+the FLOPs of the layer's MLP; the stand-in for attention is the read of the layer's blocks).
+The cache is Llama-3-8B's: per layer K/V-first ``[2, blocks, 16, 8, 128]`` bf16, so a block packs
+64 KiB per layer and 2 MiB over 32 layers. The step is ``torch.compile(fullgraph=True)``, then
+captured in a ``torch.cuda.CUDAGraph``, once with a ``kv_ops.wait_layer`` before each layer and
+once without.
+
+Per block count, from the host call to the end of the step (``torch.cuda.synchronize``), medians:
+
+* ``compute``: the step alone, no load;
+* ``load``: ``engine.load`` (copy engines, ``path="dma"``) then ``flush``: the load alone;
+* ``load_then_step``: ``engine.load``, ``flush``, then the step: what a resume costs today (the
+  step with waits, and no start: they find completed events; the same graph, so the outputs
+  compare bitwise);
+* ``layerwise``: ``LayerwiseLoads.start`` then the step with waits;
+* ``hidden``: ``(load_then_step - layerwise) / (load_then_step - compute)``, the fraction of the
+  load's time that the step hid; at most ``compute / load`` (``hideable``) when the load is longer;
+* ``start_us``: host time inside ``start`` (one batched copy call per layer, a descriptor per
+  block and region), and ``pipelined``: the layer-wise step in a loop of back-to-back steps with
+  no host sync between them, where each ``start`` is issued while the previous step runs.
+
+And once: the step with waits and a zero-block ``start`` against the step without waits (the
+ops' own cost). Every layer-wise step's output is checked bitwise against load-then-step's.
+
+Writes layerwise.csv, layerwise.md (also printed) and layerwise.png to --out. On a CPU-only
+machine it exits at once: the measurement needs the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import kv_ops
+
+NAME = "benchmark-layerwise"
+BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Llama-3-8B's KV per layer and block
+READS = 16  # blocks each layer reads (the stand-in for attention's read of the loaded blocks)
+COLUMNS = [
+    "blocks",
+    "mib",
+    "compute_us",
+    "load_us",
+    "load_then_step_us",
+    "layerwise_us",
+    "pipelined_us",
+    "hidden",
+    "hideable",
+    "start_us",
+    "load_gbps",
+    "bitwise",
+]
+
+
+class PrefillStep(nn.Module):
+    """Per layer: (optionally) wait for the layer's blocks, read them, then the MLP."""
+
+    def __init__(self, caches: list[torch.Tensor], hidden: int, mlp: int, waits: bool):
+        super().__init__()
+        self.caches, self.waits = caches, waits
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        self.w1 = [torch.randn(hidden, mlp, device="cuda", generator=gen).mul_(hidden**-0.5).bfloat16() for _ in caches]
+        self.w2 = [torch.randn(mlp, hidden, device="cuda", generator=gen).mul_(mlp**-0.5).bfloat16() for _ in caches]
+
+    def forward(self, h: torch.Tensor, read_ids: torch.Tensor) -> torch.Tensor:
+        for i, cache in enumerate(self.caches):
+            if self.waits:
+                h = kv_ops.wait_layer(h, NAME, i, [cache])
+            h = h + cache[:, read_ids].float().mean().to(h.dtype)
+            h = h + torch.relu(h @ self.w1[i]) @ self.w2[i]
+        return h
+
+
+class Captured:
+    def __init__(self, model: nn.Module, h: torch.Tensor, read_ids: torch.Tensor):
+        compiled = torch.compile(model, fullgraph=True)
+        self.h, self.read_ids = h, read_ids
+        for _ in range(2):
+            compiled(h, read_ids)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = compiled(h, read_ids)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def timed(fn, reps: int) -> float:
+    """Median microseconds of ``fn()`` followed by a device sync, after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    counts = [int(b) for b in args.blocks.split(",")]
+    most = max(counts)
+    gpu_blocks = 2 * most
+    shape = (2, gpu_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+    caches = {f"layer{i}": torch.randn(shape, device="cuda").bfloat16() for i in range(args.layers)}
+    block_bytes = 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2 * args.layers
+    engine = kv_ops.OffloadEngine(caches, gpu_blocks, capacity_bytes=most * block_bytes, path="dma")
+    # Random mirror rows, written from the GPU (a CPU RNG over GiBs would take longer than the run).
+    for lo in range(0, most, 64):
+        rows = engine.mirror[lo : lo + 64]
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, device="cuda"))
+    loads = kv_ops.LayerwiseLoads(engine, NAME)
+    layers = list(caches.values())
+    h = torch.randn(args.tokens, args.hidden, device="cuda").bfloat16()
+    read_ids = torch.zeros(READS, dtype=torch.int64, device="cuda")
+    plain = Captured(PrefillStep(layers, args.hidden, args.mlp, waits=False), h, read_ids)
+    waiting = Captured(PrefillStep(layers, args.hidden, args.mlp, waits=True), h, read_ids)
+
+    def compute():
+        plain.replay()
+
+    zero = timed(lambda: (loads.start([], []), waiting.replay()), args.reps * 3)
+    alone = timed(compute, args.reps * 3)
+    once = {"compute_us": alone, "zero_block_us": zero, "zero_block_ratio": zero / alone}
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for n in counts:
+        host_ids = torch.randperm(most, generator=gen)[:n].tolist()
+        gpu_ids = torch.randperm(gpu_blocks, generator=gen)[:n].tolist()
+        read_ids.copy_(torch.tensor((gpu_ids * READS)[:READS]))
+
+        def load(host_ids=host_ids, gpu_ids=gpu_ids):
+            engine.load(host_ids, gpu_ids)
+            engine.flush()
+
+        def load_then_step():
+            # The same graph as the layer-wise step's (so the outputs compare bitwise: the waits
+            # bound Inductor's fusions), with no start: its waits find completed events.
+            load()
+            waiting.replay()
+
+        def layerwise(host_ids=host_ids, gpu_ids=gpu_ids):
+            loads.start(host_ids, gpu_ids)
+            waiting.replay()
+
+        t_load = timed(load, args.reps)
+        t_lts = timed(load_then_step, args.reps)
+        want = waiting.out.clone()
+        t_lw = timed(layerwise, args.reps)
+        bitwise = torch.equal(waiting.out, want)
+        starts = []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loads.start(host_ids, gpu_ids)
+            starts.append((time.perf_counter() - t0) * 1e6)
+            waiting.replay()
+        torch.cuda.synchronize()
+        # Back to back: each start is issued while the step before it runs (its copies still
+        # wait for that step's end: they overwrite blocks it may read).
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            loads.start(host_ids, gpu_ids)
+            waiting.replay()
+        torch.cuda.synchronize()
+        t_pipe = (time.perf_counter() - t0) * 1e6 / args.reps
+        engine.flush()
+        hidden = (t_lts - t_lw) / (t_lts - alone) if t_lts > alone else float("nan")
+        rows.append(
+            dict(
+                blocks=n,
+                mib=n * block_bytes / 2**20,
+                compute_us=alone,
+                load_us=t_load,
+                load_then_step_us=t_lts,
+                layerwise_us=t_lw,
+                pipelined_us=t_pipe,
+                hidden=hidden,
+                hideable=min(1.0, alone / t_load),
+                start_us=statistics.median(starts),
+                load_gbps=n * block_bytes / t_load / 1e3,
+                bitwise=bitwise,
+            )
+        )
+        print(
+            ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True
+        )
+    loads.close()
+    engine.close()
+    return rows, once
+
+
+def markdown(rows: list[dict], once: dict, args) -> str:
+    lines = [
+        f"Step: {args.layers} layers, {args.tokens} tokens, MLP {args.hidden}x{args.mlp} bf16, compiled and captured; "
+        f"compute alone {once['compute_us']:.0f} us. With a wait per layer and a zero-block start: "
+        f"{once['zero_block_us']:.0f} us ({once['zero_block_ratio']:.3f} of the step without waits).",
+        "",
+        "| blocks (2 MiB) | load alone (us) | load, flush, step (us) | layer-wise step (us) | load hidden "
+        "| at most | back-to-back step (us) | host time in start (us) | bitwise |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['blocks']} | {r['load_us']:.0f} | {r['load_then_step_us']:.0f} | {r['layerwise_us']:.0f} "
+            f"| {r['hidden']:.2f} | {r['hideable']:.2f} | {r['pipelined_us']:.0f} | {r['start_us']:.0f} "
+            f"| {'yes' if r['bitwise'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = [r["blocks"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label in (
+        ("compute_us", "compute alone"),
+        ("load_then_step_us", "load, flush, step"),
+        ("layerwise_us", "layer-wise step"),
+        ("pipelined_us", "layer-wise, back to back"),
+    ):
+        a.plot(blocks, [r[key] / 1e3 for r in rows], "-o", label=label)
+    a.set_ylabel("step time, ms")
+    b.plot(blocks, [r["hidden"] for r in rows], "-o", label="load hidden")
+    b.plot(blocks, [r["hideable"] for r in rows], "k--", label="at most (compute / load)")
+    b.axhline(0.8, color="tab:red", lw=0.8, label="target 0.80")
+    b.set_ylabel("fraction of the load hidden")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("blocks loaded (2 MiB each)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Layer-wise loads in a captured prefill step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--mlp", type=int, default=14336)
+    parser.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("layerwise.py: no CUDA device; nothing measured", flush=True)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, once = measure(args)
+    with open(args.out / "layerwise.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    table = markdown(rows, once, args)
+    (args.out / "layerwise.md").write_text(table)
+    print(table, flush=True)
+    try:
+        plot(rows, args.out / "layerwise.png")
+    except ImportError:
+        print("matplotlib is not installed: no layerwise.png", flush=True)
+    return 0 if all(r["bitwise"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""LayerwiseLoads and ``torch.ops.kv_ops.wait_layer``: host-to-GPU block loads that a compiled,
+captured step waits for layer by layer, so that layer i computes while layer i+1 loads.
+
+The mechanism, and why:
+
+* **The copies run outside the graph, on the copy engines.** :meth:`LayerwiseLoads.start` plans
+  one descriptor per (block, region) in one numpy broadcast and issues one
+  ``cuMemcpyBatchAsync`` per layer on the engine's load stream, each followed by a record of
+  that layer's event. The batched call cannot be captured, and the ids change every step, so
+  the copies cannot live in the graph; the copy engines need no SMs, so they do not fight the
+  model's kernels (a zero-copy kernel in the graph did: the issue's probe hid 48% of the load
+  with it, against 97% with copy engines).
+* **The step waits on the events.** ``wait_layer`` makes the current stream wait on layer
+  ``i``'s event. Eagerly that is ``cuStreamWaitEvent``; during a capture the same call with
+  ``CU_EVENT_WAIT_EXTERNAL`` becomes an event-wait node, which at every replay waits for the
+  event's last record *as of the replay's launch*. So ``start`` must come before the replay it
+  feeds, and a later ``start`` (recorded after that launch) can never be waited for by it.
+* **The wait cannot move.** The op reads the layer's input and declares the layer's cache
+  tensors mutated, so the compiler must place it after the previous layer's output and before
+  any reader of the cache (a wait tied to nothing was hoisted to the top of the graph, and then
+  nothing was hidden).
+
+Contracts. WAR: a start's copies are ordered after an event on the caller's current stream (or
+``after=``), so they overwrite GPU blocks only after their readers, as ``OffloadEngine.load``
+does. A replay or eager forward with no start since the last one waits on the events' last
+records, which have completed or will: it never hangs, and it reads the blocks as they are.
+On a CPU engine ``start`` copies at call time, as the CPU engine does, and ``wait_layer`` only
+counts (:attr:`LayerwiseLoads.waits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import dma
+from .driver import current_stream_handle, driver_context, record_event, wait_event
+from .paths import Blocks, Direction
+
+# name -> LayerwiseLoads: what the op resolves its name through (a loaded AOT step carries only
+# the name). Strong references: a captured graph waits on the object's events, which must live
+# as long as the graph may be replayed, so an entry goes only with close().
+_registry: dict[str, LayerwiseLoads] = {}
+
+
+def lookup(name: str) -> LayerwiseLoads:
+    """The live :class:`LayerwiseLoads` called ``name`` in this process."""
+    found = _registry.get(name)
+    if found is None:
+        known = ", ".join(map(repr, sorted(_registry))) or "none"
+        raise ValueError(
+            f"kv_ops.wait_layer: no LayerwiseLoads named {name!r} in this process (live: {known}); "
+            "make it (kv_ops.LayerwiseLoads(engine, name)) before running the step"
+        )
+    return found
+
+
+def _layer_groups(engine, layers) -> list[list[str]]:
+    """Region names per layer: given, or one layer per cache tensor of the engine."""
+    regions = engine.regions
+    if layers is None:
+        layers = []
+        for key in engine.cache_names:
+            # infer_regions names a layer's regions after its tensor: "key" or "key.0"/"key.1".
+            names = [r for r in regions if r == key or r in (f"{key}.0", f"{key}.1")]
+            if not names:
+                raise ValueError(
+                    f"LayerwiseLoads: cache {key!r} has no region of its own (its blocks share a "
+                    "cross-layer region with another layer's); layer-wise loads need each layer's "
+                    "blocks apart: pass layers= explicitly or give each layer its own tensor"
+                )
+            layers.append(names)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or len(layers) == 0:
+        raise ValueError(f"LayerwiseLoads: layers must be a non-empty sequence of region-name lists, got {layers!r}")
+    groups, seen = [], set()
+    for i, names in enumerate(layers):
+        if isinstance(names, str) or not isinstance(names, Sequence) or len(names) == 0:
+            raise ValueError(f"LayerwiseLoads: layers[{i}] must be a non-empty list of region names, got {names!r}")
+        for n in names:
+            if n not in regions:
+                raise ValueError(f"LayerwiseLoads: layers[{i}] names {n!r}, not a region (regions: {list(regions)})")
+            if n in seen:
+                raise ValueError(f"LayerwiseLoads: region {n!r} is in two layers")
+            seen.add(n)
+        groups.append(list(names))
+    missing = [n for n in regions if n not in seen]
+    if missing:
+        # A loaded block must be whole: every region of it moves, in some layer.
+        raise ValueError(f"LayerwiseLoads: regions {missing} are in no layer; every region must be loaded")
+    return groups
+
+
+class _LayerPath:
+    """The engine path of a layer-wise load: one batched copy and one event record per layer."""
+
+    name = "layerwise"
+    copy_engines = True
+
+    def __init__(self, loads: LayerwiseLoads):
+        self.loads = loads
+
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready)
+
+
+class LayerwiseLoads:
+    """Loads host blocks into GPU blocks layer by layer, for a compiled and captured step.
+
+    Each step: :meth:`start` with this step's pairs, then run the step (eagerly, compiled, or a
+    CUDA-graph replay) in which every layer calls :func:`kv_ops.wait_layer` before it reads its
+    cache. Layer ``i``'s wait ends once layer ``i``'s blocks have landed, while later layers'
+    blocks are still on the way.
+
+    Parameters
+    ----------
+    engine : OffloadEngine
+        A host-memory engine (not the disk tier): the blocks come from its mirror, on its load
+        stream, ordered with its other loads, and each start is one of its transfers (reported
+        by ``engine.poll().loads``; counted in ``engine.path_counts["layerwise"]``).
+    name : str
+        What the ops carry; unique among the live instances of this process. A step compiled
+        (or AOT-saved) against a name runs against whichever instance has it when it runs.
+    layers : sequence of sequence of str, optional
+        The engine's region names of each layer, in the order the model visits them. By
+        default one layer per cache tensor given to the engine (its one region, or its K and
+        V regions).
+
+    Attributes
+    ----------
+    num_layers : int
+    waits : numpy.ndarray
+        How many times each layer's wait ran on the host: eager calls and captures (a replay
+        runs none). What the CPU path has to show for a wait, and a check that a compiled step
+        kept every wait.
+
+    Notes
+    -----
+    One descriptor per (block, region) goes to the copy engines: a region's blocks are strided
+    in the packed mirror, so runs of ids never merge. A start with no blocks enqueues nothing
+    and records nothing: the step's waits then find completed events. Call :meth:`close` (or
+    leave a ``with`` block) once no graph that waits on these events will be replayed again.
+
+    Examples
+    --------
+    >>> loads = kv_ops.LayerwiseLoads(engine, "resume")
+    >>> loads.start(host_ids=[4, 5], gpu_ids=[11, 12])   # before the replay it feeds
+    >>> graph.replay()        # each layer: h = kv_ops.wait_layer(h, "resume", i, [k_i, v_i])
+    """
+
+    def __init__(self, engine, name: str, layers: Sequence[Sequence[str]] | None = None):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"LayerwiseLoads: name must be a non-empty string, got {name!r}")
+        if name in _registry:
+            raise ValueError(f"LayerwiseLoads: the name {name!r} is taken; close() that instance or pick another")
+        engine._check_open("LayerwiseLoads")
+        if engine.disk is not None:
+            raise ValueError(
+                "LayerwiseLoads: this engine keeps its blocks on disk (disk_dir=); layer-wise loads read "
+                "the host mirror of a memory engine"
+            )
+        self.engine, self.name = engine, name
+        groups = _layer_groups(engine, layers)
+        self.layers = groups
+        self.num_layers = len(groups)
+        self.waits = np.zeros(self.num_layers, dtype=np.int64)
+        # Descriptor rows in layer order: row r is one region's copy of every block of a call.
+        names = [n for group in groups for n in group]
+        mirror, gpu = engine.mirror_regions, engine.regions
+        self._src_base = np.array([mirror[n].data_ptr() for n in names], dtype=np.int64)[:, None]
+        self._dst_base = np.array([gpu[n].data_ptr() for n in names], dtype=np.int64)[:, None]
+        self._dst_stride = np.array([gpu[n].stride(0) for n in names], dtype=np.int64)[:, None]
+        self._width = np.array([gpu[n].shape[1] for n in names], dtype=np.int64)[:, None]
+        self._row_bytes = engine.block_bytes  # every mirror view's row stride
+        bounds = np.cumsum([0] + [len(g) for g in groups])
+        self._rows = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        self._path = _LayerPath(self)
+        engine.path_counts.setdefault(self._path.name, 0)
+        self.device = engine.device
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = engine._streams[Direction.LOAD]
+            self._launcher = dma.Launcher(self._stream)
+            self._handle = self._stream.cuda_stream
+            self.events = [torch.cuda.Event() for _ in range(self.num_layers)]
+            for event in self.events:  # recorded once, so that each exists for the raw calls
+                event.record(self._stream)
+        _registry[name] = self
+
+    # --- host side ---------------------------------------------------------------------------
+
+    def start(self, host_ids, gpu_ids, after=None) -> int:
+        """Start loading host blocks ``host_ids[i]`` into GPU blocks ``gpu_ids[i]``, layer by layer.
+
+        Call it before the step (or the replay) whose waits it feeds. The copies are ordered
+        after ``after``, by default after the work already enqueued on the caller's current
+        stream (every reader of the destination blocks, e.g. the previous replay). Nothing
+        blocks the caller's thread.
+
+        Parameters
+        ----------
+        host_ids, gpu_ids : sequence of int, numpy array or CPU tensor
+            As :meth:`OffloadEngine.load`: host ids in ``[0, num_host_blocks)``, GPU ids in
+            ``[0, num_blocks)`` and distinct, of equal length (zero is allowed). GPU tensors are
+            refused: the copies are planned on the host.
+        after : torch.cuda.Event or torch.cuda.Stream, optional
+            As :meth:`OffloadEngine.load`.
+
+        Returns
+        -------
+        int
+            The engine's transfer id, reported by ``engine.poll().loads`` once every layer landed.
+
+        Raises
+        ------
+        ValueError
+            Bad ids, before any byte moves (the engine's checks and words).
+        RuntimeError
+            During a CUDA-graph capture (start it before the replay instead).
+        EngineClosedError
+            After the engine or this object was closed.
+        """
+        if self.name not in _registry or _registry[self.name] is not self:
+            self.engine._check_open("LayerwiseLoads.start")
+            raise ValueError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
+        return self.engine._transfer(Direction.LOAD, gpu_ids, host_ids, after, path=self._path)
+
+    def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event | None:
+        n = host.size
+        if n == 0:
+            return None  # nothing to wait for: the events keep their last (completed) records
+        # [rows, n] in one broadcast each; row-major, so a layer's copies are one slice.
+        srcs = (self._src_base + host * self._row_bytes).ravel()
+        dsts = (self._dst_base + gpu * self._dst_stride).ravel()
+        sizes = np.repeat(self._width.ravel(), n)
+        if self._stream is None:
+            for lo, hi in self._rows:
+                dma.run_on_host(dma.Plan(dsts[lo * n : hi * n], srcs[lo * n : hi * n], sizes[lo * n : hi * n]))
+            return None
+        launcher, handle = self._launcher, self._handle
+        with driver_context(self.device):
+            wait_event(handle, ready)
+            for (lo, hi), event in zip(self._rows, self.events):
+                launcher(dma.Plan(dsts[lo * n : hi * n], srcs[lo * n : hi * n], sizes[lo * n : hi * n]))
+                record_event(event, handle)  # layer i's copies, and every earlier layer's
+            return self.engine._events[Direction.LOAD].record(self._stream, handle)
+
+    # --- device side (the op) ----------------------------------------------------------------
+
+    def _check_wait(self, layer: int, caches: Sequence[torch.Tensor]) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(
+                f"kv_ops.wait_layer: layer {layer} is not a layer of {self.name!r} (0..{self.num_layers - 1})"
+            )
+        # Not checked: that the caches are the very tensors holding the layer's regions. A
+        # functionalizing backend (aot_eager, opcheck) hands the op clones of what it mutates,
+        # so an address check would refuse correct programs; the node-order test is the guard.
+        for c in caches:
+            if c.device != self.device:
+                raise ValueError(
+                    f"kv_ops.wait_layer: a cache of layer {layer} is on {c.device}, but {self.name!r} loads into {self.device}"
+                )
+
+    def _wait(self, layer: int, caches: Sequence[torch.Tensor]) -> None:
+        self._check_wait(layer, caches)
+        self.waits[layer] += 1
+        if self._stream is None:
+            return  # the CPU engine copied at start
+        capturing = torch.cuda.is_current_stream_capturing()
+        with driver_context(self.device):
+            wait_event(current_stream_handle(self.device.index), self.events[layer], external=capturing)
+
+    def close(self) -> None:
+        """Give up the name. Replaying a graph that waits on these events afterwards is an error."""
+        if _registry.get(self.name) is self:
+            del _registry[self.name]
+
+    def __enter__(self) -> LayerwiseLoads:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- wait_layer ----------------------------------------------------------------------------------
+
+_lib = torch.library.Library("kv_ops", "FRAGMENT")
+_lib.define(
+    "wait_layer(Tensor(a!)[] caches, Tensor dep, str name, int layer) -> ()", tags=(torch.Tag.pt2_compliant_tag,)
+)
+
+
+def _wait_condition(caches, layer) -> bool:
+    """What the fake can check, and the eager op with it (the rest needs the named instance)."""
+    return len(caches) > 0 and layer >= 0
+
+
+def _wait_message(caches, layer) -> str:
+    return (
+        f"kv_ops.wait_layer: needs at least one cache tensor and a layer >= 0, got {len(caches)} caches, layer {layer}"
+    )
+
+
+@torch.library.register_fake("kv_ops::wait_layer", lib=_lib)
+def _(caches, dep, name, layer):
+    torch._check(_wait_condition(caches, layer), lambda: _wait_message(caches, layer))
+
+
+def _wait_layer_impl(caches, dep, name, layer) -> None:
+    if not _wait_condition(caches, layer):
+        raise ValueError(_wait_message(caches, layer))
+    lookup(name)._wait(layer, caches)
+
+
+torch.library.impl(_lib, "wait_layer", "CPU")(_wait_layer_impl)
+torch.library.impl(_lib, "wait_layer", "CUDA")(_wait_layer_impl)
+
+
+def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Make the current stream wait until layer ``layer``'s blocks of ``name`` have landed.
+
+    Place it in the model before the layer reads its cache. It takes the layer's input ``dep``
+    (so the compiler cannot move it above the previous layer) and declares ``caches`` mutated
+    (so no reader of the cache moves above it), and returns ``dep`` unchanged, for
+    ``h = wait_layer(h, ...)``. Compile, CUDA-graph capture and AOT reload keep it: the name is
+    resolved when the op runs, and a capture records an event-wait node.
+
+    Parameters
+    ----------
+    dep : Tensor
+        The layer's input.
+    name : str
+        A live :class:`LayerwiseLoads`.
+    layer : int
+        The layer, ``0 <= layer < num_layers``.
+    caches : sequence of Tensor
+        The layer's cache tensors (the ones holding its regions), e.g. ``[k_cache, v_cache]``.
+
+    Raises
+    ------
+    ValueError
+        No instance of that name, a layer out of range, no caches or caches on another device.
+        Passing tensors other than the layer's caches is not detected, and leaves the layer's
+        readers free to be placed above the wait.
+    """
+    torch.ops.kv_ops.wait_layer(list(caches), dep, name, layer)
+    return dep
+
+
+__all__ = ["LayerwiseLoads", "wait_layer", "lookup"]

@@ -1,0 +1,295 @@
+"""kv_ops.LayerwiseLoads and kv_ops.wait_layer, eagerly: the bytes each layer reads, the engine's
+bookkeeping, and every refusal. Compile, capture and AOT reload are in compile_tests."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layerwise_models import Reader, expected_reads, fill_mirror, make_caches
+
+import kv_ops
+
+gpu = pytest.mark.gpu
+
+
+def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", seed=0):
+    caches = make_caches(num_layers, num_blocks, device, seed=seed)
+    row = sum(c[0, 0].nbytes * 2 for c in caches.values())
+    engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=capacity_blocks * row, path="kernel")
+    fill_mirror(engine, seed + 1)
+    return engine, kv_ops.LayerwiseLoads(engine, name), Reader(name, list(caches.values()))
+
+
+@pytest.fixture
+def cpu_setup():
+    engine, loads, model = make("cpu")
+    yield engine, loads, model
+    loads.close()
+    engine.close()
+
+
+def assert_reads(got, want):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g.cpu(), w), f"layer {i} read other bytes"
+
+
+def test_each_layer_reads_the_loaded_blocks_and_the_engine_reports_the_load(cpu_setup):
+    engine, loads, model = cpu_setup
+    host_ids, gpu_ids = [5, 0, 17, 9], [3, 11, 4, 12]
+    read_ids = torch.tensor([4, 3, 7, 12])  # loaded blocks, and 7, which keeps its bytes
+    want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)
+    tid = loads.start(host_ids, gpu_ids)
+    _, reads = model(torch.randn(2, 32), read_ids)
+    assert_reads(reads, want)
+    assert np.array_equal(loads.waits, [1, 1, 1])
+    assert engine.flush().loads == [tid]
+    assert engine.path_counts["layerwise"] == 1
+
+
+def test_default_layers_follow_the_engines_cache_tensors(cpu_setup):
+    engine, loads, _ = cpu_setup
+    assert loads.layers == [[f"layer{i}.0", f"layer{i}.1"] for i in range(3)]
+    assert loads.num_layers == 3
+
+
+def test_a_start_with_no_blocks_moves_nothing_and_is_still_a_transfer(cpu_setup):
+    engine, loads, model = cpu_setup
+    before = [c.clone() for c in model.caches()]
+    tid = loads.start([], [])
+    model(torch.randn(2, 32), torch.tensor([0, 1]))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.caches()))
+    assert engine.flush().loads == [tid]
+
+
+def test_layerwise_and_plain_loads_share_the_engines_transfer_ids_in_issue_order(cpu_setup):
+    engine, loads, _ = cpu_setup
+    a = engine.load([1], [2])
+    b = loads.start([3], [2])  # the same destination: the later load wins
+    c = engine.store([5], [7])
+    done = engine.flush()
+    assert done.loads == [a, b] and done.stores == [c]
+    assert torch.equal(engine.regions["layer0.0"][2], engine.mirror_regions["layer0.0"][3])
+
+
+@pytest.mark.parametrize(
+    "host_ids, gpu_ids, message",
+    [
+        ([24], [0], r"LayerwiseLoads.start: host_ids\[0\] = 24 is outside \[0, 24\)"),
+        ([0], [16], r"gpu_ids\[0\] = 16 is outside \[0, 16\)"),
+        ([0, 1], [3, 3], r"gpu_ids names block 3 more than once"),
+        ([0, 1], [3], r"1 gpu_ids but 2 host_ids"),
+        ([0.5], [1], r"host_ids"),
+        ([-1], [1], r"host_ids\[0\] = -1"),
+    ],
+)
+def test_bad_ids_are_refused_before_any_byte_moves(cpu_setup, host_ids, gpu_ids, message):
+    engine, loads, model = cpu_setup
+    before = [c.clone() for c in model.caches()]
+    with pytest.raises(ValueError, match=message):
+        loads.start(host_ids, gpu_ids)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.caches()))
+    assert engine.flush().loads == []  # no transfer id was used up
+
+
+def test_a_wait_needs_a_live_name_a_layer_in_range_and_a_cache(cpu_setup):
+    engine, loads, model = cpu_setup
+    h, caches = torch.randn(2, 32), model.caches()
+    with pytest.raises(ValueError, match=r"no LayerwiseLoads named 'other'.*live: 'lw'"):
+        kv_ops.wait_layer(h, "other", 0, [caches[0]])
+    with pytest.raises(ValueError, match=r"layer 3 is not a layer of 'lw' \(0\.\.2\)"):
+        kv_ops.wait_layer(h, "lw", 3, [caches[0]])
+    with pytest.raises(ValueError, match=r"layer >= 0, got 1 caches, layer -1"):
+        kv_ops.wait_layer(h, "lw", -1, [caches[0]])
+    with pytest.raises(ValueError, match=r"at least one cache tensor"):
+        kv_ops.wait_layer(h, "lw", 0, [])
+    assert kv_ops.wait_layer(h, "lw", 1, [caches[1]]) is h
+    assert np.array_equal(loads.waits, [0, 1, 0])  # only the wait that passed its checks counted
+
+
+def test_a_name_is_taken_until_close_and_a_closed_instance_refuses_to_start(cpu_setup):
+    engine, loads, _ = cpu_setup
+    with pytest.raises(ValueError, match=r"the name 'lw' is taken"):
+        kv_ops.LayerwiseLoads(engine, "lw")
+    loads.close()
+    with pytest.raises(ValueError, match=r"'lw' was closed"):
+        loads.start([0], [0])
+    again = kv_ops.LayerwiseLoads(engine, "lw")  # the name is free again
+    again.close()
+
+
+@pytest.mark.parametrize("name", ["", None, 3])
+def test_a_name_must_be_a_non_empty_string(cpu_setup, name):
+    engine, _, _ = cpu_setup
+    with pytest.raises(ValueError, match=r"name must be a non-empty string"):
+        kv_ops.LayerwiseLoads(engine, name)
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        ([["layer0.0", "layer0.1"], ["nope"]], r"layers\[1\] names 'nope', not a region"),
+        (
+            [["layer0.0", "layer0.1", "layer1.0"], ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]],
+            r"'layer1.0' is in two",
+        ),
+        ([["layer0.0", "layer0.1"]], r"regions \['layer1.0', .*\] are in no layer"),
+        ([], r"non-empty sequence"),
+        ("layer0.0", r"non-empty sequence"),
+        ([[]], r"layers\[0\] must be a non-empty list"),
+    ],
+)
+def test_bad_layer_groups_are_refused(cpu_setup, layers, message):
+    engine, _, _ = cpu_setup
+    with pytest.raises(ValueError, match=message):
+        kv_ops.LayerwiseLoads(engine, "groups", layers=layers)
+
+
+def test_explicit_layers_may_group_regions_as_the_model_visits_them(cpu_setup):
+    engine, _, model = cpu_setup
+    names = list(engine.regions)
+    with kv_ops.LayerwiseLoads(engine, "two", layers=[names[:4], names[4:]]) as two:
+        two.start([1, 2], [5, 6])
+        caches = model.caches()
+        kv_ops.wait_layer(torch.zeros(1), "two", 0, caches[:2])
+        kv_ops.wait_layer(torch.zeros(1), "two", 1, caches[2:])
+        for n in names:
+            assert torch.equal(engine.regions[n][[5, 6]], engine.mirror_regions[n][[1, 2]])
+    engine.flush()
+
+
+def test_a_cross_layer_region_cannot_be_split_into_layers():
+    # Two layers' tensors back to back in one storage become one region named after the first.
+    backing = torch.randint(0, 99, (8, 2, 16), dtype=torch.int32)
+    caches = {"a": backing[:, 0], "b": backing[:, 1]}
+    engine = kv_ops.OffloadEngine(caches, 8, capacity_bytes=1 << 16)
+    try:
+        assert list(engine.regions) == ["a"]
+        with pytest.raises(ValueError, match=r"cache 'b' has no region of its own"):
+            kv_ops.LayerwiseLoads(engine, "cross")
+    finally:
+        engine.close()
+
+
+def test_a_disk_engine_and_a_closed_engine_are_refused(tmp_path):
+    caches = make_caches(2, 8, "cpu")
+    engine = kv_ops.OffloadEngine(caches, 8, capacity_bytes=1 << 20, disk_dir=str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"keeps its blocks on disk"):
+            kv_ops.LayerwiseLoads(engine, "disk")
+    finally:
+        engine.close()
+    with pytest.raises(kv_ops.EngineClosedError):
+        kv_ops.LayerwiseLoads(engine, "closed")
+
+
+def test_start_on_a_closed_engine_raises_engine_closed(cpu_setup):
+    engine, loads, _ = cpu_setup
+    engine.close()
+    with pytest.raises(kv_ops.EngineClosedError):
+        loads.start([0], [0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_layers=st.integers(1, 5),
+    num_blocks=st.integers(3, 12),  # 2 blocks would make a K/V axis ambiguous to infer_regions
+    tokens=st.integers(1, 3),
+    width=st.sampled_from([1, 3, 8]),
+    blocks_first=st.booleans(),
+    data=st.data(),
+)
+def test_any_layer_count_block_count_and_layout_reads_the_mirrors_rows(
+    num_layers, num_blocks, tokens, width, blocks_first, data
+):
+    seed = data.draw(st.integers(0, 2**16))
+    caches = make_caches(
+        num_layers, num_blocks, "cpu", tokens=tokens, width=width, seed=seed, blocks_first=blocks_first
+    )
+    row = 2 * num_layers * tokens * width * 4
+    host_blocks = data.draw(st.integers(1, 20))
+    engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=host_blocks * row)
+    fill_mirror(engine, seed + 1)
+    name = f"prop{seed}"
+    try:
+        with kv_ops.LayerwiseLoads(engine, name) as loads:
+            n = data.draw(st.integers(0, min(num_blocks, host_blocks)))
+            gpu_ids = data.draw(st.permutations(range(num_blocks)))[:n]
+            host_ids = data.draw(st.lists(st.integers(0, host_blocks - 1), min_size=n, max_size=n))
+            model = Reader(name, list(caches.values()), hidden=4, blocks_first=blocks_first)
+            read_ids = torch.arange(num_blocks)
+            want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)
+            loads.start(host_ids, gpu_ids)
+            _, reads = model(torch.randn(1, 4), read_ids)
+            assert_reads(reads, want)
+    finally:
+        engine.close()
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+@gpu
+def test_gpu_start_loads_every_layer_and_an_eager_forward_waits_for_it():
+    engine, loads, model = make("cuda", num_layers=4, num_blocks=64, capacity_blocks=96, name="lw-gpu")
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            host_ids = torch.randperm(96, generator=gen)[:40].tolist()
+            gpu_ids = torch.randperm(64, generator=gen)[:40].tolist()
+            read_ids = torch.randperm(64, generator=gen)[:48].cuda()
+            want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)
+            # Held back: the copies wait behind a GPU sleep on the caller's stream.
+            torch.cuda._sleep(20_000_000)
+            loads.start(host_ids, gpu_ids)
+            _, reads = model(torch.randn(2, 32, device="cuda"), read_ids)
+            assert_reads(reads, want)
+        assert len(engine.flush().loads) == 3
+    finally:
+        loads.close()
+        engine.close()
+
+
+@gpu
+def test_gpu_ids_are_refused_because_the_copies_are_planned_on_the_host():
+    engine, loads, model = make("cuda", name="lw-gpu-ids")
+    try:
+        before = [c.clone() for c in model.caches()]
+        with pytest.raises(ValueError, match=r"gpu_ids is a cuda:0 tensor, but path='layerwise' plans"):
+            loads.start([1, 2], torch.tensor([3, 4], device="cuda"))
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.caches()))
+    finally:
+        loads.close()
+        engine.close()
+
+
+@gpu
+def test_start_during_a_capture_is_refused():
+    engine, loads, _ = make("cuda", name="lw-capture")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            try:
+                with pytest.raises(RuntimeError, match=r"LayerwiseLoads.start cannot be captured.*before the replay"):
+                    loads.start([0], [0])
+            finally:
+                graph.capture_end()
+    finally:
+        loads.close()
+        engine.close()
+
+
+@gpu
+def test_a_wait_with_a_cache_on_another_device_is_refused():
+    engine, loads, model = make("cuda", name="lw-device")
+    try:
+        h = torch.randn(2, 32, device="cuda")
+        with pytest.raises(ValueError, match=r"a cache of layer 1 is on cpu, but 'lw-device' loads into cuda:0"):
+            kv_ops.wait_layer(h, "lw-device", 1, [model.caches()[1], torch.zeros(4)])
+    finally:
+        loads.close()
+        engine.close()
