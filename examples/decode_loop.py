@@ -15,6 +15,10 @@ What it checks, exiting non-zero on any mismatch:
 * the run with KV memory pressure (sequences preempted to the ``kv_ops.OffloadEngine`` and
   loaded back into other GPU blocks) and the run of the AOT artifact in a fresh process give
   logits bitwise equal to the run without pressure, for every sequence at every position;
+  a resumed sequence's blocks are loaded layer by layer by the step that first reads them
+  (``kv_ops.LayerwiseLoads``: every layer waits only for its own blocks), and once more, for the
+  report, by load, flush, then step;
+* every layer's ``kv_ops.wait_layer`` ran at every host run of the compiled (or loaded) step;
 * the same model with its PLE table on the GPU gives the same tokens (the largest logit
   difference is reported: Inductor may round a fused table lookup differently);
 * every other transport asked for gives the same tokens.
@@ -23,7 +27,8 @@ Usage::
 
     python examples/decode_loop.py                          # small on CPU, Gemma-3n widths on a GPU
     python examples/decode_loop.py --ple-transport gather   # one transport only
-    python examples/decode_loop.py --disk /nvme/kv          # preempt through the disk tier
+    python examples/decode_loop.py --disk /nvme/kv          # preempt through the disk tier too
+    python examples/decode_loop.py --resume flush           # process B resumes by load, flush, step
 
 The last line is ``decode loop: tokens match`` or ``decode loop: MISMATCH ...``.
 """
@@ -48,6 +53,11 @@ from torch import nn
 import kv_ops
 import kv_ops.aot
 import ple_ops
+
+# The LayerwiseLoads every layer's wait_layer names. The graph carries only this string, so each
+# process (the AOT-loading one too) makes its own instance of this name before it runs the step.
+LOADS = "decode_loop.resume"
+RESUME_MODES = ("layerwise", "flush")
 
 # --- the model ---------------------------------------------------------------------------------
 
@@ -202,6 +212,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Config, index: int):
         super().__init__()
+        self.index = index
         seed = 1000 * (index + 1)
         self.attn_norm = RMSNorm(cfg.hidden, seed)
         self.attn = Attention(cfg, seed + 10)
@@ -214,6 +225,13 @@ class DecoderLayer(nn.Module):
         self.ple_norm = RMSNorm(cfg.hidden, seed + 32)
 
     def forward(self, h, slots: Slots):
+        # Before the attention writes this token's K and V into its cache and reads the blocks:
+        # the stream waits until this layer's blocks of a resumed sequence have landed (layer
+        # i+1's may still be on the way). It takes h, the previous layer's output, so that the
+        # compiler cannot hoist it above that layer, and declares the cache mutated, so that no
+        # read or write of the cache moves above it. With no load started it waits on completed
+        # events (on the CPU it only counts: the engine copied at start).
+        h = kv_ops.wait_layer(h, LOADS, self.index, [self.attn.kv_cache])
         h = h + self.attn(self.attn_norm(h), slots)
         x = self.mlp_norm(h)
         return h + self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
@@ -324,6 +342,9 @@ class Step:
         self.fn, self.model, self.runtime = fn, model, runtime
         self.static = StepBuffer(cfg, device)
         self.graph = None
+        # Times the step's code ran on the host (eager calls and the capture; a replay runs
+        # none): what every layer's LayerwiseLoads.waits must equal if the graph kept its waits.
+        self.host_runs = 0
         idle = StepBuffer(cfg)
         for _ in range(2):  # Inductor's kernels compile (and on a GPU tune) on their first calls
             self(idle)
@@ -332,6 +353,7 @@ class Step:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.outputs = fn(model, *self.static.inputs)
+            self.host_runs += 1
 
     def __call__(self, host: StepBuffer) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one step; returns the logits (on the model's device) and the next tokens (CPU)."""
@@ -344,6 +366,7 @@ class Step:
             logits, next_tokens = self.outputs
         else:
             logits, next_tokens = self.fn(self.model, *self.static.inputs)
+            self.host_runs += 1
         if self.runtime is not None:
             self.runtime.release(enqueue=False)  # the resets are in the step itself
         return logits, next_tokens.cpu()
@@ -386,12 +409,17 @@ class KVTraffic:
     stored_bytes: int = 0
     loaded_bytes: int = 0
     store_seconds: float = 0.0  # from the call to the end of the flush
-    load_seconds: float = 0.0
-    # Per transfer, both directions: seconds inside the engine's store/load call (host work),
-    # and from the call to the end of its flush.
+    load_seconds: float = 0.0  # the same, of load-then-step's loads (layer-wise loads have no flush)
+    # Per flushed transfer, both directions: seconds inside the engine's store/load call (host
+    # work), and from the call to the end of its flush.
     call_times: list[float] = field(default_factory=list)
     flush_times: list[float] = field(default_factory=list)
-    paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma)
+    # Per layer-wise load: seconds inside LayerwiseLoads.start (host work; the copies go on).
+    start_times: list[float] = field(default_factory=list)
+    # Per step that resumed a sequence: from the call that loads its blocks (start, or load)
+    # to the end of the step (its tokens on the host).
+    resume_step_times: list[float] = field(default_factory=list)
+    paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma, layerwise)
 
 
 class Scheduler:
@@ -400,17 +428,34 @@ class Scheduler:
     When a running sequence needs a block and none is free, another running sequence is
     preempted: its blocks are stored to the engine (host memory or disk), the store is flushed,
     and the blocks are freed. A preempted sequence resumes once its blocks, plus one block for
-    each running sequence, fit: they are loaded into whatever blocks are free (other ids than
-    before), its block table is rewritten, and it goes on where it stopped.
+    each running sequence, fit: it is given whatever blocks are free (other ids than before), its
+    block table is rewritten, and it goes on where it stopped. Its blocks are loaded by
+    :meth:`load_resumed`, just before the step that first reads them: with ``loads`` (a
+    :class:`kv_ops.LayerwiseLoads` of ``engine``) layer by layer, each layer of the step waiting
+    for its own blocks; without, by load, flush, then step.
     """
 
-    def __init__(self, cfg: Config, seqs: list[Sequence], gpu_blocks: int, engine: kv_ops.OffloadEngine | None):
+    def __init__(
+        self,
+        cfg: Config,
+        seqs: list[Sequence],
+        gpu_blocks: int,
+        engine: kv_ops.OffloadEngine | None,
+        loads: kv_ops.LayerwiseLoads | None = None,
+    ):
         if gpu_blocks < cfg.max_blocks:
             raise ValueError(f"{gpu_blocks} GPU blocks cannot hold one sequence of {cfg.max_blocks} blocks")
-        self.cfg, self.seqs, self.engine = cfg, seqs, engine
+        if loads is not None and loads.engine is not engine:
+            raise ValueError("the LayerwiseLoads must belong to this run's engine")
+        self.cfg, self.seqs, self.engine, self.loads = cfg, seqs, engine, loads
         self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
         self.free_host = list(range(engine.num_host_blocks - 1, -1, -1)) if engine is not None else []
         self.preempted: list[Sequence] = []  # oldest first
+        self.resuming: list[tuple[Sequence, list[int], list[int]]] = []  # this step's (seq, host, gpu)
+        # Layer-wise loads in flight: transfer id -> the host blocks it reads. They go back to
+        # free_host only once the engine reports the transfer (a store into them before that
+        # could overwrite bytes still on their way to the GPU).
+        self.loading: dict[int, list[int]] = {}
         self.traffic = KVTraffic()
         self.buffer = StepBuffer(cfg, pin=torch.cuda.is_available())
 
@@ -420,23 +465,43 @@ class Scheduler:
     def _needs_block(self, seq: Sequence) -> bool:
         return seq.done == len(seq.blocks) * self.cfg.block_size
 
-    def _wait_for(self, what: str, seq: Sequence, transfer) -> float:
+    def _reclaim(self, report: kv_ops.Completed) -> None:
+        """Free the host blocks of the layer-wise loads ``report`` says are done (any poll or
+        flush may be the one that reports them)."""
+        if report.failed:
+            raise RuntimeError(f"KV transfers failed: {report.failed}")
+        for tid in report.loads:
+            host = self.loading.pop(tid, None)  # None: a flushed load, freed by its caller
+            if host is not None:
+                self.free_host += reversed(host)
+
+    def _wait_for(self, what: str, transfer) -> float:
         """Issue one engine transfer and flush it: the blocks are reused (a store) or read (a load)
         right after. Returns the seconds from the call to the end of the flush."""
         start = time.perf_counter()
         transfer()
         self.traffic.call_times.append(time.perf_counter() - start)
-        failed = self.engine.flush().failed
-        if failed:
-            raise RuntimeError(f"{what} the blocks of sequence {seq.index} failed: {failed}")
+        report = self.engine.flush()
+        if report.failed:
+            raise RuntimeError(f"{what} failed: {report.failed}")
+        self._reclaim(report)
         self.traffic.flush_times.append(time.perf_counter() - start)
         return self.traffic.flush_times[-1]
 
     def _preempt(self, seq: Sequence) -> None:
+        if any(seq is s for s, _, _ in self.resuming):
+            # Cannot happen: a sequence resumes only with a free block left for every running
+            # sequence, so nothing is preempted in the plan that resumed it. Were it preempted,
+            # its store would read GPU blocks whose load has not started.
+            raise RuntimeError(f"sequence {seq.index} preempted before its resumed blocks were loaded")
+        if self.engine is not None and len(self.free_host) < len(seq.blocks) and self.loading:
+            self._reclaim(self.engine.flush())  # host blocks still held by layer-wise loads
         if self.engine is None or len(self.free_host) < len(seq.blocks):
             raise RuntimeError("out of KV blocks with nowhere to preempt to")
         host = [self.free_host.pop() for _ in seq.blocks]
-        self.traffic.store_seconds += self._wait_for("storing", seq, lambda: self.engine.store(seq.blocks, host))
+        self.traffic.store_seconds += self._wait_for(
+            f"storing the blocks of sequence {seq.index}", lambda: self.engine.store(seq.blocks, host)
+        )
         self.traffic.stored_bytes += len(host) * self.engine.block_bytes
         self.traffic.preemptions += 1
         self.free += reversed(seq.blocks)
@@ -445,12 +510,46 @@ class Scheduler:
 
     def _resume(self, seq: Sequence) -> None:
         blocks = [self.free.pop() for _ in seq.host_blocks]
-        self.traffic.load_seconds += self._wait_for("loading", seq, lambda: self.engine.load(seq.host_blocks, blocks))
+        # A copy: plan() may append this step's new block to seq.blocks, which has nothing to load.
+        self.resuming.append((seq, seq.host_blocks, list(blocks)))  # loaded by load_resumed()
         self.traffic.loaded_bytes += len(blocks) * self.engine.block_bytes
         self.traffic.resumptions += 1
-        self.free_host += reversed(seq.host_blocks)
         seq.blocks, seq.host_blocks = blocks, None
         self.preempted.remove(seq)
+
+    def load_resumed(self) -> bool:
+        """Load the blocks of the sequences :meth:`plan` resumed, as one transfer; call it just
+        before the step that first reads them. Returns whether there were any."""
+        if not self.resuming:
+            return False
+        host = [h for _, hs, _ in self.resuming for h in hs]
+        gpu = [g for _, _, gs in self.resuming for g in gs]
+        self.resuming = []
+        start = time.perf_counter()
+        if self.loads is not None:
+            # Before the step (the replay), never after: a captured wait sees the events'
+            # records as of the replay's launch. The copies are ordered after the work already
+            # on this stream (the last step, which may have read these GPU blocks for another
+            # sequence), and each layer of the step waits only for its own.
+            tid = self.loads.start(host, gpu)
+            self.traffic.start_times.append(time.perf_counter() - start)
+            self.loading[tid] = host
+        else:
+            self.traffic.load_seconds += self._wait_for("loading resumed blocks", lambda: self.engine.load(host, gpu))
+            self.free_host += reversed(host)
+        return True
+
+    def collect(self) -> None:
+        """After a step: take back the host blocks of the layer-wise loads that have landed."""
+        if self.loading:
+            self._reclaim(self.engine.poll())
+
+    def finish(self) -> None:
+        """At the end of a run: nothing in flight on the engine, which the next run reuses."""
+        if self.engine is not None:
+            self._reclaim(self.engine.flush())
+        if self.loading:
+            raise RuntimeError(f"layer-wise loads {sorted(self.loading)} were never reported")
 
     def plan(self) -> StepBuffer | None:
         """The next step's inputs, after resuming and preempting; None when every sequence is done."""
@@ -508,12 +607,23 @@ class Run:
     traffic: KVTraffic
 
 
-def decode(step: Step, caches, cfg: Config, gpu_blocks: int, engine=None, keep_logits=False, compare_to=None, label=""):
-    """Decode the workload with ``step``; with ``compare_to``, check every row bitwise as it comes."""
+def decode(
+    step: Step,
+    caches,
+    cfg: Config,
+    gpu_blocks: int,
+    engine=None,
+    loads=None,
+    keep_logits=False,
+    compare_to=None,
+    label="",
+):
+    """Decode the workload with ``step``; with ``compare_to``, check every row bitwise as it comes.
+    With ``loads``, resumed sequences are loaded layer by layer by the step itself."""
     for cache in caches.values():
         cache.zero_()  # finite bytes in every block, whatever ran before
     seqs = make_sequences(cfg)
-    sched = Scheduler(cfg, seqs, gpu_blocks, engine)
+    sched = Scheduler(cfg, seqs, gpu_blocks, engine, loads)
     logits_rows: dict[tuple[int, int], torch.Tensor] = {}
     mismatches: list[tuple[int, int]] = []
     times = []
@@ -521,8 +631,14 @@ def decode(step: Step, caches, cfg: Config, gpu_blocks: int, engine=None, keep_l
     shown = 0
     while (inputs := sched.plan()) is not None:
         start = time.perf_counter()
+        resumed = sched.load_resumed()
+        stepped = time.perf_counter()
         logits, next_tokens = step(inputs)
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()  # next_tokens are on the host: the step has finished
+        times.append(end - stepped)
+        if resumed:
+            sched.traffic.resume_step_times.append(end - start)
+        sched.collect()
         ran = sched.advance(next_tokens)
         if keep_logits or compare_to is not None:
             for seq, pos in ran:
@@ -535,6 +651,7 @@ def decode(step: Step, caches, cfg: Config, gpu_blocks: int, engine=None, keep_l
         if done * 10 // total > shown:  # a plain progress line every tenth
             shown = done * 10 // total
             print(f"  {label}: {done}/{total} tokens", file=sys.stderr, flush=True)
+    sched.finish()
     if mismatches:
         raise Mismatch(f"{label}: {len(mismatches)} logits rows differ from the reference, first {mismatches[:3]}")
     return Run([s.tokens for s in seqs], logits_rows, times, sched.traffic)
@@ -577,11 +694,24 @@ class Built(NamedTuple):
     model: DecoderLM
     caches: dict[str, torch.Tensor]
     runtime: ple_ops.OffloadRuntime | None
+    engine: kv_ops.OffloadEngine  # host memory: the pressure runs' and the LayerwiseLoads'
+    loads: kv_ops.LayerwiseLoads  # named LOADS: every run's waits resolve to it
+
+    def close(self) -> None:
+        self.loads.close()
+        self.engine.close()
+        if self.runtime is not None:
+            self.runtime.close()
 
 
 def build(transport: str, cfg: Config, device: torch.device) -> Built:
     """``process``: PLE table in an offload process; ``gather``: in page-locked host memory;
-    ``gpu``: on the GPU (the local model, the reference for tokens)."""
+    ``gpu``: on the GPU (the local model, the reference for tokens).
+
+    Every model gets a host-memory engine and the LayerwiseLoads its layers wait on, made before
+    the step is compiled, warmed up and captured: the waits need a live instance of the name
+    in every run (with no pressure nothing is started, and they find completed events), and a
+    captured graph waits on the events of the instance that was live at its capture."""
     runtime = None
     if transport == "process":
         runtime = ple_ops.OffloadRuntime(functools.partial(make_model, cfg), max_tokens=cfg.batch, device=device)
@@ -591,7 +721,17 @@ def build(transport: str, cfg: Config, device: torch.device) -> Built:
     else:
         model = make_model(cfg).to(device)
     caches = model.attach_kv_cache(blocks_needed(cfg) + 1, device)
-    return Built(model, caches, runtime)
+    try:
+        engine = make_engine(caches, cfg, None)
+        loads = kv_ops.LayerwiseLoads(engine, LOADS)  # one layer per cache tensor: layers.0, layers.1, ...
+    except BaseException:
+        if runtime is not None:
+            runtime.close()
+        raise
+    for count in range(1, cfg.max_blocks + 1):  # as make_engine's warm-up, for the layer-wise path
+        loads.start(list(range(count)), list(range(1, count + 1)))
+    engine.flush()
+    return Built(model, caches, runtime, engine, loads)
 
 
 def compiled_step(built: Built, cfg: Config, device: torch.device, save_to: str | None = None) -> Step:
@@ -612,33 +752,77 @@ def percentile(values: list[float], q: float) -> float:
 # --- the two processes ---------------------------------------------------------------------------
 
 
+def pressure_runs(step: Step, built: Built, cfg: Config, runs, disk: str | None, compare_to, label: str):
+    """Decode under KV pressure once per ``(tier, mode)`` of ``runs``, every row checked bitwise;
+    returns ``(tier, mode, Run)`` each, with the engine paths that run used."""
+    out = []
+    for tier, mode in runs:
+        # The disk tier loads, flushes, then steps: LayerwiseLoads reads a host-memory engine's
+        # mirror and refuses a disk engine (ValueError).
+        engine = make_engine(built.caches, cfg, disk) if tier == "disk" else built.engine
+        try:
+            before = dict(engine.path_counts)
+            run = decode(
+                step,
+                built.caches,
+                cfg,
+                pressure_blocks(cfg),
+                engine,
+                built.loads if mode == "layerwise" else None,
+                compare_to=compare_to,
+                label=f"{label}, KV pressure, {tier}, resume {mode}",
+            )
+            run.traffic.paths = {k: n - before.get(k, 0) for k, n in engine.path_counts.items()}
+        finally:
+            if engine is not built.engine:
+                engine.close()
+        out.append((tier, mode, run))
+    return out
+
+
+def pressure_plan(args, both: bool) -> list[tuple[str, str]]:
+    """The pressure runs: host memory resuming by ``--resume`` (and by the other mode too, for
+    the report's comparison, when ``both``), then the disk tier if asked for."""
+    modes = [args.resume] + ([m for m in RESUME_MODES if m != args.resume] if both else [])
+    return [("host memory", m) for m in modes] + ([("disk", "flush")] if args.disk else [])
+
+
+def check_waits(built: Built, step: Step) -> tuple[str, bool]:
+    """Whether every layer's wait ran at every host run of the step (so the compiled or loaded
+    graph, and the capture, kept a wait in each layer), and a line that says so."""
+    waits = built.loads.waits.tolist()
+    ok = waits == [step.host_runs] * len(waits)
+    verdict = "every layer's wait ran at each" if ok else "MISMATCH: not every layer's wait ran at each"
+    return f"layer-wise waits: {verdict} of the step's {step.host_runs} host runs (waits per layer {waits})", ok
+
+
 def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
-    """Process B: a fresh runtime and engine, the AOT artifact, the pressure run, bitwise check."""
+    """Process B: a fresh runtime and engine, its own LayerwiseLoads of the same name (the loaded
+    graph carries only the name), the AOT artifact, the pressure runs, bitwise check."""
     reference = torch.load(args.expect)
     expected = {key: row.to(device) for key, row in reference["logits"].items()}
     built = build(args.ple_transport[0], cfg, device)
     try:
         step = Step(kv_ops.aot.load_step(args.artifact), built.model, cfg, device, built.runtime)
-        engine = make_engine(built.caches, cfg, args.disk)
-        try:
-            run = decode(
-                step, built.caches, cfg, pressure_blocks(cfg), engine, compare_to=expected, label="B, AOT-loaded"
-            )
-        finally:
-            engine.close()
+        runs = pressure_runs(step, built, cfg, pressure_plan(args, both=False), args.disk, expected, "B, AOT-loaded")
+        waits, waits_ok = check_waits(built, step)
     except Mismatch as e:
         print(f"AOT reload: MISMATCH {e}", flush=True)
         return 1
     finally:
-        if built.runtime is not None:
-            built.runtime.close()
-    same = run.tokens == reference["tokens"]
-    print(
-        f"AOT reload in a fresh process: {len(reference['logits'])} logits rows bitwise equal, "
-        f"{run.traffic.preemptions} preemptions, tokens {'match' if same else 'MISMATCH'}",
-        flush=True,
-    )
-    return 0 if same else 1
+        built.close()
+    ok = waits_ok
+    for tier, mode, run in runs:
+        same = run.tokens == reference["tokens"]
+        ok = ok and same
+        print(
+            f"AOT reload in a fresh process ({tier}, resume {mode}): {len(reference['logits'])} logits rows bitwise "
+            f"equal, {run.traffic.preemptions} preemptions, {run.traffic.paths.get('layerwise', 0)} layer-wise "
+            f"loads, tokens {'match' if same else 'MISMATCH'}",
+            flush=True,
+        )
+    print(f"AOT reload: {waits}", flush=True)
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -651,7 +835,17 @@ def main(argv=None) -> int:
         help="PLE transports to run (repeatable); the first one also runs the pressure and "
         "AOT checks. Default: process, then gather",
     )
-    parser.add_argument("--disk", help="preempt KV blocks to a file in this directory instead of host memory")
+    parser.add_argument(
+        "--disk", help="also preempt KV blocks to a file in this directory (resumed by load, flush, then step)"
+    )
+    parser.add_argument(
+        "--resume",
+        choices=RESUME_MODES,
+        default="layerwise",
+        help="how a resumed sequence's blocks come back from host memory: layer by layer inside the step "
+        "that reads them (default), or load, flush, then step. Process B runs this one; the main process "
+        "runs both, this one first, for the report",
+    )
     parser.add_argument("--role", choices=["main", "load"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--artifact", help=argparse.SUPPRESS)
     parser.add_argument("--expect", help=argparse.SUPPRESS)
@@ -685,9 +879,10 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
         artifact, expect = os.path.join(tmp, "step.aot"), os.path.join(tmp, "reference.pt")
 
         # 1. The primary transport: compiled ahead of time and saved, then the reference run (no
-        #    pressure) and the run with preemption, both bitwise.
+        #    pressure) and the runs with preemption, all bitwise: in host memory resuming layer by
+        #    layer and by load-then-step (the report compares them), then the disk tier if asked.
         built = build(primary, cfg, device)
-        pressured = None
+        pressured: list[tuple[str, str, Run]] = []
         try:
             start = time.perf_counter()
             step = compiled_step(built, cfg, device, save_to=artifact)
@@ -702,31 +897,26 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
             torch.save(
                 {"logits": {k: v.cpu() for k, v in reference.logits.items()}, "tokens": reference.tokens}, expect
             )
-            engine = make_engine(built.caches, cfg, args.disk)
-            warm_paths = dict(engine.path_counts)
-            try:
-                pressured = decode(
-                    step,
-                    built.caches,
-                    cfg,
-                    pressure_blocks(cfg),
-                    engine,
-                    compare_to=reference.logits,
-                    label=f"{primary}, KV pressure",
+            plan = pressure_plan(args, both=True)
+            for tier, mode, run in pressure_runs(step, built, cfg, plan, args.disk, reference.logits, primary):
+                kv = run.traffic
+                print(
+                    f"KV pressure ({pressure_blocks(cfg)} of {blocks_needed(cfg)} blocks, {tier}, resume {mode}): "
+                    f"{kv.preemptions} preemptions, {kv.resumptions} resumptions, {kv.paths.get('layerwise', 0)} "
+                    "layer-wise loads, every logits row bitwise equal",
+                    flush=True,
                 )
-                pressured.traffic.paths = {k: n - warm_paths[k] for k, n in engine.path_counts.items()}
-            finally:
-                engine.close()
-            print(
-                f"KV pressure ({pressure_blocks(cfg)} of {blocks_needed(cfg)} blocks): "
-                f"{pressured.traffic.preemptions} preemptions, every logits row bitwise equal",
-                flush=True,
-            )
+                if run.tokens != reference.tokens:  # implied by the logits; checked all the same
+                    failures.append(f"KV pressure, {tier}, resume {mode}: tokens differ")
+                pressured.append((tier, mode, run))
+            waits, waits_ok = check_waits(built, step)
+            print(waits, flush=True)
+            if not waits_ok:
+                failures.append(f"{primary}: {waits}")
         except Mismatch as e:
             failures.append(str(e))
         finally:
-            if built.runtime is not None:
-                built.runtime.close()
+            built.close()
 
         # 2. Process B: a fresh process loads the artifact and decodes under pressure.
         cmd = [
@@ -743,8 +933,7 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
             "--ple-transport",
             primary,
         ]
-        if args.disk:
-            cmd += ["--disk", args.disk]
+        cmd += ["--resume", args.resume] + (["--disk", args.disk] if args.disk else [])
         if subprocess.run(cmd, timeout=1800).returncode != 0:
             failures.append("the AOT-loaded step in a fresh process did not reproduce the reference")
 
@@ -753,17 +942,20 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
     for transport in ["gpu"] + args.ple_transport[1:]:
         built = build(transport, cfg, device)
         try:
+            step = compiled_step(built, cfg, device)
             run = decode(
-                compiled_step(built, cfg, device),
+                step,
                 built.caches,
                 cfg,
                 blocks_needed(cfg),
                 keep_logits=transport == "gpu",
                 label=f"{transport} transport" if transport != "gpu" else "PLE table on the GPU",
             )
+            waits, waits_ok = check_waits(built, step)
         finally:
-            if built.runtime is not None:
-                built.runtime.close()
+            built.close()
+        if not waits_ok:
+            failures.append(f"{transport}: {waits}")
         results[transport] = run
         if run.tokens != reference.tokens:
             failures.append(f"{transport}: tokens differ from the {primary} transport's")
@@ -781,9 +973,15 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
-def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured: Run | None, max_diff: float) -> None:
+def _us(values: list[float]) -> str:
+    """Median (max) in microseconds."""
+    return f"{percentile(values, 0.5) * 1e6:.0f} ({max(values) * 1e6:.0f})" if values else "-"
+
+
+def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured, max_diff: float) -> None:
     """The table the README quotes: step time per PLE placement as a ratio to the table in the
-    model, tokens/s, the memory moved off the GPU, and the KV traffic of the pressure run."""
+    model, tokens/s, the memory moved off the GPU; the KV traffic of each pressure run; and the
+    resume-step time with layer-wise loads against load-then-step."""
     table_bytes = cfg.vocab * cfg.layers * cfg.ple_dim * 4
     print(f"\nlargest logit difference against the model that holds its PLE table: {max_diff:.3g}")
     print(f"{device.type.upper()} memory the offloaded PLE table no longer takes: {_size(table_bytes)}")
@@ -801,29 +999,66 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
         )
     if device.type == "cpu":
         print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")
-    if pressured is None:
+    if not pressured:
         return
-    kv = pressured.traffic
-    store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
-    load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
-    print(
-        f"\nKV pressure: {kv.preemptions} preemptions, {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} "
-        f"at {store:.2f} GB/s, loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (call to flush, wall clock; "
-        f"paths {kv.paths})"
-    )
-    calls, flushes = kv.call_times, kv.flush_times
-    print(
-        f"per transfer, median (max) of {len(calls)}: {percentile(flushes, 0.5) * 1e6:.0f} ({max(flushes) * 1e6:.0f}) us "
-        f"from call to flush, of which {percentile(calls, 0.5) * 1e6:.0f} ({max(calls) * 1e6:.0f}) us inside the "
-        f"engine's store/load call (host work before the copy is enqueued)"
-    )
+    link = None
     if device.type == "cuda":
         from kv_ops import doctor
 
         link = doctor.measure_link(device)
+    print()
+    for tier, mode, run in pressured:
+        kv = run.traffic
+        store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
+        load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
+        if mode == "layerwise":
+            loaded = f"loaded {_size(kv.loaded_bytes)} layer by layer inside the resume steps (no flush: timed below)"
+        else:
+            loaded = f"loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (the same)"
         print(
-            f"as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to GPU): "
-            f"store {store / link.d2h_gbps:.2f}, load {load / link.h2d_gbps:.2f}"
+            f"KV pressure, {tier}, resume {mode}: {kv.preemptions} preemptions, {kv.resumptions} resumptions; "
+            f"stored {_size(kv.stored_bytes)} at {store:.2f} GB/s (call to flush, wall clock), {loaded}; "
+            f"paths {kv.paths}"
+        )
+        line = (
+            f"  per flushed transfer, median (max) of {len(kv.flush_times)}: {_us(kv.flush_times)} us from call to "
+            f"flush, of which {_us(kv.call_times)} us inside the engine's store/load call (host work before the "
+            "copy is enqueued)"
+        )
+        if kv.start_times:
+            line += f"; per layer-wise load, {_us(kv.start_times)} us inside LayerwiseLoads.start"
+        print(line)
+        if link is not None:
+            ratios = f"store {store / link.d2h_gbps:.2f}" + (
+                f", load {load / link.h2d_gbps:.2f}" if mode == "flush" else ""
+            )
+            print(
+                f"  as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to "
+                f"GPU): {ratios}"
+            )
+    resumes = {mode: run for tier, mode, run in pressured if tier == "host memory"}
+    if len(resumes) < 2:
+        return
+    if not all(run.traffic.resume_step_times for run in resumes.values()):
+        print("\nresume steps: no sequence resumed in host memory, nothing to compare")
+        return
+    print(
+        "\nresume steps (host memory, same engine, workload and process): from the call that loads a resumed "
+        "sequence's blocks to the end of the step that first reads them (its tokens on the host)"
+    )
+    print(f"\n| resume ({device.type}) | resumed steps | median (us) | max (us) | median ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    flushed = percentile(resumes["flush"].traffic.resume_step_times, 0.5)
+    for mode, label in [("layerwise", "layer-wise loads, then the step"), ("flush", "load, flush, then the step")]:
+        t = resumes[mode].traffic.resume_step_times
+        print(
+            f"| {label} | {len(t)} | {percentile(t, 0.5) * 1e6:.0f} | {max(t) * 1e6:.0f} | "
+            f"{percentile(t, 0.5) / flushed:.3f} |"
+        )
+    if device.type == "cpu":
+        print(
+            "(on the CPU LayerwiseLoads.start copies at call time and the waits only count, so both rows do the "
+            "same work in another order, on a spinning offload process: times say nothing)"
         )
 
 

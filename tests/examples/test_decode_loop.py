@@ -1,5 +1,7 @@
 """The main job, as CI runs it: examples/decode_loop.py's small configuration on the CPU, in a
-subprocess (it spawns an offload process and a second process that loads the AOT artifact)."""
+subprocess (it spawns an offload process and a second process that loads the AOT artifact),
+with the disk tier: resumed sequences come back layer by layer from host memory, and by load,
+flush, then step from host memory and from disk."""
 
 import os
 import re
@@ -17,14 +19,44 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-4000:]}"
     assert out.splitlines()[-1] == "decode loop: tokens match", out
-    # Preemption happened, through the disk tier, and every row of that run was bitwise equal.
-    preempted = re.search(r"KV pressure \(\d+ of \d+ blocks\): (\d+) preemptions, every logits row bitwise equal", out)
-    assert preempted and int(preempted.group(1)) >= 1, out
-    # Process B loaded the saved step, preempted too, and reproduced every logits row.
-    reloaded = re.search(
-        r"AOT reload in a fresh process: (\d+) logits rows bitwise equal, (\d+) preemptions, tokens match", out
+    blocks = r"KV pressure \(\d+ of \d+ blocks, "
+    # Preemption happened in host memory, and the resumed blocks came back layer by layer (one
+    # LayerwiseLoads.start per resumed step, each reported as the engine's "layerwise" path),
+    # every row of that run bitwise equal to the run without pressure.
+    layerwise = re.search(
+        blocks + r"host memory, resume layerwise\): (\d+) preemptions, (\d+) resumptions, (\d+) layer-wise loads, "
+        r"every logits row bitwise equal",
+        out,
     )
-    assert reloaded and int(reloaded.group(1)) > 100 and int(reloaded.group(2)) >= 1, out
+    assert layerwise and int(layerwise.group(1)) >= 1 and int(layerwise.group(2)) >= 1, out
+    assert 1 <= int(layerwise.group(3)) <= int(layerwise.group(2)), out
+    # The same workload by load, flush, then step (the comparison), and through the disk tier,
+    # which has no layer-wise path: both bitwise equal, neither used it.
+    for tier in ["host memory", "disk"]:
+        flushed = re.search(
+            blocks + tier + r", resume flush\): (\d+) preemptions, \d+ resumptions, 0 layer-wise loads, "
+            r"every logits row bitwise equal",
+            out,
+        )
+        assert flushed and int(flushed.group(1)) >= 1, out
+    # Every layer's wait ran at every host run of the compiled step (on the CPU every step runs
+    # it), in this process and in the one that loaded the AOT artifact.
+    waits = re.findall(r"layer-wise waits: every layer's wait ran at each of the step's (\d+) host runs", out)
+    assert len(waits) == 2 and all(int(n) > 10 for n in waits), out
+    # Process B loaded the saved step, made its own LayerwiseLoads of the name, preempted and
+    # resumed layer by layer, then through the disk tier, and reproduced every logits row.
+    for tier, mode, loads in [("host memory", "layerwise", r"[1-9]\d*"), ("disk", "flush", "0")]:
+        reloaded = re.search(
+            rf"AOT reload in a fresh process \({tier}, resume {mode}\): (\d+) logits rows bitwise equal, (\d+) "
+            rf"preemptions, {loads} layer-wise loads, tokens match",
+            out,
+        )
+        assert reloaded and int(reloaded.group(1)) > 100 and int(reloaded.group(2)) >= 1, out
+    # The report compares the resume steps, each row timed over at least one resumed step.
+    for label in ["layer-wise loads, then the step", "load, flush, then the step"]:
+        row = re.search(rf"^\| {label} \| (\d+) \| \d+ \| \d+ \| [\d.]+ \|$", out, re.MULTILINE)
+        assert row and int(row.group(1)) >= 1, out
     # Both transports ran against the model that holds its table.
     assert "| offload process |" in out and "| host gather |" in out, out
+    assert "MISMATCH" not in out, out
     assert list(tmp_path.iterdir()) == []  # the disk tier left nothing behind
