@@ -24,6 +24,8 @@ moment it is open, so even a process killed with SIGKILL leaves nothing in ``dis
 
 from __future__ import annotations
 
+import numbers
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,23 @@ PATHS = ("auto", *PATH_NAMES)
 # GPU memory of each direction's staging ring, by default (the staged path's chunks pipeline
 # through it; a ring never holds more rows than one transfer can have).
 RING_BYTES = 128 << 20
+
+
+def _check_positive_int(what: str, value) -> None:
+    # bool is an int to Python, but True blocks or bytes is a mistake, never a size.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"OffloadEngine: {what} must be a positive integer, got {value!r}")
+
+
+def _close_disk(disk: DiskTier) -> None:
+    """Stop a disk tier and close its file: from close(), or from the finalizer of an engine
+    dropped without it (so it must not need the engine)."""
+    try:
+        # Runs anything still queued (only if the flush was cut short), stops the thread, and
+        # waits until the GPU is done with the staging buffers.
+        disk.close()
+    finally:
+        disk.file.close()  # the last descriptor: the kernel frees the nameless file
 
 
 class EngineClosedError(RuntimeError):
@@ -126,7 +145,8 @@ class OffloadEngine:
     page_cache : bool
         Buffered file I/O instead of ``O_DIRECT``.
     staging_slots, staging_blocks : int
-        Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each.
+        Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each;
+        positive integers (checked with or without ``disk_dir``).
     path : {"auto", "kernel", "staged", "dma"}
         How mirror transfers move (:mod:`kv_ops.paths`): per call by what was measured for this
         shape (``self.crossover``; ``self.crossover.table()`` shows it), the zero-copy kernel,
@@ -141,9 +161,18 @@ class OffloadEngine:
         With ``path="auto"``: keep the measurement in this JSON file and reuse it while the
         device model, the regions' widths, the ring and torch stay the same.
 
+    Raises
+    ------
+    ValueError
+        Before anything is allocated: ``num_blocks``, ``capacity_bytes``, ``ring_bytes``,
+        ``staging_slots`` or ``staging_blocks`` not a positive integer, an unknown ``path``,
+        caches on several devices, or a capacity that holds no block.
+
     Notes
     -----
-    One thread drives an engine: the calls are not safe to make concurrently. Ids are integer
+    One thread drives an engine: the calls are not safe to make concurrently. An engine dropped
+    without :meth:`close` frees its mirror as any tensor; a disk tier's I/O thread and file are
+    released once the engine is garbage collected (close it to know when). Ids are integer
     sequences, numpy arrays, or int32/int64 tensors on the CPU or the engine's device; anything
     else (floats, booleans, meta tensors) is refused with ``ValueError`` before any byte moves.
     Host ids are checked on the host (numpy). GPU ids are never read by the host: the transfer
@@ -153,7 +182,7 @@ class OffloadEngine:
 
     Examples
     --------
-    >>> with OffloadEngine(kv_caches, num_blocks, capacity_bytes=64 << 30) as engine:
+    >>> with OffloadEngine(kv_caches, num_blocks, capacity_bytes=64 << 30) as engine:  # 64 GiB
     ...     tid = engine.store(gpu_ids=[3, 4, 9], host_ids=[0, 1, 2])
     ...     engine.poll().stores          # [tid] once the copy has finished
     """
@@ -175,8 +204,13 @@ class OffloadEngine:
     ):
         if path not in PATHS:
             raise ValueError(f"OffloadEngine: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
-        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int) or ring_bytes < 1:
-            raise ValueError(f"OffloadEngine: ring_bytes must be a positive integer, got {ring_bytes!r}")
+        for what, value in (
+            ("capacity_bytes", capacity_bytes),
+            ("ring_bytes", ring_bytes),
+            ("staging_slots", staging_slots),
+            ("staging_blocks", staging_blocks),
+        ):
+            _check_positive_int(what, value)
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
             raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
@@ -186,7 +220,7 @@ class OffloadEngine:
         self.cache_names = list(kv_caches)  # the layers, in the caller's order
         self.block_bytes = block_bytes(self.regions)
         slot_bytes = aligned(self.block_bytes) if disk_dir is not None else self.block_bytes
-        self.num_host_blocks = capacity_bytes // slot_bytes
+        self.num_host_blocks = int(capacity_bytes) // slot_bytes
         if self.num_host_blocks < 1:
             raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
         self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
@@ -208,6 +242,7 @@ class OffloadEngine:
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None
+        self._disk_closer: weakref.finalize | None = None
         self.paths: dict[str, Path] = {}
         if disk_dir is None:
             self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
@@ -229,10 +264,14 @@ class OffloadEngine:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
             try:
-                self.disk = DiskTier(self.regions, file, self._streams, staging_slots, staging_blocks)
+                self.disk = DiskTier(self.regions, file, self._streams, int(staging_slots), int(staging_blocks))
             except BaseException:
                 file.close()
                 raise
+            # An engine dropped without close(): once collected, its I/O thread stops and its file
+            # closes. The finalizer holds the tier, not the engine, which it would keep alive.
+            self._disk_closer = weakref.finalize(self, _close_disk, self.disk)
+            self._disk_closer.atexit = False  # at exit the daemon thread goes and the kernel closes the file
 
     # --- transfers ---------------------------------------------------------------------------
 
@@ -361,6 +400,11 @@ class OffloadEngine:
         The copy is ordered after ``after``, by default the work enqueued on the caller's current
         stream before the call (the compute that wrote those blocks). Nothing blocks the
         caller's thread.
+
+        Write to the GPU blocks again only after this store is reported by :meth:`poll` or
+        :meth:`flush`: until then, what the stored copy holds of a block written meanwhile is
+        undefined. (On the CPU the in-memory engine copies during the call and the disk tier
+        later, on its I/O thread: code that writes early works with one and not the other.)
 
         Parameters
         ----------
@@ -506,15 +550,10 @@ class OffloadEngine:
             self._release()
 
     def _release(self) -> None:
-        disk, self.disk = self.disk, None
+        self.disk = None
         try:
-            if disk is not None:
-                try:
-                    # Runs anything still queued (only if the flush was cut short), stops the
-                    # thread, and waits until the GPU is done with the staging buffers.
-                    disk.close()
-                finally:
-                    disk.file.close()  # the last descriptor: the kernel frees the nameless file
+            if self._disk_closer is not None:
+                self._disk_closer()  # _close_disk, at most once (not again when collected)
             if self._streams is not None:
                 # Idle after a completed flush; after an interrupted one this keeps the copies
                 # (and the staged path's gathers and scatters) from outliving the memory they use.

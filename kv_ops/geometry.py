@@ -101,7 +101,7 @@ class _Placement:
 
 
 def _check_num_blocks(num_blocks: int) -> None:
-    if not isinstance(num_blocks, int) or num_blocks <= 0:
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
 
 

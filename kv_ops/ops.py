@@ -51,6 +51,18 @@ def _region_list(regions: Regions) -> list[torch.Tensor]:
     return list(regions.values()) if isinstance(regions, Mapping) else list(regions)
 
 
+def _check_id_tensors(op: str, **ids) -> None:
+    """The public wrappers' one check before the op: a list would reach the op's schema and fail
+    there with a RuntimeError that names no argument. (One isinstance per argument.)"""
+    for what, value in ids.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{op}: {what} must be a 1-D int32 or int64 tensor on the kernel's device, got "
+                f"{type(value).__name__} (the ops take tensors, e.g. torch.tensor(ids, device=...); "
+                "OffloadEngine also takes lists)"
+            )
+
+
 class _RegionSet:
     """One checked pair of sides: the bound kernel copy and, once used again, its CUDA graph."""
 
@@ -245,8 +257,9 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     ------
     ValueError
         In eager mode, before any byte moves: an id outside ``[0, num_blocks)``, a repeated
-        destination id, mismatched block sizes, a wrong dtype or device. Id checks can be turned
-        off with :func:`kv_ops.set_id_checks`; then, and inside captured graphs, a pair with an
+        destination id, mismatched block sizes, a wrong dtype or device, ids that are not
+        tensors (a list: pass ``torch.tensor(ids, device=...)``). Id checks can be turned off
+        with :func:`kv_ops.set_id_checks`; then, and inside captured graphs, a pair with an
         out-of-range id is skipped and counted in :func:`kv_ops.error_count`.
 
     Examples
@@ -259,6 +272,7 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
         if set(src) != set(dst):
             raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {sorted(src)} vs {sorted(dst)}")
         dst = {name: dst[name] for name in src}  # paired by name, whatever order each was built in
+    _check_id_tensors("kv_ops.copy_blocks", src_ids=src_ids, dst_ids=dst_ids)
     torch.ops.kv_ops.copy_blocks(_region_list(src), _region_list(dst), src_ids, dst_ids)
 
 
@@ -339,6 +353,7 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
     >>> staging = kv_ops.pinned_empty((len(ids), kv_ops.block_bytes(regions)))
     >>> kv_ops.gather_blocks(regions, ids, staging)       # GPU regions -> one host buffer
     """
+    _check_id_tensors("kv_ops.gather_blocks", ids=ids)
     torch.ops.kv_ops.gather_blocks(_region_list(regions), ids, out)
 
 
@@ -387,6 +402,7 @@ def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Regions) ->
     --------
     >>> kv_ops.scatter_blocks(staging, new_ids, regions)  # one host buffer -> GPU regions
     """
+    _check_id_tensors("kv_ops.scatter_blocks", ids=ids)
     torch.ops.kv_ops.scatter_blocks(packed, ids, _region_list(regions))
 
 

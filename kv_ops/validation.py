@@ -29,11 +29,19 @@ _counters: dict[torch.device, torch.Tensor] = {}
 def set_id_checks(enabled: bool) -> bool:
     """Turn the eager id checks on or off for every op; returns the previous setting.
 
+    Raises
+    ------
+    ValueError
+        ``enabled`` is not a bool: ``"no"`` or ``None`` would otherwise be read by truthiness,
+        the opposite of what was meant in one case or the other.
+
     Examples
     --------
     >>> previous = kv_ops.set_id_checks(False)   # hot path: trust the scheduler's ids
     """
     global _id_checks
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise ValueError(f"set_id_checks: enabled must be True or False, got {enabled!r}")
     previous, _id_checks = _id_checks, bool(enabled)
     return previous
 

@@ -161,8 +161,12 @@ class ControlBlock:
         """
         layout = _Layout(max_tokens, num_layers)
         buffer = SharedHostBuffer(layout.nbytes, register=map_for_gpu)
-        buffer.bytes.zero_()
-        return cls(buffer, max_tokens, num_layers, map_for_gpu)
+        try:
+            buffer.bytes.zero_()
+            return cls(buffer, max_tokens, num_layers, map_for_gpu)
+        except BaseException:
+            buffer.unlink()  # the caller never gets the block, so it could not remove the name
+            raise
 
     @classmethod
     def attach(cls, handle: ControlHandle) -> "ControlBlock":

@@ -124,8 +124,10 @@ class OffloadRuntime:
 
     Rules, each enforced (never a hang, never an older step's rows):
 
-    * ``prepare`` is refused until the previous step's ``release``; a forward or ``release``
-      with no prepared step raises at once (eager or compiled). A CUDA-graph replay with no
+    * ``prepare`` is refused until the previous step's ``release``, also after a forward that
+      raised; a forward with no prepared step raises at once (eager or compiled), and so does
+      a layer's own release op (``release_offloaded``), while :meth:`release` with no prepared
+      step does nothing (a serving loop may call it unconditionally). A CUDA-graph replay with no
       prepared step (or a second replay after one ``prepare``) is caught by the watchdog: its
       rows are poisoned, the stream goes on, and the runtime fails (fatal).
     * Capture with no step prepared: a capture that records a wait while a step is prepared,
@@ -158,8 +160,14 @@ class OffloadRuntime:
 
     Raises
     ------
+    ValueError
+        Before anything starts: a bad ``max_tokens``, ``worker_threads``, timeout or ``device``
+        (a CUDA device where torch has no CUDA, or neither CUDA nor CPU).
+    TypeError
+        ``model_factory`` is not a picklable callable.
     OffloadError
         If the offload process fails to start (with its traceback, or with the likely cause).
+        A failed start leaves no process, no armed layer and no file in ``/dev/shm``.
 
     Examples
     --------
@@ -191,7 +199,17 @@ class OffloadRuntime:
         for what, value in (("step_timeout", step_timeout), ("start_timeout", start_timeout)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"OffloadRuntime: {what} must be a finite number of seconds > 0, got {value!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"OffloadRuntime: device must be 'cuda' or 'cpu', got {device!r}") from None
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"OffloadRuntime: device must be 'cuda' or 'cpu', got {device!r}")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"OffloadRuntime: device {device!r} is CUDA, but torch.cuda.is_available() is False here; "
+                "pass device='cpu'"
+            )
         self.max_tokens = int(max_tokens)
         self.step_timeout = float(step_timeout)
         self._on_gpu = self.device.type == "cuda"
@@ -328,6 +346,8 @@ class OffloadRuntime:
             self.process.join(5.0)
         for layer in self._layers:
             registry.disarm(layer.name)
+        with contextlib.suppress(OSError):
+            self._conn.close()
 
     # --- the step transaction ----------------------------------------------------------------
 
@@ -364,7 +384,11 @@ class OffloadRuntime:
         """
         self._check_usable()
         if self._open:
-            raise OffloadError("prepare() before the previous step's release(): its flags are still raised")
+            raise OffloadError(
+                f"prepare() before the previous step's release(): step {self._step} is still open (its flags "
+                "are still raised). Call release() to end it first, also after a forward that raised (an error "
+                "in forward_impl, for one): release() resets the flags, and the next prepare() is served"
+            )
         self._raise_unreported(self._step)
         if self._on_gpu and torch.cuda.is_current_stream_capturing():
             raise OffloadError(

@@ -52,14 +52,19 @@ class SharedHostBuffer:
         path = os.path.join(_shm_dir(), f"offload-ops.{os.getpid()}.{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        register = torch.cuda.is_available() if register is None else register
+            try:
+                os.ftruncate(fd, nbytes)
+                mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            register = torch.cuda.is_available() if register is None else register
+            self.bytes = pin_mapping(mapping, nbytes, register)
+        except BaseException:
+            # No object comes back to unlink it later (registration fails without CUDA, for one).
+            os.unlink(path)
+            raise
         self.handle = SharedHandle(path, nbytes)
         self.owner = True
-        self.bytes = pin_mapping(mapping, nbytes, register)
 
     @classmethod
     def attach(cls, handle: SharedHandle) -> "SharedHostBuffer":

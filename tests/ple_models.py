@@ -85,6 +85,13 @@ def make_failing_model():
     return model
 
 
+def make_unbuildable_model():
+    """Fails to build in the offload process (its weights are not there), so the start fails."""
+    if ple_ops.layer._role == "worker":
+        raise FileNotFoundError("ple_shard_0.bin")
+    return TinyModel()
+
+
 def make_sleepy_model():
     """Every PLE layer takes about a millisecond, as a real one does: the offload process is then
     slower than the caller, and a call that does not wait for its rows shows it."""

@@ -7,7 +7,9 @@ transfer of 4 or more blocks crosses chunk boundaries and its slots are reused a
 """
 
 import os
+import re
 import stat
+import threading
 import warnings
 
 import numpy as np
@@ -57,6 +59,53 @@ def test_mirror_is_sized_exactly_from_the_capacity():
     }
     with pytest.raises(ValueError, match="holds no block of 704 bytes"):
         kv_ops.OffloadEngine({"l": torch.zeros(32, 352, dtype=torch.float16)}, 32, capacity_bytes=703)
+
+
+BAD_SIZES = [
+    *[("staging_blocks", v) for v in (0, -1, 2.5, True, "4", None)],
+    *[("staging_slots", v) for v in (0, -2, 1.5, False, "2")],
+    *[("capacity_bytes", v) for v in (0, 2.5, float(1 << 20), "65536", True, None)],
+    *[("ring_bytes", v) for v in (0, 1.0, True)],
+]
+
+
+@pytest.mark.parametrize("tier", ["mirror", "disk"])
+@pytest.mark.parametrize("what, value", BAD_SIZES, ids=[f"{w}={v!r}" for w, v in BAD_SIZES])
+def test_a_bad_size_is_refused_at_construction_naming_it(tmp_path, tier, what, value):
+    # staging_blocks=0 used to be accepted, and then every disk transfer failed later with
+    # "range() arg 3 must not be zero"; a str or None capacity gave a raw TypeError.
+    kv = {"l": torch.randn(32, 352, generator=torch.Generator().manual_seed(5)).to(torch.float16)}
+    sizes = {"capacity_bytes": 1 << 20, what: value}
+    disk = {"disk_dir": str(tmp_path), "page_cache": True} if tier == "disk" else {}
+    threads = set(threading.enumerate())
+    with pytest.raises(ValueError, match=re.escape(f"OffloadEngine: {what} must be a positive integer, got {value!r}")):
+        kv_ops.OffloadEngine(kv, 32, **sizes, **disk)
+    assert set(threading.enumerate()) == threads and os.listdir(tmp_path) == []  # nothing was started
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "32", None, True])
+def test_a_bad_num_blocks_is_refused_naming_it(value):
+    kv = {"l": torch.randn(32, 352, generator=torch.Generator().manual_seed(6)).to(torch.float16)}
+    with pytest.raises(ValueError, match=re.escape(f"num_blocks must be a positive int, got {value!r}")):
+        kv_ops.OffloadEngine(kv, value, capacity_bytes=1 << 20)
+
+
+def test_numpy_integer_sizes_are_sizes(tmp_path):
+    kv = {"l": torch.randn(32, 352, generator=torch.Generator().manual_seed(7)).to(torch.float16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = kv_ops.OffloadEngine(kv, 32, capacity_bytes=np.int64(40 * PER_BLOCK))
+    assert engine.num_host_blocks == 40 and type(engine.num_host_blocks) is int
+    engine.close()
+    with kv_ops.OffloadEngine(
+        kv, 32, capacity_bytes=8 * 4096, disk_dir=str(tmp_path), page_cache=True, staging_blocks=np.int32(3)
+    ) as engine:
+        want = torch.cat([r[[4, 5, 6, 7]] for r in engine.regions.values()], dim=1)
+        tid = engine.store([4, 5, 6, 7], [0, 1, 2, 3])  # two chunks of the 3-block staging buffer
+        assert engine.flush().stores == [tid]
+        load = engine.load([0, 1, 2, 3], [20, 21, 22, 23])
+        assert engine.flush().loads == [load]
+        assert torch.equal(torch.cat([r[[20, 21, 22, 23]] for r in engine.regions.values()], dim=1), want)
 
 
 def test_a_stored_block_is_one_mirror_row_of_every_region_side_by_side():

@@ -5,12 +5,15 @@ The GPU tests hold the transfer behind torch.cuda._sleep on the caller's stream 
 result without any device synchronisation of their own: only close() can have waited for it.
 """
 
+import gc
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -140,6 +143,79 @@ def test_close_runs_every_queued_disk_job_before_the_file_closes(tmp_path):
     finally:
         os.close(dup)
     assert os.listdir(tmp_path) == []
+
+
+# --- dropped without close() ----------------------------------------------------------------------
+
+
+def open_fds_under(directory):
+    """This process's descriptors whose target lies in ``directory`` (an unlinked file included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed by now
+            continue
+        if target.startswith(str(directory) + os.sep):
+            found.append(fd)
+    return found
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "in-flight"])
+def test_a_disk_engine_dropped_without_close_releases_its_thread_and_file_once_collected(tmp_path, in_flight):
+    fds = len(os.listdir("/proc/self/fd"))
+    engine = make_engine(disk_dir=str(tmp_path), page_cache=True, staging_blocks=2)
+    thread = engine.disk.thread
+    assert thread.is_alive() and len(open_fds_under(tmp_path)) == 1
+    engine.store([0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
+    if not in_flight:
+        engine.flush()
+    alive = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert alive() is None  # nothing (the finalizer least of all) keeps the engine alive
+    thread.join(10)  # the finalizer has asked it to stop; joining only waits for that
+    assert not thread.is_alive() and thread not in threading.enumerate()
+    assert open_fds_under(tmp_path) == [] and len(os.listdir("/proc/self/fd")) == fds
+    assert os.listdir(tmp_path) == []
+
+
+def test_close_then_collection_closes_the_disk_tier_once(tmp_path):
+    engine = make_engine(disk_dir=str(tmp_path), page_cache=True)
+    thread = engine.disk.thread
+    engine.close()
+    assert not thread.is_alive() and open_fds_under(tmp_path) == []
+    other = os.open(os.devnull, os.O_RDONLY)  # likely the number the file had: a second close would hit it
+    try:
+        del engine
+        gc.collect()
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
+
+
+# --- the store rule: write a block again only after its store is reported ---------------------------
+
+
+@pytest.mark.parametrize("tier", ["mirror", "disk"])
+def test_after_flush_the_stored_copy_is_the_block_as_it_was_at_store(tmp_path, tier):
+    # The documented guarantee (OffloadEngine.store): a block the caller leaves alone until the
+    # store is reported is stored as it was at the call, while other blocks change meanwhile; a
+    # write after the report does not reach the stored copy. Both tiers, the same rule.
+    gen = torch.Generator().manual_seed(21)
+    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=True, staging_blocks=2)
+    stored = [3, 8, 9, 14, 30]
+    want = packed(engine, stored)
+    tid = engine.store(stored, [7, 0, 1, 2, 39])
+    for region in engine.regions.values():  # the caller goes on writing blocks it did not store
+        region[[0, 1, 2, 20]] = random_bytes((4, region.shape[1]), gen)
+    assert engine.flush().stores == [tid]
+    for region in engine.regions.values():  # reported: the stored blocks may be reused now
+        region[stored] = random_bytes((len(stored), region.shape[1]), gen)
+    load = engine.load([7, 0, 1, 2, 39], [25, 26, 27, 28, 29])
+    assert engine.flush().loads == [load]
+    assert torch.equal(packed(engine, [25, 26, 27, 28, 29]), want)
+    engine.close()
 
 
 # --- nothing left behind -------------------------------------------------------------------------

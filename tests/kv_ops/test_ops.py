@@ -126,6 +126,11 @@ def bad_copy_cases():
         ("ids-float", lambda s, d: kv_ops.copy_blocks(s, d, t([0.0]), t([1])), r"src_ids must be a 1-D int32 or int64"),
         ("ids-2d", lambda s, d: kv_ops.copy_blocks(s, d, t([[0]]), t([1])), r"src_ids must be a 1-D int32 or int64"),
         (
+            "ids-list",
+            lambda s, d: kv_ops.copy_blocks(s, d, t([0, 1]), [2, 3]),
+            r"dst_ids must be a 1-D int32 or int64 tensor on the kernel's device, got list",
+        ),
+        (
             "width-mismatch",
             lambda s, d: kv_ops.copy_blocks(s, [d[0], d[1][:, :8]], t([0]), t([1])),
             r"region pair 1 has block sizes 16 \(src\) and 8 \(dst\)",
@@ -185,8 +190,24 @@ def test_bad_copy_raises_before_any_byte_moves(case):
             lambda r, ids: kv_ops.scatter_blocks(torch.empty(2, 48, dtype=torch.uint8), ids, r),
             r"packed must be uint8 of shape \(3, 48\)",
         ),
+        (
+            lambda r, ids: kv_ops.gather_blocks(r, ids.tolist(), torch.empty(3, 48, dtype=torch.uint8)),
+            r"gather_blocks: ids must be a 1-D int32 or int64 tensor .*, got list",
+        ),
+        (
+            lambda r, ids: kv_ops.scatter_blocks(torch.empty(3, 48, dtype=torch.uint8), (1, 2, 3), r),
+            r"scatter_blocks: ids must be a 1-D int32 or int64 tensor .*, got tuple",
+        ),
     ],
-    ids=["gather-out-width", "gather-out-dtype", "gather-id-range", "scatter-repeated-id", "scatter-packed-rows"],
+    ids=[
+        "gather-out-width",
+        "gather-out-dtype",
+        "gather-id-range",
+        "scatter-repeated-id",
+        "scatter-packed-rows",
+        "gather-ids-list",
+        "scatter-ids-tuple",
+    ],
 )
 def test_bad_gather_scatter_raise_before_any_byte_moves(call, message):
     regions = make_regions([32, 16], 8, generator=torch.Generator().manual_seed(2))
@@ -211,6 +232,33 @@ def test_with_id_checks_off_invalid_pairs_are_skipped_and_counted():
     assert kv_ops.error_count("cpu") == 2
     kv_ops.reset_error_count("cpu")
     assert kv_ops.error_count("cpu") == 0
+
+
+@pytest.mark.parametrize("value", ["no", "", None, 0, 1, 1.0])
+def test_set_id_checks_refuses_anything_but_a_bool_and_keeps_the_setting(value):
+    # "no" is truthy and None falsy: read by truthiness, one of them would do the opposite of
+    # what was meant. The checks stay as they were: a bad id is still refused.
+    regions = make_regions([32], 8, generator=torch.Generator().manual_seed(3))
+    for setting in (True, False):
+        previous = kv_ops.set_id_checks(setting)
+        try:
+            with pytest.raises(ValueError, match=f"set_id_checks: enabled must be True or False, got {value!r}"):
+                kv_ops.set_id_checks(value)
+            assert kv_ops.set_id_checks(setting) is setting
+        finally:
+            kv_ops.set_id_checks(previous)
+    with pytest.raises(ValueError, match=r"ids\[0\] = 9 is outside \[0, 8\)"):
+        kv_ops.gather_blocks(regions, torch.tensor([9]), torch.empty(1, 32, dtype=torch.uint8))
+
+
+def test_set_id_checks_takes_numpy_bools():
+    import numpy as np
+
+    previous = kv_ops.set_id_checks(np.bool_(False))
+    try:
+        assert kv_ops.set_id_checks(np.bool_(True)) is False
+    finally:
+        kv_ops.set_id_checks(previous)
 
 
 @gpu

@@ -1,6 +1,7 @@
 """The control block: both processes compute one layout, and every word one side writes the other reads."""
 
 import multiprocessing
+import os
 import pickle
 
 import pytest
@@ -18,7 +19,7 @@ from ple_ops.control import (
     Word,
     WorkerFailed,
 )
-from ple_ops.semaphore import DONE, RESET
+from ple_ops.semaphore import DONE, RESET, CpuGpuSemaphore
 
 
 @pytest.fixture
@@ -108,3 +109,16 @@ def test_messages_pickle_with_their_fields(block):
         StepFailed(3, "blocks.0.ple", "IndexError"),
     ):
         assert pickle.loads(pickle.dumps(message)) == message
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_a_block_that_fails_to_build_leaves_no_file(monkeypatch):
+    # The caller never gets the block, so only create() can remove its file's name.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no flag here")
+
+    monkeypatch.setattr(CpuGpuSemaphore, "in_host_memory", refuse)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(RuntimeError, match="no flag here"):
+        ControlBlock.create(max_tokens=8, num_layers=2, map_for_gpu=False)
+    assert set(os.listdir("/dev/shm")) == before

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from ple_models import DIM, LAYERS, VOCAB, make_failing_model, make_model, make_sleepy_model, make_slow_model
+from ple_models import (
+    DIM,
+    LAYERS,
+    VOCAB,
+    make_failing_model,
+    make_model,
+    make_sleepy_model,
+    make_slow_model,
+    make_unbuildable_model,
+)
 
 import ple_ops
 from ple_ops.control import WAITING, Word
@@ -341,6 +350,9 @@ def test_an_exception_in_the_offload_process_surfaces_with_its_traceback(local):
         with pytest.raises(ple_ops.OffloadError, match="table shard unavailable"):
             rt.model(torch.zeros(8, 64), ids)
         assert time.perf_counter() - start < 1.0
+        # The step is still open after the forward raised; the refusal says how to go on.
+        with pytest.raises(ple_ops.OffloadError, match=r"step 1 is still open .* Call release\(\) to end it first"):
+            rt.prepare(torch.arange(3))
         rt.release()
         served_step(rt, local, *random_step(torch.Generator().manual_seed(10), 5))  # <= 5 tokens: served
     finally:
@@ -427,6 +439,51 @@ def test_constructor_arguments_are_checked_before_anything_starts(kwargs, error,
         ple_ops.OffloadRuntime(**{"model_factory": make_model, "max_tokens": 8, "device": "cpu", **kwargs})
     assert time.perf_counter() - start < 1.0
     assert set(multiprocessing.active_children()) == before and ple_ops.armed_names() == []
+
+
+SHM = "/dev/shm"
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm here")
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        pytest.param(
+            dict(device="cuda"),
+            ValueError,
+            r"device 'cuda' is CUDA, but torch.cuda.is_available\(\) is False here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there"),
+            id="cuda-without-cuda",
+        ),
+        pytest.param(dict(device="meta"), ValueError, r"device must be 'cuda' or 'cpu', got 'meta'", id="meta"),
+        pytest.param(dict(device="gpu0"), ValueError, r"device must be 'cuda' or 'cpu', got 'gpu0'", id="unknown"),
+        pytest.param(
+            dict(model_factory=make_unbuildable_model),
+            ple_ops.OffloadError,
+            r"(?s)failed while starting:.*ple_shard_0\.bin",
+            id="worker-cannot-build",
+        ),
+        pytest.param(dict(start_timeout=0.01), ple_ops.OffloadError, r"did not answer within 0.01 s", id="timeout"),
+    ],
+)
+def test_a_failed_start_leaves_nothing_behind(kwargs, error, message):
+    before = set(os.listdir(SHM))
+    children = set(multiprocessing.active_children())
+    with pytest.raises(error, match=message):
+        ple_ops.OffloadRuntime(**{"model_factory": make_model, "max_tokens": 8, "device": "cpu", **kwargs})
+    assert set(os.listdir(SHM)) == before
+    assert set(multiprocessing.active_children()) == children and ple_ops.armed_names() == []
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm here")
+def test_a_start_that_fails_after_its_shared_files_were_made_removes_them(runtime, local):
+    # A second runtime over the same layer names fails while arming them: after its control
+    # block and first slot were created in /dev/shm.
+    before = set(os.listdir(SHM))
+    with pytest.raises(ValueError, match=r"layer 'blocks\.0\.ple' is already armed"):
+        ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu")
+    assert set(os.listdir(SHM)) == before and ple_ops.armed_names() == NAMES
+    served_step(runtime, local, *random_step(torch.Generator().manual_seed(12), 6))  # the first one serves on
 
 
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
