@@ -49,6 +49,7 @@ BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Llama-3-8B's KV per layer and b
 READS = 16  # blocks each layer reads (the stand-in for attention's read of the loaded blocks)
 COLUMNS = [
     "blocks",
+    "copies",
     "mib",
     "compute_us",
     "load_us",
@@ -68,17 +69,17 @@ COLUMNS = [
 class PrefillStep(nn.Module):
     """Per layer: (optionally) wait for the layer's blocks, read them, then the MLP."""
 
-    def __init__(self, caches: list[torch.Tensor], hidden: int, mlp: int, waits: bool):
+    def __init__(self, caches: list[torch.Tensor], hidden: int, mlp: int, name: str | None):
         super().__init__()
-        self.caches, self.waits = caches, waits
+        self.caches, self.name = caches, name  # name: the LayerwiseLoads to wait for, or none
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.w1 = [torch.randn(hidden, mlp, device="cuda", generator=gen).mul_(hidden**-0.5).bfloat16() for _ in caches]
         self.w2 = [torch.randn(mlp, hidden, device="cuda", generator=gen).mul_(mlp**-0.5).bfloat16() for _ in caches]
 
     def forward(self, h: torch.Tensor, read_ids: torch.Tensor) -> torch.Tensor:
         for i, cache in enumerate(self.caches):
-            if self.waits:
-                h = kv_ops.wait_layer(h, NAME, i, [cache])
+            if self.name is not None:
+                h = kv_ops.wait_layer(h, self.name, i, [cache])
             h = h + cache[:, read_ids].float().mean().to(h.dtype)
             h = h + torch.relu(h @ self.w1[i]) @ self.w2[i]
         return h
@@ -165,12 +166,16 @@ def measure(args) -> tuple[list[dict], dict]:
     for lo in range(0, most, 64):
         rows = engine.mirror[lo : lo + 64]
         rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, device="cuda"))
-    loads = kv_ops.LayerwiseLoads(engine, NAME)
+    mechanisms = args.copies.split(",")
+    # One instance per mechanism, each with the step captured against it (a captured step waits
+    # on the events of the instance that was live at its capture).
+    loads = {c: kv_ops.LayerwiseLoads(engine, f"{NAME}-{c}", copies=c) for c in mechanisms}
     layers = list(caches.values())
     h = torch.randn(args.tokens, args.hidden, device="cuda").bfloat16()
     read_ids = torch.zeros(READS, dtype=torch.int64, device="cuda")
-    plain = Captured(PrefillStep(layers, args.hidden, args.mlp, waits=False), h, read_ids)
-    waiting = Captured(PrefillStep(layers, args.hidden, args.mlp, waits=True), h, read_ids)
+    plain = Captured(PrefillStep(layers, args.hidden, args.mlp, None), h, read_ids)
+    waiting = {c: Captured(PrefillStep(layers, args.hidden, args.mlp, loads[c].name), h, read_ids) for c in mechanisms}
+    first = mechanisms[0]
 
     def compute():
         plain.replay()
@@ -179,7 +184,7 @@ def measure(args) -> tuple[list[dict], dict]:
     timed(compute, args.reps)
     zeros, alones = [], []
     for _ in range(3):
-        zeros.append(timed(lambda: (loads.start([], []), waiting.replay()), args.reps))
+        zeros.append(timed(lambda: (loads[first].start([], []), waiting[first].replay()), args.reps))
         alones.append(timed(compute, args.reps))
     zero, alone = statistics.median(zeros), statistics.median(alones)
     once = {"compute_us": alone, "zero_block_us": zero, "zero_block_ratio": zero / alone, **wait_node_cost()}
@@ -198,59 +203,64 @@ def measure(args) -> tuple[list[dict], dict]:
             # The same graph as the layer-wise step's (so the outputs compare bitwise: the waits
             # bound Inductor's fusions), with no start: its waits find completed events.
             load()
-            waiting.replay()
-
-        def layerwise(host_ids=host_ids, gpu_ids=gpu_ids):
-            loads.start(host_ids, gpu_ids)
-            waiting.replay()
+            waiting[first].replay()
 
         alone = timed(compute, args.reps)  # again per row: the figures below compare with it
         t_load = timed(load, args.reps)
-        t_copies = timed(lambda h=host_ids, g=gpu_ids: (loads.start(h, g), engine.flush()), args.reps)
         t_lts = timed(load_then_step, args.reps)
-        want = waiting.out.clone()
-        t_lw = timed(layerwise, args.reps)
-        bitwise = torch.equal(waiting.out.view(torch.int16), want.view(torch.int16))  # NaNs too
-        starts = []
-        for _ in range(args.reps):
+        want = waiting[first].out.clone()
+        for c in mechanisms:
+            lw, step = loads[c], waiting[c]
+
+            def layerwise(host_ids=host_ids, gpu_ids=gpu_ids, lw=lw, step=step):
+                lw.start(host_ids, gpu_ids)
+                step.replay()
+
+            t_copies = timed(lambda h=host_ids, g=gpu_ids, lw=lw: (lw.start(h, g), engine.flush()), args.reps)
+            t_lw = timed(layerwise, args.reps)
+            bitwise = torch.equal(step.out.view(torch.int16), want.view(torch.int16))  # NaNs too
+            starts = []
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                lw.start(host_ids, gpu_ids)
+                starts.append((time.perf_counter() - t0) * 1e6)
+                step.replay()
             torch.cuda.synchronize()
+            # Back to back: each start is issued while the step before it runs (its copies still
+            # wait for that step's end: they overwrite blocks it may read).
             t0 = time.perf_counter()
-            loads.start(host_ids, gpu_ids)
-            starts.append((time.perf_counter() - t0) * 1e6)
-            waiting.replay()
-        torch.cuda.synchronize()
-        # Back to back: each start is issued while the step before it runs (its copies still
-        # wait for that step's end: they overwrite blocks it may read).
-        t0 = time.perf_counter()
-        for _ in range(args.reps):
-            loads.start(host_ids, gpu_ids)
-            waiting.replay()
-        torch.cuda.synchronize()
-        t_pipe = (time.perf_counter() - t0) * 1e6 / args.reps
-        engine.flush()
-        hidden = (t_lts - t_lw) / (t_lts - alone) if t_lts > alone else float("nan")
-        rows.append(
-            dict(
-                blocks=n,
-                mib=n * block_bytes / 2**20,
-                compute_us=alone,
-                load_us=t_load,
-                load_then_step_us=t_lts,
-                layerwise_us=t_lw,
-                pipelined_us=t_pipe,
-                hidden=hidden,
-                hideable=min(1.0, alone / t_load),
-                start_us=statistics.median(starts),
-                load_gbps=n * block_bytes / t_load / 1e3,
-                layerwise_copies_us=t_copies,
-                layerwise_gbps=n * block_bytes / t_copies / 1e3,
-                bitwise=bitwise,
+            for _ in range(args.reps):
+                layerwise()
+            torch.cuda.synchronize()
+            t_pipe = (time.perf_counter() - t0) * 1e6 / args.reps
+            engine.flush()
+            hidden = (t_lts - t_lw) / (t_lts - alone) if t_lts > alone else float("nan")
+            rows.append(
+                dict(
+                    blocks=n,
+                    copies=c,
+                    mib=n * block_bytes / 2**20,
+                    compute_us=alone,
+                    load_us=t_load,
+                    load_then_step_us=t_lts,
+                    layerwise_us=t_lw,
+                    pipelined_us=t_pipe,
+                    hidden=hidden,
+                    hideable=min(1.0, alone / t_load),
+                    start_us=statistics.median(starts),
+                    load_gbps=n * block_bytes / t_load / 1e3,
+                    layerwise_copies_us=t_copies,
+                    layerwise_gbps=n * block_bytes / t_copies / 1e3,
+                    bitwise=bitwise,
+                )
             )
-        )
-        print(
-            ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True
-        )
-    loads.close()
+            print(
+                ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+                flush=True,
+            )
+    for lw in loads.values():
+        lw.close()
     engine.close()
     return rows, once
 
@@ -264,14 +274,14 @@ def markdown(rows: list[dict], once: dict, args) -> str:
         f"step (a short step of 32 small matmuls: {once['short_step_us']:.0f} us without, "
         f"{once['short_step_waits_us']:.0f} us with a wait per layer).",
         "",
-        "| blocks (2 MiB) | step alone (us) | load alone, GB/s | layer-wise copies alone, GB/s "
+        "| blocks (2 MiB) | copies | step alone (us) | load alone, GB/s | layer-wise copies alone, GB/s "
         "| load, flush, step (us) | layer-wise step (us) | load hidden | at most | back-to-back step (us) "
         "| host time in start (us) | bitwise |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['blocks']} | {r['compute_us']:.0f} | {r['load_us']:.0f}, {r['load_gbps']:.1f} "
+            f"| {r['blocks']} | {r['copies']} | {r['compute_us']:.0f} | {r['load_us']:.0f}, {r['load_gbps']:.1f} "
             f"| {r['layerwise_copies_us']:.0f}, {r['layerwise_gbps']:.1f} "
             f"| {r['load_then_step_us']:.0f} | {r['layerwise_us']:.0f} "
             f"| {r['hidden']:.2f} | {r['hideable']:.2f} | {r['pipelined_us']:.0f} | {r['start_us']:.0f} "
@@ -286,18 +296,20 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    blocks = [r["blocks"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, label in (
-        ("compute_us", "compute alone"),
-        ("load_then_step_us", "load, flush, step"),
-        ("layerwise_us", "layer-wise step"),
-        ("pipelined_us", "layer-wise, back to back"),
-    ):
-        a.plot(blocks, [r[key] / 1e3 for r in rows], "-o", label=label)
+    first = rows[0]["copies"]
+    base = [r for r in rows if r["copies"] == first]
+    blocks = [r["blocks"] for r in base]
+    for key, label in (("compute_us", "compute alone"), ("load_then_step_us", "load, flush, step")):
+        a.plot(blocks, [r[key] / 1e3 for r in base], "k-" if key == "compute_us" else "k--", label=label)
+    for c in sorted({r["copies"] for r in rows}):
+        mine = [r for r in rows if r["copies"] == c]
+        xs = [r["blocks"] for r in mine]
+        a.plot(xs, [r["layerwise_us"] / 1e3 for r in mine], "-o", label=f"layer-wise ({c})")
+        a.plot(xs, [r["pipelined_us"] / 1e3 for r in mine], ":s", label=f"layer-wise back to back ({c})")
+        b.plot(xs, [r["hidden"] for r in mine], "-o", label=f"load hidden ({c})")
     a.set_ylabel("step time, ms")
-    b.plot(blocks, [r["hidden"] for r in rows], "-o", label="load hidden")
-    b.plot(blocks, [r["hideable"] for r in rows], "k--", label="at most (compute / load)")
+    b.plot(blocks, [r["hideable"] for r in base], "k--", label="at most (compute / load)")
     b.axhline(0.8, color="tab:red", lw=0.8, label="target 0.80")
     b.set_ylabel("fraction of the load hidden")
     for ax in (a, b):
@@ -320,6 +332,7 @@ def main() -> int:
     parser.add_argument("--mlp", type=int, default=14336)
     parser.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--copies", default="kernel,dma", help="LayerwiseLoads mechanisms to measure")
     parser.add_argument("--wait-cost-only", action="store_true", help="only the event-wait node's cost")
     args = parser.parse_args()
     if not torch.cuda.is_available():

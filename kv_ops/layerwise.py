@@ -3,13 +3,18 @@ captured step waits for layer by layer, so that layer i computes while layer i+1
 
 The mechanism, and why:
 
-* **The copies run outside the graph, on the copy engines.** :meth:`LayerwiseLoads.start` plans
-  one descriptor per (block, region) in one numpy broadcast and issues one
-  ``cuMemcpyBatchAsync`` per layer on the engine's load stream, each followed by a record of
-  that layer's event. The batched call cannot be captured, and the ids change every step, so
-  the copies cannot live in the graph; the copy engines need no SMs, so they do not fight the
-  model's kernels (a zero-copy kernel in the graph did: the issue's probe hid 48% of the load
-  with it, against 97% with copy engines).
+* **The copies run outside the step's graph**, on the engine's load stream, each layer's followed
+  by a record of that layer's event; the ids change every step, so they cannot live in it. Two
+  ways, by ``copies=``:
+
+  - ``"dma"``: the copy engines. :meth:`LayerwiseLoads.start` plans one descriptor per (block,
+    region) in one numpy broadcast and issues one ``cuMemcpyBatchAsync`` per layer. No SMs, but
+    the driver costs about 0.9 us of host time per descriptor (measured on the H200), and the
+    regions' pieces are small (a layer's K or V of one block).
+  - ``"kernel"``: the zero-copy block-copy kernel, reading the mirror through its device
+    address, on at most 8 SMs. One captured kernel per layer, all reading one id block that the
+    first one copies in from a page-locked twin: a start writes the twin, then launches one
+    graph and records one event per layer, whatever the number of blocks.
 * **The step waits on the events.** ``wait_layer`` makes the current stream wait on layer
   ``i``'s event. Eagerly that is ``cuStreamWaitEvent``; during a capture the same call with
   ``CU_EVENT_WAIT_EXTERNAL`` becomes an event-wait node, which at every replay waits for the
@@ -30,14 +35,20 @@ counts (:attr:`LayerwiseLoads.waits`).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from . import dma
-from .driver import current_stream_handle, driver_context, record_event, wait_event
+from . import dma, kernels
+from .driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
+from .host_memory import lasting_copy, pinned_empty
+from .ids import Pool
 from .paths import Blocks, Direction
+from .validation import error_counter
+
+COPIES = ("dma", "kernel")
 
 # name -> LayerwiseLoads: what the op resolves its name through (a loaded AOT step carries only
 # the name). Strong references: a captured graph waits on the object's events, which must live
@@ -121,11 +132,17 @@ class LayerwiseLoads:
         by ``engine.poll().loads``; counted in ``engine.path_counts["layerwise"]``).
     name : str
         What the ops carry; unique among the live instances of this process. A step compiled
-        (or AOT-saved) against a name runs against whichever instance has it when it runs.
+        (or AOT-saved) against a name runs against whichever instance has it when it runs; a
+        captured graph waits on the events of the instance that had it at the capture, so
+        capture again after replacing the instance.
     layers : sequence of sequence of str, optional
         The engine's region names of each layer, in the order the model visits them. By
         default one layer per cache tensor given to the engine (its one region, or its K and
         V regions).
+    copies : {"kernel", "dma"}
+        What moves the bytes on a GPU engine: the zero-copy kernel (a few graph launches per
+        start, at most 8 SMs while it runs) or the copy engines (no SMs, a driver descriptor per
+        block and region). See the module's docstring; ``benchmarks/layerwise.py`` measures both.
 
     Attributes
     ----------
@@ -149,7 +166,9 @@ class LayerwiseLoads:
     >>> graph.replay()        # each layer: h = kv_ops.wait_layer(h, "resume", i, [k_i, v_i])
     """
 
-    def __init__(self, engine, name: str, layers: Sequence[Sequence[str]] | None = None):
+    def __init__(self, engine, name: str, layers: Sequence[Sequence[str]] | None = None, copies: str = "kernel"):
+        if copies not in COPIES:
+            raise ValueError(f"LayerwiseLoads: copies must be one of {', '.join(map(repr, COPIES))}, got {copies!r}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"LayerwiseLoads: name must be a non-empty string, got {name!r}")
         if name in _registry:
@@ -178,6 +197,7 @@ class LayerwiseLoads:
         self._path = _LayerPath(self)
         engine.path_counts.setdefault(self._path.name, 0)
         self.device = engine.device
+        self.copies = copies
         self._stream = None
         if self.device.type == "cuda":
             self._stream = engine._streams[Direction.LOAD]
@@ -186,6 +206,11 @@ class LayerwiseLoads:
             self.events = [torch.cuda.Event() for _ in range(self.num_layers)]
             for event in self.events:  # recorded once, so that each exists for the raw calls
                 event.record(self._stream)
+            if copies == "kernel":
+                bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
+                capacity = engine.num_blocks  # a load's GPU ids are distinct
+                errors = error_counter(self.device)
+                self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors), initial=1)
         _registry[name] = self
 
     # --- host side ---------------------------------------------------------------------------
@@ -230,6 +255,8 @@ class LayerwiseLoads:
         n = host.size
         if n == 0:
             return None  # nothing to wait for: the events keep their last (completed) records
+        if self._stream is not None and self.copies == "kernel":
+            return self._enqueue_kernels(host, gpu, ready)
         # [rows, n] in one broadcast each; row-major, so a layer's copies are one slice.
         srcs = (self._src_base + host * self._row_bytes).ravel()
         dsts = (self._dst_base + gpu * self._dst_stride).ravel()
@@ -245,6 +272,22 @@ class LayerwiseLoads:
                 launcher(dma.Plan(dsts[lo * n : hi * n], srcs[lo * n : hi * n], sizes[lo * n : hi * n]))
                 record_event(event, handle)  # layer i's copies, and every earlier layer's
             return self.engine._events[Direction.LOAD].record(self._stream, handle)
+
+    def _enqueue_kernels(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event:
+        n, handle = host.size, self._handle
+        copies = self._kernel_copies.take()
+        words = copies.words  # free: the replay that last read it has run (the pool checked)
+        words[0] = n
+        words[1 : 1 + n] = host
+        words[1 + n : 1 + 2 * n] = gpu
+        with driver_context(self.device):
+            wait_event(handle, ready)
+            for graph, event in zip(copies.execs, self.events):
+                check_code(_graph_launch()(graph, handle), "cuGraphLaunch")
+                record_event(event, handle)
+            done = self.engine._events[Direction.LOAD].record(self._stream, handle)
+        self._kernel_copies.give(copies, done)
+        return done
 
     # --- device side (the op) ----------------------------------------------------------------
 
@@ -281,6 +324,42 @@ class LayerwiseLoads:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _LayerKernels:
+    """Per layer, the block-copy kernel captured in a graph of its own, all reading one id block
+    ``[n, host ids, GPU ids]``; the first graph copies the block in from the page-locked twin
+    (``words``) before its kernel. Graphs apart, so that each layer's event is recorded between
+    them with a plain ``cuEventRecord`` (what the step's waits are known to see at launch)."""
+
+    def __init__(self, bounds: list, capacity: int, errors: torch.Tensor):
+        device = errors.device
+        size = 1 + 2 * capacity
+        self.block = lasting_copy(torch.zeros(size, dtype=torch.int64), device)  # zero: copies nothing
+        self.twin = pinned_empty(size, dtype=torch.int64)
+        self.twin.zero_()
+        self.words = self.twin.numpy()
+        stream = torch.cuda.Stream(device)
+        self.graphs = []
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            for bound in bounds:
+                bound.launch_from_block(None, self.block, capacity, errors)  # compiles outside the capture
+            stream.synchronize()
+            for i, bound in enumerate(bounds):
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(capture_error_mode="thread_local")  # as kernels.GraphedCopy
+                try:
+                    if i == 0:
+                        self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
+                    bound.launch_from_block(None, self.block, capacity, errors)
+                finally:
+                    graph.capture_end()
+                self.graphs.append(graph)
+        self.execs = [g.raw_cuda_graph_exec() for g in self.graphs]
+
+
+def _graph_launch():
+    return c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
 
 
 # --- wait_layer ----------------------------------------------------------------------------------

@@ -22,13 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
-def setup(device, name, num_layers=4, num_blocks=32, host_blocks=48, seed=0, **caches_kw):
+COPIES = ["kernel", "dma"]
+
+
+def setup(device, name, num_layers=4, num_blocks=32, host_blocks=48, seed=0, copies="kernel", **caches_kw):
     caches = make_caches(num_layers, num_blocks, device, seed=seed, **caches_kw)
     row = sum(c[0].nbytes if caches_kw.get("blocks_first") else 2 * c[0, 0].nbytes for c in caches.values())
     engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=host_blocks * row, path="kernel")
     fill_mirror(engine, seed + 1)
     model = Reader(name, list(caches.values()), blocks_first=caches_kw.get("blocks_first", False)).eval()
-    return engine, kv_ops.LayerwiseLoads(engine, name), model
+    return engine, kv_ops.LayerwiseLoads(engine, name, copies=copies), model
 
 
 def new_pairs(gen, engine, n):
@@ -161,9 +164,10 @@ def cpu_state(model):
 
 
 @gpu
-def test_captured_step_replays_with_new_loads_each_equal_to_load_then_step():
+@pytest.mark.parametrize("copies", COPIES)
+def test_captured_step_replays_with_new_loads_each_equal_to_load_then_step(copies):
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", "captured", num_blocks=64, host_blocks=96)
+    engine, loads, model = setup("cuda", f"captured-{copies}", num_blocks=64, host_blocks=96, copies=copies)
     try:
         step = Captured(model, 12)
         gen = torch.Generator().manual_seed(11)
@@ -186,9 +190,10 @@ def test_captured_step_replays_with_new_loads_each_equal_to_load_then_step():
 
 
 @gpu
-def test_blocks_held_back_behind_a_gpu_sleep_are_still_read_after_they_land():
+@pytest.mark.parametrize("copies", COPIES)
+def test_blocks_held_back_behind_a_gpu_sleep_are_still_read_after_they_land(copies):
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", "late", num_blocks=256, host_blocks=256)
+    engine, loads, model = setup("cuda", f"late-{copies}", num_blocks=256, host_blocks=256, copies=copies)
     try:
         step = Captured(model, 64)
         gen = torch.Generator().manual_seed(12)
@@ -212,12 +217,13 @@ def test_blocks_held_back_behind_a_gpu_sleep_are_still_read_after_they_land():
 
 
 @gpu
-def test_queued_steps_never_deadlock_and_a_load_waits_for_the_previous_steps_readers():
+@pytest.mark.parametrize("copies", COPIES)
+def test_queued_steps_never_deadlock_and_a_load_waits_for_the_previous_steps_readers(copies):
     # Five steps queued without a host sync, each replay held back by a GPU sleep, each start
     # loading into blocks the previous replay reads: the start must wait for those readers
     # (WAR), and no replay may wait for a later start (the graph samples its events at launch).
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", "queued", num_blocks=64, host_blocks=96)
+    engine, loads, model = setup("cuda", f"queued-{copies}", num_blocks=64, host_blocks=96, copies=copies)
     try:
         step = Captured(model, 16)
         gen = torch.Generator().manual_seed(13)
@@ -244,9 +250,10 @@ def test_queued_steps_never_deadlock_and_a_load_waits_for_the_previous_steps_rea
 
 
 @gpu
-def test_a_replay_without_a_new_start_does_not_hang_and_reads_the_blocks_as_they_are():
+@pytest.mark.parametrize("copies", COPIES)
+def test_a_replay_without_a_new_start_does_not_hang_and_reads_the_blocks_as_they_are(copies):
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", "no-start")
+    engine, loads, model = setup("cuda", f"no-start-{copies}", copies=copies)
     try:
         step = Captured(model, 8)
         read_ids = torch.randperm(32)[:8]

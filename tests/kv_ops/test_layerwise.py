@@ -13,12 +13,15 @@ import kv_ops
 gpu = pytest.mark.gpu
 
 
-def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", seed=0):
+COPIES = ["kernel", "dma"]
+
+
+def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", seed=0, copies="kernel"):
     caches = make_caches(num_layers, num_blocks, device, seed=seed)
     row = sum(c[0, 0].nbytes * 2 for c in caches.values())
     engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=capacity_blocks * row, path="kernel")
     fill_mirror(engine, seed + 1)
-    return engine, kv_ops.LayerwiseLoads(engine, name), Reader(name, list(caches.values()))
+    return engine, kv_ops.LayerwiseLoads(engine, name, copies=copies), Reader(name, list(caches.values()))
 
 
 @pytest.fixture
@@ -117,6 +120,13 @@ def test_a_name_is_taken_until_close_and_a_closed_instance_refuses_to_start(cpu_
         loads.start([0], [0])
     again = kv_ops.LayerwiseLoads(engine, "lw")  # the name is free again
     again.close()
+
+
+@pytest.mark.parametrize("copies", ["DMA", None, "staged"])
+def test_an_unknown_copy_mechanism_is_refused(cpu_setup, copies):
+    engine, _, _ = cpu_setup
+    with pytest.raises(ValueError, match=r"copies must be one of 'dma', 'kernel', got"):
+        kv_ops.LayerwiseLoads(engine, "copies", copies=copies)
 
 
 @pytest.mark.parametrize("name", ["", None, 3])
@@ -231,8 +241,9 @@ def test_any_layer_count_block_count_and_layout_reads_the_mirrors_rows(
 
 
 @gpu
-def test_gpu_start_loads_every_layer_and_an_eager_forward_waits_for_it():
-    engine, loads, model = make("cuda", num_layers=4, num_blocks=64, capacity_blocks=96, name="lw-gpu")
+@pytest.mark.parametrize("copies", COPIES)
+def test_gpu_start_loads_every_layer_and_an_eager_forward_waits_for_it(copies):
+    engine, loads, model = make("cuda", num_layers=4, num_blocks=64, capacity_blocks=96, name="lw-gpu", copies=copies)
     try:
         gen = torch.Generator().manual_seed(3)
         for _ in range(3):
@@ -252,8 +263,9 @@ def test_gpu_start_loads_every_layer_and_an_eager_forward_waits_for_it():
 
 
 @gpu
-def test_gpu_ids_are_refused_because_the_copies_are_planned_on_the_host():
-    engine, loads, model = make("cuda", name="lw-gpu-ids")
+@pytest.mark.parametrize("copies", COPIES)
+def test_gpu_ids_are_refused_because_the_copies_are_planned_on_the_host(copies):
+    engine, loads, model = make("cuda", name="lw-gpu-ids", copies=copies)
     try:
         before = [c.clone() for c in model.caches()]
         with pytest.raises(ValueError, match=r"gpu_ids is a cuda:0 tensor, but path='layerwise' plans"):
