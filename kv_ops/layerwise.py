@@ -210,7 +210,7 @@ class LayerwiseLoads:
                 bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
                 capacity = engine.num_blocks  # a load's GPU ids are distinct
                 errors = error_counter(self.device)
-                self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors), initial=1)
+                self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors), initial=2)
         _registry[name] = self
 
     # --- host side ---------------------------------------------------------------------------
