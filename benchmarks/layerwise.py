@@ -87,6 +87,7 @@ class PrefillStep(nn.Module):
 
 class Captured:
     def __init__(self, model: nn.Module, h: torch.Tensor, read_ids: torch.Tensor):
+        self.model = model  # the graph reads its weights: they must outlive it
         compiled = torch.compile(model, fullgraph=True)
         self.h, self.read_ids = h, read_ids
         for _ in range(2):
@@ -113,44 +114,36 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def wait_node_cost(layers: int = 32, reps: int = 30) -> dict:
-    """GPU time an event-wait node adds to a captured step: a short step (a small matmul per
-    layer, tens of microseconds) captured without and with a wait per layer on completed
-    events, replayed alternately and timed with CUDA events. Isolates the ops' own cost in the
-    graph from the long step's clock drift."""
-    from kv_ops.driver import current_stream_handle, driver_context, wait_event
-
-    x = torch.randn(256, 1024, device="cuda").bfloat16()
-    w = torch.randn(1024, 1024, device="cuda").mul_(1024**-0.5).bfloat16()
-    events = [torch.cuda.Event() for _ in range(layers)]
-    side = torch.cuda.Stream()
-    for e in events:
-        e.record(side)
-    torch.cuda.synchronize()
-
-    def capture(waits: bool) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            h = x
-            for e in events:
-                if waits:
-                    with driver_context(x.device):
-                        wait_event(current_stream_handle(x.device.index), e, external=True)
-                h = torch.relu(h @ w)
-        return graph
-
-    graphs = {False: capture(False), True: capture(True)}
-    times = {False: [], True: []}
+def graph_time(graphs: dict, reps: int) -> dict:
+    """Median GPU microseconds of each captured step, replayed in turn and timed with CUDA events
+    (alternating, so that clock drift treats them alike)."""
+    times = {k: [] for k in graphs}
     for _ in range(reps):
-        for waits, graph in graphs.items():
+        for key, step in graphs.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            step()
             end.record()
             end.synchronize()
-            times[waits].append(start.elapsed_time(end) * 1e3)
-    plain, waited = statistics.median(times[False]), statistics.median(times[True])
-    return {"short_step_us": plain, "short_step_waits_us": waited, "per_wait_us": (waited - plain) / layers}
+            times[key].append(start.elapsed_time(end) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def wait_node_cost(engine, layers: list[torch.Tensor], loads, reps: int = 30) -> dict:
+    """GPU time the waits add to a captured step: a short step (a small MLP per layer, tens of
+    microseconds each) without and with a wait per layer after a zero-block start, on GPU time
+    alone. Isolates the ops' own cost in the graph from the long step's clock drift."""
+    h = torch.randn(256, 1024, device="cuda").bfloat16()
+    read_ids = torch.zeros(READS, dtype=torch.int64, device="cuda")
+    plain = Captured(PrefillStep(layers, 1024, 1024, None), h, read_ids)
+    waiting = Captured(PrefillStep(layers, 1024, 1024, loads.name), h, read_ids)
+    loads.start([], [])
+    t = graph_time({"plain": plain.replay, "waits": waiting.replay}, reps)
+    return {
+        "short_step_us": t["plain"],
+        "short_step_waits_us": t["waits"],
+        "per_wait_us": (t["waits"] - t["plain"]) / len(layers),
+    }
 
 
 def measure(args) -> tuple[list[dict], dict]:
@@ -187,7 +180,8 @@ def measure(args) -> tuple[list[dict], dict]:
         zeros.append(timed(lambda: (loads[first].start([], []), waiting[first].replay()), args.reps))
         alones.append(timed(compute, args.reps))
     zero, alone = statistics.median(zeros), statistics.median(alones)
-    once = {"compute_us": alone, "zero_block_us": zero, "zero_block_ratio": zero / alone, **wait_node_cost()}
+    once = {"compute_us": alone, "zero_block_us": zero, "zero_block_ratio": zero / alone}
+    once.update(wait_node_cost(engine, layers, loads[first]))
     gen = torch.Generator().manual_seed(1)
     rows = []
     for n in counts:
@@ -270,9 +264,9 @@ def markdown(rows: list[dict], once: dict, args) -> str:
         f"Step: {args.layers} layers, {args.tokens} tokens, MLP {args.hidden}x{args.mlp} bf16, compiled and captured; "
         f"compute alone {once['compute_us']:.0f} us. With a wait per layer and a zero-block start: "
         f"{once['zero_block_us']:.0f} us ({once['zero_block_ratio']:.3f} of the step without waits). "
-        f"An event-wait node on a completed event adds {once['per_wait_us']:.1f} us of GPU time to a captured "
-        f"step (a short step of 32 small matmuls: {once['short_step_us']:.0f} us without, "
-        f"{once['short_step_waits_us']:.0f} us with a wait per layer).",
+        f"On a short step ({args.layers} layers of a 256 x 1024 x 1024 MLP, GPU time of the replay), a wait per "
+        f"layer after a zero-block start adds {once['per_wait_us']:.1f} us per layer "
+        f"({once['short_step_us']:.0f} us without, {once['short_step_waits_us']:.0f} us with).",
         "",
         "| blocks (2 MiB) | copies | step alone (us) | load alone, GB/s | layer-wise copies alone, GB/s "
         "| load, flush, step (us) | layer-wise step (us) | load hidden | at most | back-to-back step (us) "
@@ -333,15 +327,11 @@ def main() -> int:
     parser.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--copies", default="kernel,dma", help="LayerwiseLoads mechanisms to measure")
-    parser.add_argument("--wait-cost-only", action="store_true", help="only the event-wait node's cost")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("layerwise.py: no CUDA device; nothing measured", flush=True)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.wait_cost_only:
-        print(wait_node_cost(), flush=True)
-        return 0
     rows, once = measure(args)
     with open(args.out / "layerwise.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
