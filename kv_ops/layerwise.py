@@ -154,10 +154,12 @@ class LayerwiseLoads:
 
     Notes
     -----
-    One descriptor per (block, region) goes to the copy engines: a region's blocks are strided
-    in the packed mirror, so runs of ids never merge. A start with no blocks enqueues nothing
-    and records nothing: the step's waits then find completed events. Call :meth:`close` (or
-    leave a ``with`` block) once no graph that waits on these events will be replayed again.
+    With ``copies="dma"`` one descriptor per (block, region) goes to the copy engines: a region's
+    blocks are strided in the packed mirror, so runs of ids never merge. A start with no blocks
+    enqueues nothing and records nothing: the step's waits then find completed events. Several
+    starts before one replay are all waited for (one stream: each layer's last record follows
+    every earlier start's copies of that layer). Call :meth:`close` (or leave a ``with`` block)
+    once no graph that waits on these events will be replayed again.
 
     Examples
     --------
