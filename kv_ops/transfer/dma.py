@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .driver import c_function, check_code, check_driver, driver, driver_context, stream_is_capturing
-from .validation import check_host_ids, check_widths
+from ..driver import c_function, check_code, check_driver, driver, driver_context, stream_is_capturing
+from ..validation import check_host_ids, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
 # A module setting, read when a launcher is made, so a benchmark can compare both.

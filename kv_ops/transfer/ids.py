@@ -16,8 +16,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from .host_memory import pinned_empty
-from .validation import check_host_ids, check_ids_meta, ids_message
+from ..host_memory import pinned_empty
+from ..validation import check_host_ids, check_ids_meta, ids_message
 
 # What numpy makes of integers and what the ops take: anything else is refused.
 _INTEGER_KINDS = "iu"

@@ -11,9 +11,9 @@ readers (the two races vLLM shipped). Completion is tracked per direction by eve
 order, so a transfer id is reported done only after its copy finished, and every earlier one of
 that direction too (a high-water mark).
 
-Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.paths`):
+Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.transfer.paths`):
 the zero-copy kernel, the staged path (gather into a GPU ring, then the copy engines), or direct
-DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.crossover` measured for this
+DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.transfer.crossover` measured for this
 engine's shape on this device.
 
 Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..driver import current_stream_handle, driver_context, record_event, stream_is_capturing
+from ..geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+from ..host_memory import pinned_empty
 from . import crossover as crossover_mod
 from . import ids as ids_mod
 from .disk import BlockFile, DiskJob, DiskTier, aligned
-from .driver import current_stream_handle, driver_context, record_event, stream_is_capturing
-from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
-from .host_memory import pinned_empty
 from .paths import (
     COPY_ENGINES,
     PATH_NAMES,
@@ -139,7 +139,7 @@ class OffloadEngine:
     disk_dir : str, optional
         Put the offloaded blocks in a file in this directory instead of host memory; then
         ``capacity_bytes`` sizes the file (slots of ``block_bytes`` rounded up to 4 KiB) and
-        host ids are file slots. See :class:`kv_ops.disk.BlockFile` and :class:`DiskTier`.
+        host ids are file slots. See :class:`kv_ops.transfer.disk.BlockFile` and :class:`DiskTier`.
     disk_tag : str, optional
         Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default.
     page_cache : bool
@@ -148,7 +148,7 @@ class OffloadEngine:
         Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each;
         positive integers (checked with or without ``disk_dir``).
     path : {"auto", "kernel", "staged", "dma"}
-        How mirror transfers move (:mod:`kv_ops.paths`): per call by what was measured for this
+        How mirror transfers move (:mod:`kv_ops.transfer.paths`): per call by what was measured for this
         shape (``self.crossover``; ``self.crossover.table()`` shows it), the zero-copy kernel,
         gather into a GPU ring then the copy engines, or the copy engines straight between the
         cache and the mirror (one descriptor per block where the cache is one cross-layer

@@ -41,12 +41,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import dma, kernels
-from .driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
-from .host_memory import lasting_copy, pinned_empty
+from .. import kernels
+from ..driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
+from ..host_memory import lasting_copy, pinned_empty
+from ..validation import error_counter
+from . import dma
 from .ids import Pool
 from .paths import Blocks, Direction
-from .validation import error_counter
 
 COPIES = ("dma", "kernel")
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_ops
-from kv_ops.paths import RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+from kv_ops.transfer.paths import RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
 gpu = pytest.mark.gpu
 PATHS = pytest.mark.parametrize("path", ["kernel", "staged", "dma"])
