@@ -5,7 +5,8 @@ Where each piece lives, by floor (a module imports only the floors below it):
 The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and nothing above it.
 
 * ``driver``      -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
-                     ``driver_context``, ``device_pointer``, the capture guard (cuda-bindings imported lazily).
+                     ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
+* ``capture``     -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture.
 * ``host_memory`` -- ``pinned_empty`` (exact-size page-locked memory), ``device_view``.
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 * ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors

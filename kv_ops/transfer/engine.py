@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..driver import current_stream_handle, driver_context, record_event, stream_is_capturing
+from ..capture import refuse_capture
+from ..driver import current_stream_handle, driver_context, record_event
 from ..geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
 from ..host_memory import pinned_empty
 from . import crossover as crossover_mod
@@ -307,14 +308,15 @@ class OffloadEngine:
             )
         elif after.device != self.device:
             raise ValueError(f"{op}: after is a stream of {after.device}, but the engine's cache is on {self.device}")
-        elif stream_is_capturing(after):
+        else:
             # Waiting on an event recorded there would pull the engine's streams into the capture:
             # the copy would run at the graph's replays, not now, with none of this call's bookkeeping.
-            raise RuntimeError(
-                f"{op}: after is a stream being captured into a CUDA graph; order the transfer after "
-                "the captured work once the graph is replayed (record an event after the replay)"
+            refuse_capture(
+                op,
+                "after is a stream being captured into a CUDA graph",
+                "order the transfer after the captured work once the graph is replayed (record an event after the replay)",
+                stream=after,
             )
-        else:
             stream = after
         ready = torch.cuda.Event() if fresh else self._ready_event
         ready.record(stream)
@@ -360,11 +362,14 @@ class OffloadEngine:
         on_host = isinstance(gpu, np.ndarray) and isinstance(host, np.ndarray)
         if not on_host:
             self._refuse_gpu_ids(op, gpu, host, path)
-        if self._streams is not None and torch.cuda.is_current_stream_capturing():
+        if self._streams is not None:
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
-            instead = "capture kv_ops.copy_blocks instead" if path is None else "start it before the replay"
-            raise RuntimeError(f"{op} cannot be captured into a CUDA graph; {instead}")
+            refuse_capture(
+                op,
+                "a transfer cannot be captured into a CUDA graph",
+                "capture kv_ops.copy_blocks instead" if path is None else "start it before the replay",
+            )
         ready = self._ready(op, after, fresh=self.disk is not None)
         tid = self._next_tid
         if self.disk is not None:

@@ -365,7 +365,7 @@ def test_a_transfer_during_capture_is_refused_before_anything_moves():
     engine, _ = make_engine("cuda", path="auto")
     before = engine.mirror.clone()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with pytest.raises(RuntimeError, match="OffloadEngine.store cannot be captured"):
+    with pytest.raises(RuntimeError, match="OffloadEngine.store: a transfer cannot be captured"):
         with torch.cuda.graph(graph, stream=stream):
             engine.store([0, 1], [0, 1])
     torch.cuda.synchronize()
