@@ -52,7 +52,8 @@ import torch
 from common import time_graph  # this script's own directory
 
 import kv_ops
-from kv_ops import dma, kernels, paths
+from kv_ops import kernels
+from kv_ops.transfer import dma, paths
 
 LAYERS = 8  # K/V-first: 2 regions per layer
 SIZES = (4096, 16384, 65536, 262144)  # bytes of one region's block
@@ -245,7 +246,7 @@ class State:
         self.sustained: dict[tuple[int, str, str, str], tuple[float, str]] = {}  # (block, ids, direction, path)
         self.stage: dict[tuple[int, str, str], tuple[float, float]] = {}  # (block, ids, dir) -> gather s, DMA s
         self.ring: dict[int, tuple[int, int]] = {}  # block -> staged chunk rows, ring bytes
-        self.crossover: dict[int, object] = {}  # block -> kv_ops.crossover.Crossover
+        self.crossover: dict[int, object] = {}  # block -> kv_ops.transfer.crossover.Crossover
         self.overlap: list[dict] = []
         self.issued: dict[tuple[int, str, str, str], float] = {}  # (block, ids, direction, path) -> host issue s
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kv_ops
-import kv_ops.aot
+import kv_ops.tools.aot
 import ple_ops
 
 # The LayerwiseLoads every layer's wait_layer names. The graph carries only this string, so each
@@ -287,7 +287,7 @@ def make_model(cfg: Config) -> DecoderLM:
 
 def decode_step(model: DecoderLM, tokens, positions, seq_lens, block_table, slot_block, slot_offset):
     """One decode step of every batch row: logits and the greedy next tokens. The model is the
-    first argument (the AOT recipe, kv_ops.aot), and the graph holds the PLE flag resets."""
+    first argument (the AOT recipe, kv_ops.tools.aot), and the graph holds the PLE flag resets."""
     logits = model(tokens, Slots(positions, seq_lens, block_table, slot_block, slot_offset))
     model.release_offloaded()
     return logits, logits.argmax(dim=-1)
@@ -739,7 +739,7 @@ def compiled_step(built: Built, cfg: Config, device: torch.device, save_to: str 
     if save_to is None:
         fn = torch.compile(decode_step, fullgraph=True)
     else:
-        fn = kv_ops.aot.compile_step(decode_step, built.model, *example)
+        fn = kv_ops.tools.aot.compile_step(decode_step, built.model, *example)
         fn.save_compiled_function(save_to)
     return Step(fn, built.model, cfg, device, built.runtime)
 
@@ -803,7 +803,7 @@ def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
     expected = {key: row.to(device) for key, row in reference["logits"].items()}
     built = build(args.ple_transport[0], cfg, device)
     try:
-        step = Step(kv_ops.aot.load_step(args.artifact), built.model, cfg, device, built.runtime)
+        step = Step(kv_ops.tools.aot.load_step(args.artifact), built.model, cfg, device, built.runtime)
         runs = pressure_runs(step, built, cfg, pressure_plan(args, both=False), args.disk, expected, "B, AOT-loaded")
         waits, waits_ok = check_waits(built, step)
     except Mismatch as e:
@@ -1003,7 +1003,7 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
         return
     link = None
     if device.type == "cuda":
-        from kv_ops import doctor
+        from kv_ops.tools import doctor
 
         link = doctor.measure_link(device)
     print()

@@ -1,24 +1,36 @@
 """kv_ops: KV-cache blocks between GPU memory and page-locked host memory, as compile-safe ops.
 
-Where each piece lives:
+Where each piece lives, by floor (a module imports only the floors below it):
 
-* ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
-                     to block-strided byte regions ``[num_blocks, block_bytes]``.
+The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and nothing above it.
+
 * ``driver``      -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
                      ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
+* ``capture``     -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture.
 * ``host_memory`` -- ``pinned_empty`` (exact-size page-locked memory), ``device_view``.
+* ``reference``   -- pure-torch copies: the CPU path and the test oracle.
+* ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
+                     to block-strided byte regions ``[num_blocks, block_bytes]``.
+* ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
 * ``kernels``     -- the Triton block-copy kernel and its launcher.
 * ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
-* ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
-* ``dma``         -- copy plans for the copy engines and their launch (one batched driver call).
-* ``paths``       -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
-* ``crossover``   -- what ``path="auto"`` measured on the engine's own shape, and its pick.
-* ``engine``      -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
-* ``layerwise``   -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
-* ``disk``        -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
-* ``reference``   -- pure-torch copies: the CPU path and the test oracle.
-* ``aot``         -- ``compile_step`` / ``load_step``: AOT-compiling a model's step that uses these ops.
-* ``doctor``      -- ``python -m kv_ops.doctor``: checks a machine, measures the link.
+
+The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the ops.
+
+* ``transfer.dma``       -- copy plans for the copy engines and their launch (one batched driver call).
+* ``transfer.ids``       -- the engine's id intake and ``Pool`` (what the GPU reads, reused after it has).
+* ``transfer.paths``     -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
+* ``transfer.crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
+* ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
+* ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
+* ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
+
+Tools (``kv_ops/tools/``), imported only when asked for:
+
+* ``tools.aot``    -- ``compile_step`` / ``load_step``: AOT-compiling a model's step that uses these ops.
+* ``tools.doctor`` -- ``python -m kv_ops.tools.doctor``: checks a machine, measures the link.
+
+Adapters (``kv_ops/integrations/``): ``kv_ops.integrations.vllm``, imported only when asked for.
 """
 
 import torch
@@ -30,13 +42,15 @@ TORCH_FLOOR = (2, 11)
 if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < TORCH_FLOOR:
     raise ImportError(f"offload-ops needs torch >= {'.'.join(map(str, TORCH_FLOOR))}, found torch {torch.__version__}")
 
-from . import dma  # noqa: E402  (after the version check: the modules below need the newer torch)
-from .disk import BlockFile
-from .engine import AllRanks, Completed, EngineClosedError, OffloadEngine
-from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+# After the version check: the modules below need the newer torch. The op floor first, then the
+# engine floor; importing both registers every torch.ops.kv_ops op (wait_layer is transfer's).
+from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions  # noqa: E402
 from .host_memory import device_view, pinned_empty
-from .layerwise import LayerwiseLoads, wait_layer
 from .ops import copy_blocks, gather_blocks, scatter_blocks
+from .transfer import dma
+from .transfer.disk import BlockFile
+from .transfer.engine import AllRanks, Completed, EngineClosedError, OffloadEngine
+from .transfer.layerwise import LayerwiseLoads, wait_layer
 from .validation import error_count, error_counter, id_checks, reset_error_count, set_id_checks
 
 __all__ = [

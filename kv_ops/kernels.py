@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import driver, host_memory
+from .capture import refuse_capture
 
 # At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
 # and eight SMs already saturate a PCIe Gen5 x16 link (docs/design.md: 0.91-0.95 of memcpy).
@@ -179,11 +180,12 @@ def _geometry_table(
     cached = _tables.get(key)
     if cached is not None:
         return cached
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "kv_ops: these regions were first seen during CUDA graph capture; run the op once with "
-            "them before capturing (the warm-up that every capture needs)"
-        )
+    refuse_capture(
+        "kv_ops",
+        "these regions were first seen during CUDA graph capture",
+        "run the op once with them before capturing (the warm-up that every capture needs)",
+        device=device,
+    )
     num = len(widths)
     # The region addresses are stored relative to the table's own address, which is known only
     # once it exists: allocate it (outside any graph pool), then fill it.

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import kernels, reference
+from . import capture, kernels, reference
 from . import validation as V
 
 Regions = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
@@ -119,34 +119,29 @@ def _check_ids(op: str, device: torch.device, pairs: Sequence[tuple[str, torch.T
     """Per call: each id tensor is 1-D int32/int64 of the call's length, on the kernel's device."""
     for what, ids in pairs:
         V.check_ids_meta(op, what, ids, length)
-        if ids.device != device:
-            raise ValueError(f"{op}: {what} is on {ids.device}, but this call runs on {device}")
+        V.check_devices(op, device, ids=[(what, ids)], data=())
         length = ids.shape[0]
 
 
-# The fakes' contract, in the eager checks' words (kv_ops.validation): shapes may be symbolic
-# here, so each condition goes through torch._check.
+# The fakes' contract: the eager checks' conditions and words (kv_ops.validation), each condition
+# through torch._check, as shapes may be symbolic here.
 
 
 def _check_fake_region(op: str, what: str, i: int, region: torch.Tensor) -> None:
-    torch._check(region.dim() == 2 and region.dtype == torch.uint8, lambda: V.region_message(op, what, i, region))
+    torch._check(V.region_ok(region), lambda: V.region_message(op, what, i, region))
 
 
 def _check_fake_ids(op: str, what: str, ids: torch.Tensor) -> None:
-    torch._check(ids.dim() == 1 and ids.dtype in (torch.int32, torch.int64), lambda: V.ids_message(op, what, ids))
+    torch._check(V.ids_ok(ids), lambda: V.ids_message(op, what, ids))
 
 
 def _check_fake_packed(op: str, regions, ids: torch.Tensor, what: str, packed: torch.Tensor) -> None:
     for i, r in enumerate(regions):
         _check_fake_region(op, "regions", i, r)
     _check_fake_ids(op, "ids", ids)
-    width = sum(r.shape[1] for r in regions)
-    torch._check(
-        packed.dim() == 2 and packed.dtype == torch.uint8,
-        lambda: V.packed_message(op, what, packed, ids.shape[0], width),
-    )
-    torch._check(packed.shape[0] == ids.shape[0], lambda: V.packed_message(op, what, packed, ids.shape[0], width))
-    torch._check(packed.shape[1] == width, lambda: V.packed_message(op, what, packed, ids.shape[0], width))
+    rows, width = ids.shape[0], sum(r.shape[1] for r in regions)
+    for ok in V.packed_conditions(packed, rows, width):
+        torch._check(ok, lambda: V.packed_message(op, what, packed, rows, width))
 
 
 # --- copy_blocks ---------------------------------------------------------------------------------
@@ -157,15 +152,15 @@ _lib.define("copy_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor src_ids, Tensor 
 @torch.library.register_fake("kv_ops::copy_blocks", lib=_lib)
 def _(src, dst, src_ids, dst_ids):
     op = "kv_ops.copy_blocks"
-    torch._check(len(src) == len(dst), lambda: V.region_count_message(op, len(src), len(dst)))
+    torch._check(V.same_count(src, dst), lambda: V.region_count_message(op, len(src), len(dst)))
     for i, (a, b) in enumerate(zip(src, dst)):
         _check_fake_region(op, "src", i, a)
         _check_fake_region(op, "dst", i, b)
-        torch._check(a.shape[1] == b.shape[1], lambda i=i, a=a, b=b: V.width_message(op, i, a.shape[1], b.shape[1]))
+        torch._check(V.same_width(a, b), lambda i=i, a=a, b=b: V.width_message(op, i, a.shape[1], b.shape[1]))
     _check_fake_ids(op, "src_ids", src_ids)
     _check_fake_ids(op, "dst_ids", dst_ids)
     torch._check(
-        dst_ids.shape[0] == src_ids.shape[0],
+        V.length_ok(dst_ids, src_ids.shape[0]),
         lambda: V.ids_length_message(op, "dst_ids", dst_ids.shape[0], src_ids.shape[0]),
     )
 
@@ -216,7 +211,7 @@ def _copy_blocks_cuda(src, dst, src_ids, dst_ids) -> None:
     device = _kernel_device([src_ids, dst_ids], src, dst)
     entry = _copy_set(src, dst, device)
     _check_ids("kv_ops.copy_blocks", device, [("src_ids", src_ids), ("dst_ids", dst_ids)], None)
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = capture.capturing()
     if not capturing and V.id_checks_enabled():
         _check_copy_values(entry, src_ids, dst_ids)
     n = src_ids.shape[0]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import host_memory
+from .capture import capturing, refuse_capture
 
 _id_checks = True
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -56,10 +57,6 @@ def id_checks(enabled: bool):
         set_id_checks(previous)
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def id_checks_enabled() -> bool:
     """Whether :func:`set_id_checks` has the id-value checks on (capture aside)."""
     return _id_checks
@@ -67,7 +64,7 @@ def id_checks_enabled() -> bool:
 
 def should_check_ids(device: torch.device) -> bool:
     """Whether an op running now on ``device`` checks id values (needs a host sync on CUDA)."""
-    return _id_checks and not _capturing(device)
+    return _id_checks and not capturing(device)
 
 
 def _normalize(device: torch.device | str | int | None) -> torch.device:
@@ -89,11 +86,12 @@ def error_counter(device: torch.device | str | int | None = None) -> torch.Tenso
     device = _normalize(device)
     counter = _counters.get(device)
     if counter is None:
-        if _capturing(device):
-            raise RuntimeError(
-                f"kv_ops: the error counter for {device} does not exist yet; run the op once (warm-up) "
-                "or call kv_ops.error_counter(device) before capturing a CUDA graph"
-            )
+        refuse_capture(
+            "kv_ops",
+            f"the error counter for {device} does not exist yet",
+            "run the op once (warm-up) or call kv_ops.error_counter(device) before capturing a CUDA graph",
+            device=device,
+        )
         # Outside any CUDA-graph pool: the counter outlives every graph that uses it.
         counter = _counters[device] = host_memory.lasting_copy(torch.zeros(1, dtype=torch.int64), device)
     return counter
@@ -112,7 +110,36 @@ def reset_error_count(device: torch.device | str | int | None = None) -> None:
 # --- metadata checks (always on) -----------------------------------------------------------------
 
 
-# --- the wording, one place: the eager checks below and the ops' fakes both use it ---------------
+# --- the rules, one place: each condition and its words, used by the eager checks below and by ---
+# --- the ops' fakes (which hand the condition to torch._check, as shapes may be symbolic there) ---
+
+
+def region_ok(region: torch.Tensor) -> bool:
+    return region.dim() == 2 and region.dtype == torch.uint8
+
+
+def ids_ok(ids: torch.Tensor) -> bool:
+    return ids.dim() == 1 and ids.dtype in (torch.int32, torch.int64)
+
+
+def same_count(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool:
+    return len(src) == len(dst)
+
+
+def same_width(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape[1] == b.shape[1]
+
+
+def length_ok(ids: torch.Tensor, length) -> bool:
+    return ids.shape[0] == length
+
+
+def packed_conditions(packed: torch.Tensor, rows, width):
+    """The packed buffer's rule as conditions in order, each read only once those before it held
+    (its shape is read only once it is 2-D): ``all()`` of them, or one ``torch._check`` each."""
+    yield packed.dim() == 2 and packed.dtype == torch.uint8
+    yield packed.shape[0] == rows
+    yield packed.shape[1] == width
 
 
 def region_message(op: str, what: str, i: int, region: torch.Tensor) -> str:
@@ -150,7 +177,7 @@ def check_regions(op: str, what: str, regions: Sequence[torch.Tensor]) -> None:
     if len(regions) == 0:
         raise ValueError(f"{op}: {what} is an empty list of regions")
     for i, r in enumerate(regions):
-        if r.dtype != torch.uint8 or r.dim() != 2:
+        if not region_ok(r):
             raise ValueError(region_message(op, what, i, r))
         if r.shape[1] > 1 and r.stride(1) != 1:
             raise ValueError(f"{op}: {what}[{i}] has byte stride {r.stride(1)}; block bytes must be contiguous")
@@ -159,22 +186,22 @@ def check_regions(op: str, what: str, regions: Sequence[torch.Tensor]) -> None:
 
 
 def check_ids_meta(op: str, what: str, ids: torch.Tensor, length: int | None = None) -> None:
-    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+    if not ids_ok(ids):
         raise ValueError(ids_message(op, what, ids))
-    if length is not None and ids.shape[0] != length:
+    if length is not None and not length_ok(ids, length):
         raise ValueError(ids_length_message(op, what, ids.shape[0], length))
 
 
 def check_widths(op: str, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
-    if len(src) != len(dst):
+    if not same_count(src, dst):
         raise ValueError(region_count_message(op, len(src), len(dst)))
     for i, (a, b) in enumerate(zip(src, dst)):
-        if a.shape[1] != b.shape[1]:
+        if not same_width(a, b):
             raise ValueError(width_message(op, i, a.shape[1], b.shape[1]))
 
 
 def check_packed(op: str, what: str, packed: torch.Tensor, rows: int, width: int) -> None:
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or tuple(packed.shape) != (rows, width):
+    if not all(packed_conditions(packed, rows, width)):
         raise ValueError(packed_message(op, what, packed, rows, width))
     if width > 1 and packed.stride(1) != 1:
         raise ValueError(f"{op}: {what} must have contiguous rows, got strides {packed.stride()}")
@@ -220,9 +247,15 @@ def check_pair_values(op: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, src
     check_host_ids(op, "dst_ids", dst, dst_limit, unique=True)
 
 
-def check_host_ids(op: str, what: str, ids: np.ndarray, limit: int, unique: bool = False) -> None:
-    """:func:`check_ids_values` for ids already on the host as a 1-D integer numpy array: a few
-    numpy operations (about a microsecond each), and the message only if an id is bad."""
+def check_host_ids(op: str, what: str, ids: np.ndarray | list | tuple, limit: int, unique: bool = False) -> None:
+    """The id rule, for ids already on the host: every id lies in ``[0, limit)``; with ``unique``,
+    no id repeats. ``ids`` is a 1-D integer numpy array (a few numpy operations, about a
+    microsecond each), or a list or tuple of ints (a scheduler's short list: Python's min, max and
+    set on it beat numpy's per-call cost); the message is made only if an id is bad."""
+    if type(ids) in (list, tuple):
+        if not ids or (min(ids) >= 0 and max(ids) < limit and not (unique and len(set(ids)) < len(ids))):
+            return
+        ids = np.asarray(ids, dtype=np.int64)
     if ids.size == 0:
         return
     if int(ids.min()) < 0 or int(ids.max()) >= limit:

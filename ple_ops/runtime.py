@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kv_ops.capture import capturing, refuse_capture
+
 from . import layer as layer_mod
 from . import reference, registry, worker
 from .control import (
@@ -390,11 +392,13 @@ class OffloadRuntime:
                 "in forward_impl, for one): release() resets the flags, and the next prepare() is served"
             )
         self._raise_unreported(self._step)
-        if self._on_gpu and torch.cuda.is_current_stream_capturing():
-            raise OffloadError(
-                "prepare() during CUDA-graph capture: nothing runs while a graph is captured, so the step's "
-                "rows would never be consumed and every later replay would pull the step before. Capture "
-                "with no step prepared; prepare() before each replay."
+        if self._on_gpu:
+            refuse_capture(
+                "prepare()",
+                "refused during CUDA-graph capture (nothing runs while a graph is captured, so the step's rows "
+                "would never be consumed and every later replay would pull the step before)",
+                "capture with no step prepared, and prepare() before each replay",
+                error=OffloadError,
             )
         ids = self._checked_ids(input_ids)
         n = ids.shape[0]
@@ -462,7 +466,7 @@ class OffloadRuntime:
             resets the flags, so later steps are served); or the runtime is dead.
         """
         self._check_failed()
-        if self._on_gpu and torch.cuda.is_current_stream_capturing():
+        if self._on_gpu and capturing():
             if self._open:
                 raise self._captured_while_prepared("release()")
             for layer in self._layers:
@@ -571,7 +575,7 @@ class OffloadRuntime:
         self._releases += 1
 
     def _before_stream_wait(self, name: str, num_tokens: int | None) -> None:
-        if torch.cuda.is_current_stream_capturing():
+        if capturing():
             self._check_usable()
             if self._open and not _capture_replays_at_once():
                 raise self._captured_while_prepared(f"layer {name!r}'s wait")
@@ -580,7 +584,7 @@ class OffloadRuntime:
 
     def _before_stream_release(self, name: str) -> bool:
         layer = self._by_name[name]
-        if torch.cuda.is_current_stream_capturing():
+        if capturing():
             self._check_usable()
             if self._open and not _capture_replays_at_once():
                 raise self._captured_while_prepared(f"layer {name!r}'s release")

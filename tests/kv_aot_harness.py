@@ -1,4 +1,4 @@
-"""AOT save -> fresh-process load for kv_ops, for compile_tests/kv_ops/test_aot.py.
+"""AOT save -> fresh-process load for kv_ops, for compile_tests/kv_ops/tools/test_aot.py.
 
     python -m kv_aot_harness save PATH DEVICE   # process A: aot_compile a store+load step, save
     python -m kv_aot_harness load PATH DEVICE   # process B: fresh tensors and mirrors, load, check

@@ -1,5 +1,5 @@
 """AOT save -> fresh-process load of a step that waits for layer-wise loads, for
-compile_tests/kv_ops/test_layerwise.py.
+compile_tests/kv_ops/transfer/test_layerwise.py.
 
     python -m layerwise_aot_harness save PATH DEVICE   # process A: aot_compile the Reader step, save
     python -m layerwise_aot_harness load PATH DEVICE   # process B: its own engine and loads, check
@@ -15,7 +15,7 @@ import torch
 from layerwise_models import Reader, expected_reads, fill_mirror, make_caches
 
 import kv_ops
-import kv_ops.aot
+import kv_ops.tools.aot
 
 NAME = "aot-layerwise"  # what the saved graph carries; B makes its own instance of it
 
@@ -37,9 +37,9 @@ def main(mode: str, path: str, device: str) -> None:
     read_ids = torch.tensor([1, 6, 9, 13], device=device)
     with torch.no_grad():
         if mode == "save":
-            kv_ops.aot.compile_step(step, model, h, read_ids).save_compiled_function(path)
+            kv_ops.tools.aot.compile_step(step, model, h, read_ids).save_compiled_function(path)
             return
-        loaded = kv_ops.aot.load_step(path)
+        loaded = kv_ops.tools.aot.load_step(path)
         host_ids, gpu_ids = [20, 3, 11], [9, 13, 2]
         want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)
         loads.start(host_ids, gpu_ids)

@@ -1,5 +1,5 @@
 """A small model whose every layer waits for its layer-wise load, then reads its cache blocks and
-computes: shared by tests/kv_ops/test_layerwise.py, compile_tests and the AOT harness."""
+computes: shared by tests/kv_ops/transfer/test_layerwise.py, compile_tests and the AOT harness."""
 
 from __future__ import annotations
 

@@ -236,7 +236,7 @@ def test_capture_with_a_prepared_step_and_prepare_during_capture_are_refused():
         host_ids = torch.zeros(4, dtype=torch.long)  # a device-to-host copy would break the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\) during CUDA-graph capture"):
+            with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\): refused during CUDA-graph capture"):
                 rt.prepare(host_ids)
             out = rt.model(hidden, ids)
             rt.release()

@@ -51,7 +51,7 @@ def test_both_packages_import_without_cuda_bindings_and_the_error_names_it():
         "import sys\n"
         "for name in ('cuda', 'cuda.bindings', 'cuda.bindings.driver'):\n"
         "    sys.modules[name] = None\n"
-        "import kv_ops, kv_ops.doctor, ple_ops\n"
+        "import kv_ops, kv_ops.tools.doctor, ple_ops\n"
         "from kv_ops.driver import driver\n"
         "try:\n"
         "    driver()\n"

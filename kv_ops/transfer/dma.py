@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .driver import c_function, check_code, check_driver, driver, driver_context, stream_is_capturing
-from .validation import check_host_ids, check_widths
+from ..capture import refuse_capture
+from ..driver import c_function, check_code, check_driver, driver, driver_context
+from ..validation import check_host_ids, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
 # A module setting, read when a launcher is made, so a benchmark can compare both.
@@ -289,8 +290,7 @@ def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
         return
     if stream.cuda_stream == 0:
         raise ValueError("kv_ops.dma: the legacy default stream cannot take batched copies; pass a created stream")
-    if stream_is_capturing(stream):
-        raise RuntimeError("kv_ops.dma: the DMA path cannot be captured into a CUDA graph; use kv_ops.copy_blocks")
+    refuse_capture(OP, "the DMA path cannot be captured into a CUDA graph", "use kv_ops.copy_blocks", stream=stream)
     with driver_context(stream.device):
         Launcher(stream)(plan)
 

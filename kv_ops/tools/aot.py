@@ -57,7 +57,7 @@ def compile_step(step: Callable[..., Any], model: nn.Module, *example_args: Any)
     >>> def decode_step(model, tokens, positions):
     ...     return model(tokens, positions)
     >>> with torch.no_grad():
-    ...     compiled = kv_ops.aot.compile_step(decode_step, model, tokens, positions)
+    ...     compiled = kv_ops.tools.aot.compile_step(decode_step, model, tokens, positions)
     >>> compiled.save_compiled_function("step.aot")
     """
     if not isinstance(model, nn.Module):
@@ -75,7 +75,7 @@ def load_step(path: str) -> Callable[..., Any]:
     Examples
     --------
     >>> import kv_ops, ple_ops
-    >>> loaded = kv_ops.aot.load_step("step.aot")
+    >>> loaded = kv_ops.tools.aot.load_step("step.aot")
     >>> with torch.no_grad():
     ...     logits = loaded(model, tokens, positions)
     """

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops.engine import EngineClosedError
-from kv_ops.paths import RING_SLOTS
+from kv_ops.transfer.engine import EngineClosedError
+from kv_ops.transfer.paths import RING_SLOTS
 
 gpu = pytest.mark.gpu
 PATHS = pytest.mark.parametrize("path", ["kernel", "staged", "dma"])

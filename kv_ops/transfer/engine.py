@@ -11,9 +11,9 @@ readers (the two races vLLM shipped). Completion is tracked per direction by eve
 order, so a transfer id is reported done only after its copy finished, and every earlier one of
 that direction too (a high-water mark).
 
-Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.paths`):
+Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.transfer.paths`):
 the zero-copy kernel, the staged path (gather into a GPU ring, then the copy engines), or direct
-DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.crossover` measured for this
+DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.transfer.crossover` measured for this
 engine's shape on this device.
 
 Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..capture import refuse_capture
+from ..driver import current_stream_handle, driver_context, record_event
+from ..geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
+from ..host_memory import pinned_empty
 from . import crossover as crossover_mod
 from . import ids as ids_mod
 from .disk import BlockFile, DiskJob, DiskTier, aligned
-from .driver import current_stream_handle, driver_context, record_event, stream_is_capturing
-from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
-from .host_memory import pinned_empty
 from .paths import (
     COPY_ENGINES,
     PATH_NAMES,
@@ -139,7 +140,7 @@ class OffloadEngine:
     disk_dir : str, optional
         Put the offloaded blocks in a file in this directory instead of host memory; then
         ``capacity_bytes`` sizes the file (slots of ``block_bytes`` rounded up to 4 KiB) and
-        host ids are file slots. See :class:`kv_ops.disk.BlockFile` and :class:`DiskTier`.
+        host ids are file slots. See :class:`kv_ops.transfer.disk.BlockFile` and :class:`DiskTier`.
     disk_tag : str, optional
         Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default.
     page_cache : bool
@@ -148,7 +149,7 @@ class OffloadEngine:
         Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each;
         positive integers (checked with or without ``disk_dir``).
     path : {"auto", "kernel", "staged", "dma"}
-        How mirror transfers move (:mod:`kv_ops.paths`): per call by what was measured for this
+        How mirror transfers move (:mod:`kv_ops.transfer.paths`): per call by what was measured for this
         shape (``self.crossover``; ``self.crossover.table()`` shows it), the zero-copy kernel,
         gather into a GPU ring then the copy engines, or the copy engines straight between the
         cache and the mirror (one descriptor per block where the cache is one cross-layer
@@ -307,14 +308,15 @@ class OffloadEngine:
             )
         elif after.device != self.device:
             raise ValueError(f"{op}: after is a stream of {after.device}, but the engine's cache is on {self.device}")
-        elif stream_is_capturing(after):
+        else:
             # Waiting on an event recorded there would pull the engine's streams into the capture:
             # the copy would run at the graph's replays, not now, with none of this call's bookkeeping.
-            raise RuntimeError(
-                f"{op}: after is a stream being captured into a CUDA graph; order the transfer after "
-                "the captured work once the graph is replayed (record an event after the replay)"
+            refuse_capture(
+                op,
+                "after is a stream being captured into a CUDA graph",
+                "order the transfer after the captured work once the graph is replayed (record an event after the replay)",
+                stream=after,
             )
-        else:
             stream = after
         ready = torch.cuda.Event() if fresh else self._ready_event
         ready.record(stream)
@@ -360,11 +362,14 @@ class OffloadEngine:
         on_host = isinstance(gpu, np.ndarray) and isinstance(host, np.ndarray)
         if not on_host:
             self._refuse_gpu_ids(op, gpu, host, path)
-        if self._streams is not None and torch.cuda.is_current_stream_capturing():
+        if self._streams is not None:
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
-            instead = "capture kv_ops.copy_blocks instead" if path is None else "start it before the replay"
-            raise RuntimeError(f"{op} cannot be captured into a CUDA graph; {instead}")
+            refuse_capture(
+                op,
+                "a transfer cannot be captured into a CUDA graph",
+                "capture kv_ops.copy_blocks instead" if path is None else "start it before the replay",
+            )
         ready = self._ready(op, after, fresh=self.disk is not None)
         tid = self._next_tid
         if self.disk is not None:

@@ -3,7 +3,7 @@
 Every path moves one :class:`Blocks` (GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``)
 and has the same two members: ``enqueue(blocks, ready)``, which orders the transfer after the
 ``ready`` event, launches it and returns the event that completes with it, and ``copy_engines``,
-whether it leaves the SMs to the model. :mod:`kv_ops.crossover` measures them on the engine's own
+whether it leaves the SMs to the model. :mod:`kv_ops.transfer.crossover` measures them on the engine's own
 shape; the engine picks one per call and launches it once.
 
 * :class:`KernelPath` -- the Triton kernel reads and writes the mirror over PCIe (zero-copy) on
@@ -41,10 +41,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import dma, kernels, reference
-from .driver import driver_context, record_event, wait_event
+from .. import kernels, reference
+from ..driver import driver_context, record_event, wait_event
+from ..validation import error_counter
+from . import dma
 from .ids import IdBlock, Pool
-from .validation import error_counter
 
 # Ring slots per direction: with four, a store's gather of chunk i+1 (and i+2) runs while the
 # copy engines drain chunk i, and calls issued back to back keep the pipeline full.
@@ -198,7 +199,7 @@ class KernelPath:
     ids from a device block of their own (:class:`kv_ops.kernels.GraphedCopy`). With host ids
     (the usual case) a graph copies its block in from a page-locked twin, so a transfer writes
     the ids into the twin and replays the graph: one driver call. The graphs come in
-    :data:`REPLAY_BUCKETS` sizes and are pooled (:class:`kv_ops.ids.Pool`): a twin is rewritten
+    :data:`REPLAY_BUCKETS` sizes and are pooled (:class:`kv_ops.transfer.ids.Pool`): a twin is rewritten
     only after the replay that read it has run. GPU ids go through one graph per direction
     whose block is filled device to device.
     """

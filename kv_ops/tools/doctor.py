@@ -1,4 +1,4 @@
-"""``python -m kv_ops.doctor``: the machine checks kv_ops and ple_ops depend on, each with its fix, and ``measure_link``."""
+"""``python -m kv_ops.tools.doctor``: the machine checks kv_ops and ple_ops depend on, each with its fix, and ``measure_link``."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .driver import check_driver, device_pointer, driver, driver_context
-from .host_memory import device_view, pinned_empty
+from ..driver import check_driver, device_pointer, driver, driver_context
+from ..host_memory import device_view, pinned_empty
 
 _kept_alive: list[torch.Tensor] = []
 
@@ -28,7 +28,7 @@ NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 CUDA_CHECKS = ("driver", "stream memory ops", "host register", "batched copy", "PCIe link")
 
 # O_DIRECT needs the buffer, the offset and the length aligned to the device's logical block
-# size; 4 KiB is what kv_ops.disk uses, so it is what must work.
+# size; 4 KiB is what kv_ops.transfer.disk uses, so it is what must work.
 ALIGN = 4096
 
 # Below this fraction of the link's nominal rate the measured copies point at a real problem
@@ -331,7 +331,7 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
     name = "batched copy"
     if not torch.cuda.is_available():
         return _skip_no_cuda(name)
-    from . import dma
+    from ..transfer import dma
 
     device = _cuda_device(device)
     with driver_context(device):
@@ -790,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         The exit status: warnings and skips are not failures.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m kv_ops.doctor",
+        prog="python -m kv_ops.tools.doctor",
         description="Check that this machine can run kv_ops and ple_ops, with a fix for each problem found.",
     )
     parser.add_argument(

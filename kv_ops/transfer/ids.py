@@ -16,8 +16,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from .host_memory import pinned_empty
-from .validation import check_host_ids, check_ids_meta, ids_message
+from ..host_memory import pinned_empty
+from ..validation import check_host_ids, check_ids_meta, ids_message, ids_ok
 
 # What numpy makes of integers and what the ops take: anything else is refused.
 _INTEGER_KINDS = "iu"
@@ -35,13 +35,14 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
     if isinstance(ids, torch.Tensor):
         if ids.device.type == "meta":
             raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(ids_message(op, what, ids.reshape(-1)))
+        flat = ids.reshape(-1)
+        if not ids_ok(flat):
+            raise ValueError(ids_message(op, what, flat))
         if ids.device.type == "cpu":
-            array = ids.reshape(-1).numpy()
+            array = flat.numpy()
         elif ids.device == device:
             # Contiguous: the engine copies these bytes device to device as one span.
-            return ids.reshape(-1).to(torch.int64).contiguous()
+            return flat.to(torch.int64).contiguous()
         else:
             raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
     else:
@@ -54,11 +55,8 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
         elif array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64:
             _refuse(op, what, ids)
         elif array.ndim == 1 and type(ids) in (list, tuple):
-            # A scheduler's short list: Python's min, max and set on it beat numpy's per-call cost.
-            array = array.astype(np.int64, copy=False)
-            if min(ids) < 0 or max(ids) >= limit or (unique and len(set(ids)) < len(ids)):
-                check_host_ids(op, what, array, limit, unique)  # raises, in the one rule's words
-            return array
+            check_host_ids(op, what, ids, limit, unique)  # on the list itself: its fast form
+            return array.astype(np.int64, copy=False)
         array = array.reshape(-1)
     array = array.astype(np.int64, copy=False)
     check_host_ids(op, what, array, limit, unique)

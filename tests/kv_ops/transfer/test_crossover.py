@@ -1,4 +1,4 @@
-"""What ``path="auto"`` measures and picks (kv_ops.crossover).
+"""What ``path="auto"`` measures and picks (kv_ops.transfer.crossover).
 
 On the CPU: the pick from hand-made cells (the fastest path of the nearest cell; a copy-engine
 path within 5% of it wins), the table that shows it, the JSON file (round trip, another shape's
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops import crossover as crossover_mod
-from kv_ops.crossover import COUNTS, RUN, TOLERANCE, Cell, Crossover, measure, shape_key
-from kv_ops.paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+from kv_ops.transfer import crossover as crossover_mod
+from kv_ops.transfer.crossover import COUNTS, RUN, TOLERANCE, Cell, Crossover, measure, shape_key
+from kv_ops.transfer.paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
 gpu = pytest.mark.gpu
 COPY_ENGINES = {p.name: p.copy_engines for p in (KernelPath, StagedPath, DirectDmaPath)}
@@ -344,7 +344,7 @@ def test_an_auto_engine_keeps_its_crossover_in_a_file_that_a_second_engine_reads
         return kv_ops.OffloadEngine(kv, 32, 40 * 704, path="auto", crossover_file=file)
 
     first = auto_engine()
-    key = shape_key(first.device, [256, 256, 192], kv_ops.engine.RING_BYTES)
+    key = shape_key(first.device, [256, 256, 192], kv_ops.transfer.engine.RING_BYTES)
     assert first.crossover.key == key and len(first.crossover.cells) > 0
     assert Crossover.load(file, key) == first.crossover  # written, for this shape
     written = os.stat(file).st_mtime_ns

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
-from .host_memory import pinned_empty
-from .ops import gather_blocks, scatter_blocks
+from .. import reference
+from ..host_memory import pinned_empty
+from ..ops import gather_blocks, scatter_blocks
+from ..validation import check_ids_meta, check_ids_values, id_checks
 from .paths import Direction
-from .validation import check_ids_meta, check_ids_values, id_checks
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block size; 4 KiB covers every common device, and pages are 4 KiB anyway.

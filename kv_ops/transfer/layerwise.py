@@ -41,12 +41,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import dma, kernels
-from .driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
-from .host_memory import lasting_copy, pinned_empty
+from .. import capture, kernels
+from ..driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
+from ..host_memory import lasting_copy, pinned_empty
+from ..validation import error_counter
+from . import dma
 from .ids import Pool
 from .paths import Blocks, Direction
-from .validation import error_counter
 
 COPIES = ("dma", "kernel")
 
@@ -312,7 +313,7 @@ class LayerwiseLoads:
         self.waits[layer] += 1
         if self._stream is None:
             return  # the CPU engine copied at start
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = capture.capturing()
         with driver_context(self.device):
             wait_event(current_stream_handle(self.device.index), self.events[layer], external=capturing)
 

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 import kv_ops
-from kv_ops.engine import EngineClosedError
-from kv_ops.paths import RING_SLOTS
+from kv_ops.transfer.engine import EngineClosedError
+from kv_ops.transfer.paths import RING_SLOTS
 
 NUM_BLOCKS = 6
 HOST_BLOCKS = 5

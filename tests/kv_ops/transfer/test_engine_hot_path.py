@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops import dma, kernels, paths
-from kv_ops import engine as engine_mod
-from kv_ops import ids as ids_mod
-from kv_ops.paths import RING_SLOTS
+from kv_ops import kernels
+from kv_ops.transfer import dma, paths
+from kv_ops.transfer import engine as engine_mod
+from kv_ops.transfer import ids as ids_mod
+from kv_ops.transfer.paths import RING_SLOTS
 
 gpu = pytest.mark.gpu
 LAYERS = 4
@@ -317,7 +318,7 @@ def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue
         want[host_ids] = cache[gpu_ids]
     engine.flush()
     assert torch.equal(engine.mirror, want)
-    pools = engine.paths[path]._host_fed[kv_ops.paths.Direction.STORE]
+    pools = engine.paths[path]._host_fed[kv_ops.transfer.paths.Direction.STORE]
     assert max(p.made for p in pools) > 2  # they grew while the calls were queued
     engine.close()
 

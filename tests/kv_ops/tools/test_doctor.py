@@ -1,4 +1,4 @@
-"""python -m kv_ops.doctor: a clean report without a GPU, the O_DIRECT probe leaves nothing behind,
+"""python -m kv_ops.tools.doctor: a clean report without a GPU, the O_DIRECT probe leaves nothing behind,
 /dev/shm against a plan, and on a GPU every CUDA check passes with a measured link."""
 
 import errno
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_ops import doctor
+from kv_ops.tools import doctor
 
 gpu = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_doctor(*args, hide_gpus=False):
@@ -24,7 +24,7 @@ def run_doctor(*args, hide_gpus=False):
     if hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the no-GPU report, on any machine
     return subprocess.run(
-        [sys.executable, "-m", "kv_ops.doctor", *map(str, args)],
+        [sys.executable, "-m", "kv_ops.tools.doctor", *map(str, args)],
         cwd=ROOT,
         env=env,
         capture_output=True,

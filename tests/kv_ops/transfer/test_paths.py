@@ -30,8 +30,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kv_ops
-from kv_ops import dma, paths
-from kv_ops.paths import RING_SLOTS, Blocks, Direction
+from kv_ops.transfer import dma, paths
+from kv_ops.transfer.paths import RING_SLOTS, Blocks, Direction
 
 gpu = pytest.mark.gpu
 PATH_NAMES = ("kernel", "staged", "dma")

@@ -286,7 +286,9 @@ def test_start_during_a_capture_is_refused():
         with torch.cuda.stream(side):
             graph.capture_begin()
             try:
-                with pytest.raises(RuntimeError, match=r"LayerwiseLoads.start cannot be captured.*before the replay"):
+                with pytest.raises(
+                    RuntimeError, match=r"LayerwiseLoads.start: a transfer cannot be captured.*before the replay"
+                ):
                     loads.start([0], [0])
             finally:
                 graph.capture_end()

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_ops
-from kv_ops.paths import RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+from kv_ops.transfer.paths import RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
 gpu = pytest.mark.gpu
 PATHS = pytest.mark.parametrize("path", ["kernel", "staged", "dma"])
@@ -365,7 +365,7 @@ def test_a_transfer_during_capture_is_refused_before_anything_moves():
     engine, _ = make_engine("cuda", path="auto")
     before = engine.mirror.clone()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with pytest.raises(RuntimeError, match="OffloadEngine.store cannot be captured"):
+    with pytest.raises(RuntimeError, match="OffloadEngine.store: a transfer cannot be captured"):
         with torch.cuda.graph(graph, stream=stream):
             engine.store([0, 1], [0, 1])
     torch.cuda.synchronize()

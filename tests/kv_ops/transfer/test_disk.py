@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops import disk
-from kv_ops.disk import BlockFile, _runs
+from kv_ops.transfer import disk
+from kv_ops.transfer.disk import BlockFile, _runs
 
 
 def staging(rows, stride, seed):
@@ -138,7 +138,7 @@ _FULL_DISK = """
 import resource, signal, sys, warnings
 sys.path[:0] = [{root!r}]
 import torch, kv_ops
-from kv_ops.disk import BlockFile
+from kv_ops.transfer.disk import BlockFile
 warnings.simplefilter("ignore")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 f = BlockFile({directory!r}, "rank0", 4096, 64, page_cache=True)  # allocated before the limit

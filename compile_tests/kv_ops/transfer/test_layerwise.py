@@ -18,7 +18,7 @@ from layerwise_models import Reader, expected_reads, fill_mirror, make_caches
 import kv_ops
 
 gpu = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .host_memory import pinned_empty
+from ..host_memory import pinned_empty
 from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, low_priority_streams, make_paths
 
 COUNTS = (4, 32, 256)

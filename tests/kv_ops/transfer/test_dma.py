@@ -13,7 +13,8 @@ from byte_checks import assert_same_storages, clone_views, host_regions, make_re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_ops import dma, reference
+from kv_ops import reference
+from kv_ops.transfer import dma
 
 gpu = pytest.mark.gpu
 
