@@ -15,6 +15,8 @@ Where each piece lives:
                        waiting words), and the named messages of their pipe.
 * ``worker``        -- the offload process: the handshake, then the serving loop.
 * ``runtime``       -- ``OffloadRuntime``: the GPU side of the step transaction and the watchdog.
+* ``host_rows``     -- ``pin_rows`` / ``gather_rows``: a table as page-locked rows, and their
+                       zero-copy gather.
 * ``host_table``    -- ``gather_from_host``: the gather transport (lookup tables in page-locked
                        host memory, gathered zero-copy inside the graph).
 * ``host_embedding`` -- ``host_embedding``: the same for a stock ``nn.Embedding`` (or Gemma 3n's

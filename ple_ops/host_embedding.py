@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .host_table import gather_rows, pin_rows
+from .host_rows import gather_rows, pin_rows
 
 # Subclasses of nn.Embedding whose forward is known: (module, qualified name) -> how the table
 # is pre-scaled so that a plain lookup gives what their forward gives. Gemma 3n's forward is
