@@ -1,0 +1,86 @@
+"""The decode step as the loop runs it: compiled (or AOT-loaded), captured in a CUDA graph on a GPU,
+with the PLE step transaction around each replay."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from decode_model import Config, DecoderLM
+
+
+class StepInputs(NamedTuple):
+    """One step's inputs (int64), in decode_step's argument order."""
+
+    tokens: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B]
+    block_table: torch.Tensor  # [B, max_blocks]
+    slot_block: torch.Tensor  # [B]
+    slot_offset: torch.Tensor  # [B]
+
+
+class StepBuffer:
+    """A step's inputs as views of one flat int64 tensor, so that they move in one copy.
+
+    ``reset()`` makes every row idle: token 0 at position 0 of the null block 0, which no
+    sequence owns (idle rows write there, and nobody reads what they write).
+    """
+
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu", pin: bool = False):
+        b, m = cfg.batch, cfg.max_blocks
+        self.flat = torch.empty(5 * b + b * m, dtype=torch.int64, device=device, pin_memory=pin)
+        rows = self.flat[: 5 * b].view(5, b)
+        self.inputs = StepInputs(rows[0], rows[1], rows[2], self.flat[5 * b :].view(b, m), rows[3], rows[4])
+        self.reset()
+
+    def reset(self) -> StepInputs:
+        self.flat.zero_()
+        self.inputs.seq_lens.fill_(1)
+        return self.inputs
+
+
+class Step:
+    """A compiled (or AOT-loaded) decode step of one model, captured in a CUDA graph on a GPU.
+
+    The graph reads fixed input tensors, so a step copies its inputs there and replays. Why a
+    ``torch.cuda.CUDAGraph`` per batch size rather than ``mode="reduce-overhead"``: the same
+    capture serves the freshly compiled step and the AOT-loaded one; the KV cache is mutated in
+    place with no cudagraph-trees rule on input mutation; and the PLE transaction is explicit:
+    warm up with a prepared step, capture with none (nothing runs during capture, so a prepared
+    step's flags would go unconsumed), then ``prepare`` / replay / ``release(enqueue=False)``.
+    """
+
+    def __init__(self, fn, model: DecoderLM, cfg: Config, device: torch.device, runtime=None):
+        self.fn, self.model, self.runtime = fn, model, runtime
+        self.static = StepBuffer(cfg, device)
+        self.graph = None
+        # Times the step's code ran on the host (eager calls and the capture; a replay runs
+        # none): what every layer's LayerwiseLoads.waits must equal if the graph kept its waits.
+        self.host_runs = 0
+        idle = StepBuffer(cfg)
+        for _ in range(2):  # Inductor's kernels compile (and on a GPU tune) on their first calls
+            self(idle)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn(model, *self.static.inputs)
+            self.host_runs += 1
+
+    def __call__(self, host: StepBuffer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step; returns the logits (on the model's device) and the next tokens (CPU)."""
+        # Asynchronous from pinned memory; the caller rewrites it only after the .cpu() below.
+        self.static.flat.copy_(host.flat, non_blocking=True)
+        if self.runtime is not None:
+            self.runtime.prepare(host.inputs.tokens)
+        if self.graph is not None:
+            self.graph.replay()
+            logits, next_tokens = self.outputs
+        else:
+            logits, next_tokens = self.fn(self.model, *self.static.inputs)
+            self.host_runs += 1
+        if self.runtime is not None:
+            self.runtime.release(enqueue=False)  # the resets are in the step itself
+        return logits, next_tokens.cpu()

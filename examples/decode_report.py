@@ -1,0 +1,107 @@
+"""The decode loop's report: the step-time table per PLE placement, the KV traffic of each pressure
+run and the resume-step comparison (the tables README.md quotes)."""
+
+from __future__ import annotations
+
+import torch
+
+from decode_model import Config
+from decode_scheduler import Run
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def _us(values: list[float]) -> str:
+    """Median (max) in microseconds."""
+    return f"{percentile(values, 0.5) * 1e6:.0f} ({max(values) * 1e6:.0f})" if values else "-"
+
+
+def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured, max_diff: float) -> None:
+    """The table the README quotes: step time per PLE placement as a ratio to the table in the
+    model, tokens/s, the memory moved off the GPU; the KV traffic of each pressure run; and the
+    resume-step time with layer-wise loads against load-then-step."""
+    table_bytes = cfg.vocab * cfg.layers * cfg.ple_dim * 4
+    print(f"\nlargest logit difference against the model that holds its PLE table: {max_diff:.3g}")
+    print(f"{device.type.upper()} memory the offloaded PLE table no longer takes: {_size(table_bytes)}")
+    base = percentile(results["gpu"].step_seconds, 0.5)
+    print(f"\n| PLE table ({device.type}) | step p50 (us) | step p90 (us) | p50 ratio | tokens/s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name in ["gpu", "process", "gather"]:
+        if name not in results:
+            continue
+        t = results[name].step_seconds
+        label = {"gpu": "in the model", "process": "offload process", "gather": "host gather"}[name]
+        print(
+            f"| {label} | {percentile(t, 0.5) * 1e6:.0f} | {percentile(t, 0.9) * 1e6:.0f} | "
+            f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} |"
+        )
+    if device.type == "cpu":
+        print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")
+    if not pressured:
+        return
+    link = None
+    if device.type == "cuda":
+        from kv_ops.tools import doctor
+
+        link = doctor.measure_link(device)
+    print()
+    for tier, mode, run in pressured:
+        kv = run.traffic
+        store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
+        load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
+        if mode == "layerwise":
+            loaded = f"loaded {_size(kv.loaded_bytes)} layer by layer inside the resume steps (no flush: timed below)"
+        else:
+            loaded = f"loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (the same)"
+        print(
+            f"KV pressure, {tier}, resume {mode}: {kv.preemptions} preemptions, {kv.resumptions} resumptions; "
+            f"stored {_size(kv.stored_bytes)} at {store:.2f} GB/s (call to flush, wall clock), {loaded}; "
+            f"paths {kv.paths}"
+        )
+        line = (
+            f"  per flushed transfer, median (max) of {len(kv.flush_times)}: {_us(kv.flush_times)} us from call to "
+            f"flush, of which {_us(kv.call_times)} us inside the engine's store/load call (host work before the "
+            "copy is enqueued)"
+        )
+        if kv.start_times:
+            line += f"; per layer-wise load, {_us(kv.start_times)} us inside LayerwiseLoads.start"
+        print(line)
+        if link is not None:
+            ratios = f"store {store / link.d2h_gbps:.2f}" + (
+                f", load {load / link.h2d_gbps:.2f}" if mode == "flush" else ""
+            )
+            print(
+                f"  as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to "
+                f"GPU): {ratios}"
+            )
+    resumes = {mode: run for tier, mode, run in pressured if tier == "host memory"}
+    if len(resumes) < 2:
+        return
+    if not all(run.traffic.resume_step_times for run in resumes.values()):
+        print("\nresume steps: no sequence resumed in host memory, nothing to compare")
+        return
+    print(
+        "\nresume steps (host memory, same engine, workload and process): from the call that loads a resumed "
+        "sequence's blocks to the end of the step that first reads them (its tokens on the host)"
+    )
+    print(f"\n| resume ({device.type}) | resumed steps | median (us) | max (us) | median ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    flushed = percentile(resumes["flush"].traffic.resume_step_times, 0.5)
+    for mode, label in [("layerwise", "layer-wise loads, then the step"), ("flush", "load, flush, then the step")]:
+        t = resumes[mode].traffic.resume_step_times
+        print(
+            f"| {label} | {len(t)} | {percentile(t, 0.5) * 1e6:.0f} | {max(t) * 1e6:.0f} | "
+            f"{percentile(t, 0.5) / flushed:.3f} |"
+        )
+    if device.type == "cpu":
+        print(
+            "(on the CPU LayerwiseLoads.start copies at call time and the waits only count, so both rows do the "
+            "same work in another order, on a spinning offload process: times say nothing)"
+        )

@@ -1,0 +1,253 @@
+"""The decode loop's scheduler: the workload's sequences in fixed batch slots, a pool of GPU KV
+blocks too small for all of them, preemption to the offload engine and resumption from it."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kv_ops
+
+from decode_graph import StepBuffer
+from decode_model import Config
+
+
+@dataclass
+class Sequence:
+    index: int  # its batch slot, for its whole life: a row's result never depends on its slot,
+    #             but keeping it makes that one less thing to trust
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    total: int
+    done: int = 0  # tokens whose K and V are in the cache
+    blocks: list[int] = field(default_factory=list)  # GPU blocks while running
+    host_blocks: list[int] | None = None  # host (or disk) blocks while preempted
+
+    @property
+    def finished(self) -> bool:
+        return len(self.tokens) == self.total
+
+
+def make_sequences(cfg: Config, seed: int = 0) -> list[Sequence]:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(cfg.batch):
+        prompt_len = int(torch.randint(cfg.prompt[0], cfg.prompt[1] + 1, (), generator=gen))
+        total = int(torch.randint(cfg.total[0], cfg.total[1] + 1, (), generator=gen))
+        prompt = torch.randint(1, cfg.vocab, (prompt_len,), generator=gen).tolist()
+        seqs.append(Sequence(i, prompt, prompt_len, total))
+    return seqs
+
+
+@dataclass
+class KVTraffic:
+    preemptions: int = 0
+    resumptions: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    store_seconds: float = 0.0  # from the call to the end of the flush
+    load_seconds: float = 0.0  # the same, of load-then-step's loads (layer-wise loads have no flush)
+    # Per flushed transfer, both directions: seconds inside the engine's store/load call (host
+    # work), and from the call to the end of its flush.
+    call_times: list[float] = field(default_factory=list)
+    flush_times: list[float] = field(default_factory=list)
+    # Per layer-wise load: seconds inside LayerwiseLoads.start (host work; the copies go on).
+    start_times: list[float] = field(default_factory=list)
+    # Per step that resumed a sequence: from the call that loads its blocks (start, or load)
+    # to the end of the step (its tokens on the host).
+    resume_step_times: list[float] = field(default_factory=list)
+    paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma, layerwise)
+
+
+class Scheduler:
+    """Decodes ``seqs`` with at most ``gpu_blocks`` KV blocks on the GPU.
+
+    When a running sequence needs a block and none is free, another running sequence is
+    preempted: its blocks are stored to the engine (host memory or disk), the store is flushed,
+    and the blocks are freed. A preempted sequence resumes once its blocks, plus one block for
+    each running sequence, fit: it is given whatever blocks are free (other ids than before), its
+    block table is rewritten, and it goes on where it stopped. Its blocks are loaded by
+    :meth:`load_resumed`, just before the step that first reads them: with ``loads`` (a
+    :class:`kv_ops.LayerwiseLoads` of ``engine``) layer by layer, each layer of the step waiting
+    for its own blocks; without, by load, flush, then step.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        seqs: list[Sequence],
+        gpu_blocks: int,
+        engine: kv_ops.OffloadEngine | None,
+        loads: kv_ops.LayerwiseLoads | None = None,
+    ):
+        if gpu_blocks < cfg.max_blocks:
+            raise ValueError(f"{gpu_blocks} GPU blocks cannot hold one sequence of {cfg.max_blocks} blocks")
+        if loads is not None and loads.engine is not engine:
+            raise ValueError("the LayerwiseLoads must belong to this run's engine")
+        self.cfg, self.seqs, self.engine, self.loads = cfg, seqs, engine, loads
+        self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
+        self.free_host = list(range(engine.num_host_blocks - 1, -1, -1)) if engine is not None else []
+        self.preempted: list[Sequence] = []  # oldest first
+        self.resuming: list[tuple[Sequence, list[int], list[int]]] = []  # this step's (seq, host, gpu)
+        # Layer-wise loads in flight: transfer id -> the host blocks it reads. They go back to
+        # free_host only once the engine reports the transfer (a store into them before that
+        # could overwrite bytes still on their way to the GPU).
+        self.loading: dict[int, list[int]] = {}
+        self.traffic = KVTraffic()
+        self.buffer = StepBuffer(cfg, pin=torch.cuda.is_available())
+
+    def running(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished and s.host_blocks is None]
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        return seq.done == len(seq.blocks) * self.cfg.block_size
+
+    def _reclaim(self, report: kv_ops.Completed) -> None:
+        """Free the host blocks of the layer-wise loads ``report`` says are done (any poll or
+        flush may be the one that reports them)."""
+        if report.failed:
+            raise RuntimeError(f"KV transfers failed: {report.failed}")
+        for tid in report.loads:
+            host = self.loading.pop(tid, None)  # None: a flushed load, freed by its caller
+            if host is not None:
+                self.free_host += reversed(host)
+
+    def _wait_for(self, what: str, transfer) -> float:
+        """Issue one engine transfer and flush it: the blocks are reused (a store) or read (a load)
+        right after. Returns the seconds from the call to the end of the flush."""
+        start = time.perf_counter()
+        transfer()
+        self.traffic.call_times.append(time.perf_counter() - start)
+        report = self.engine.flush()
+        if report.failed:
+            raise RuntimeError(f"{what} failed: {report.failed}")
+        self._reclaim(report)
+        self.traffic.flush_times.append(time.perf_counter() - start)
+        return self.traffic.flush_times[-1]
+
+    def _preempt(self, seq: Sequence) -> None:
+        if any(seq is s for s, _, _ in self.resuming):
+            # Cannot happen: a sequence resumes only with a free block left for every running
+            # sequence, so nothing is preempted in the plan that resumed it. Were it preempted,
+            # its store would read GPU blocks whose load has not started.
+            raise RuntimeError(f"sequence {seq.index} preempted before its resumed blocks were loaded")
+        if self.engine is not None and len(self.free_host) < len(seq.blocks) and self.loading:
+            self._reclaim(self.engine.flush())  # host blocks still held by layer-wise loads
+        if self.engine is None or len(self.free_host) < len(seq.blocks):
+            raise RuntimeError("out of KV blocks with nowhere to preempt to")
+        host = [self.free_host.pop() for _ in seq.blocks]
+        self.traffic.store_seconds += self._wait_for(
+            f"storing the blocks of sequence {seq.index}", lambda: self.engine.store(seq.blocks, host)
+        )
+        self.traffic.stored_bytes += len(host) * self.engine.block_bytes
+        self.traffic.preemptions += 1
+        self.free += reversed(seq.blocks)
+        seq.blocks, seq.host_blocks = [], host
+        self.preempted.append(seq)
+
+    def _resume(self, seq: Sequence) -> None:
+        blocks = [self.free.pop() for _ in seq.host_blocks]
+        # A copy: plan() may append this step's new block to seq.blocks, which has nothing to load.
+        self.resuming.append((seq, seq.host_blocks, list(blocks)))  # loaded by load_resumed()
+        self.traffic.loaded_bytes += len(blocks) * self.engine.block_bytes
+        self.traffic.resumptions += 1
+        seq.blocks, seq.host_blocks = blocks, None
+        self.preempted.remove(seq)
+
+    def load_resumed(self) -> bool:
+        """Load the blocks of the sequences :meth:`plan` resumed, as one transfer; call it just
+        before the step that first reads them. Returns whether there were any."""
+        if not self.resuming:
+            return False
+        host = [h for _, hs, _ in self.resuming for h in hs]
+        gpu = [g for _, _, gs in self.resuming for g in gs]
+        self.resuming = []
+        start = time.perf_counter()
+        if self.loads is not None:
+            # Before the step (the replay), never after: a captured wait sees the events'
+            # records as of the replay's launch. The copies are ordered after the work already
+            # on this stream (the last step, which may have read these GPU blocks for another
+            # sequence), and each layer of the step waits only for its own.
+            tid = self.loads.start(host, gpu)
+            self.traffic.start_times.append(time.perf_counter() - start)
+            self.loading[tid] = host
+        else:
+            self.traffic.load_seconds += self._wait_for("loading resumed blocks", lambda: self.engine.load(host, gpu))
+            self.free_host += reversed(host)
+        return True
+
+    def collect(self) -> None:
+        """After a step: take back the host blocks of the layer-wise loads that have landed."""
+        if self.loading:
+            self._reclaim(self.engine.poll())
+
+    def finish(self) -> None:
+        """At the end of a run: nothing in flight on the engine, which the next run reuses."""
+        if self.engine is not None:
+            self._reclaim(self.engine.flush())
+        if self.loading:
+            raise RuntimeError(f"layer-wise loads {sorted(self.loading)} were never reported")
+
+    def plan(self) -> StepBuffer | None:
+        """The next step's inputs, after resuming and preempting; None when every sequence is done."""
+        cfg = self.cfg
+        for seq in list(self.preempted):
+            need = len(seq.host_blocks) + (seq.done % cfg.block_size == 0) + len(self.running())
+            if len(self.free) < need:
+                break  # in order: the oldest preempted sequence goes first
+            self._resume(seq)
+        for seq in self.running():
+            if seq.host_blocks is None and self._needs_block(seq):
+                while not self.free:
+                    victims = [s for s in self.running() if s is not seq and s.blocks]
+                    self._preempt(max(victims, key=lambda s: s.index) if victims else seq)
+                if seq.host_blocks is None:
+                    seq.blocks.append(self.free.pop())
+        rows = self.running()
+        if not rows and not self.preempted:
+            return None
+        if not rows:
+            raise RuntimeError(f"no sequence can run: {len(self.free)} free blocks, {len(self.preempted)} preempted")
+        inputs = self.buffer.reset()
+        for seq in rows:
+            i, p = seq.index, seq.done
+            inputs.tokens[i] = seq.tokens[p]
+            inputs.positions[i] = p
+            inputs.seq_lens[i] = p + 1
+            inputs.block_table[i, : len(seq.blocks)] = torch.tensor(seq.blocks)
+            inputs.slot_block[i] = seq.blocks[p // cfg.block_size]
+            inputs.slot_offset[i] = p % cfg.block_size
+        return self.buffer
+
+    def advance(self, next_tokens: torch.Tensor) -> list[tuple[int, int]]:
+        """Account for a finished step; returns the (sequence, position) of every row that ran."""
+        ran = []
+        for seq in self.running():
+            ran.append((seq.index, seq.done))
+            seq.done += 1
+            if seq.done == len(seq.tokens):  # the last known token was processed: sample the next
+                seq.tokens.append(int(next_tokens[seq.index]))
+            if seq.finished:
+                self.free += reversed(seq.blocks)
+                seq.blocks = []
+        return ran
+
+
+def blocks_needed(cfg: Config) -> int:
+    return sum(math.ceil((s.total - 1) / cfg.block_size) for s in make_sequences(cfg))
+
+
+def pressure_blocks(cfg: Config) -> int:
+    """About 60% of what the workload needs at once: several preemptions, never a deadlock."""
+    return max(cfg.max_blocks + 1, int(blocks_needed(cfg) * 0.6))
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]
+    logits: dict[tuple[int, int], torch.Tensor]  # (sequence, position) -> logits row (reference only)
+    step_seconds: list[float]
+    traffic: KVTraffic
