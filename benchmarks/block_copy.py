@@ -19,17 +19,18 @@ Usage: python benchmarks/block_copy.py --out DIR [--quick] [--tune]
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-from common import time_graph  # this script's own directory
 
 import kv_ops
 from kv_ops import kernels
 from kv_ops.driver import driver as cuda_driver
+
+from common import time_graph  # this script's own directory
+from report import can_plot, figure, save_figure, write_csv
 
 BLOCK_BYTES = [256, 1024, 4096, 16384, 65536, 262144, 2 << 20]
 COUNTS = [16, 256, 2048, 16384]
@@ -181,12 +182,7 @@ def tune(args) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = figure(2, (12, 4.5), sharey=True)
     for ax, direction in zip(axes, ("gpu_to_host", "host_to_gpu")):
         for method, style in (("kernel", "-o"), ("naive", "--s"), ("per_block", ":^")):
             for count in sorted({r["blocks"] for r in rows}):
@@ -208,8 +204,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_ylabel("throughput / contiguous pinned memcpy")
     axes[1].legend(fontsize=7)
     fig.suptitle("kv_ops.copy_blocks vs memcpy of the same bytes (red ticks: targets)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def markdown(rows: list[dict], count: int = 2048) -> str:
@@ -248,16 +243,11 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.tune:
         rows = tune(args)
-        with open(args.out / "block_copy_tuning.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.out / "block_copy_tuning.csv", rows, list(rows[0]))
     rows = sweep(args)
-    with open(args.out / "block_copy.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    plot(rows, args.out / "block_copy.png")
+    write_csv(args.out / "block_copy.csv", rows, list(rows[0]))
+    if can_plot(args.out / "block_copy.png"):
+        plot(rows, args.out / "block_copy.png")
     table = markdown(rows)
     (args.out / "block_copy.md").write_text(table + "\n")
     print(table)

@@ -39,7 +39,6 @@ Usage: python benchmarks/engine.py --out DIR [--quick] [--sizes 4096,65536]
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import statistics
 import sys
@@ -49,11 +48,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import time_graph  # this script's own directory
 
 import kv_ops
 from kv_ops import kernels
 from kv_ops.transfer import dma, paths
+
+from common import time_graph  # this script's own directory
+from report import can_plot, columns, figure, save_figure, write_csv
 
 LAYERS = 8  # K/V-first: 2 regions per layer
 SIZES = (4096, 16384, 65536, 262144)  # bytes of one region's block
@@ -751,14 +752,9 @@ def markdown(rows: list[dict], state: State) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colors = {"kernel": "tab:blue", "staged": "tab:green", "dma": "tab:orange", "auto": "tab:red"}
     bw = [r for r in rows if r["kind"] == "bandwidth"]
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
+    fig, axes = figure(4, (21, 4.8))
     for ax, ids in zip(axes[:2], IDS):
         for p in PATHS:
             for d, style in (("store", "-o"), ("load", "--s")):
@@ -807,23 +803,18 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("matmul slowdown, % (alone: drift vs the first)")
     ax.set_title("bf16 matmuls beside each path's duplex")
     fig.suptitle("kv_ops.OffloadEngine, 8 layers K/V-first (16 regions), sustained, vs contiguous pinned memcpy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def save(state: State, out: Path, final: bool = False) -> list[dict]:
     rows = build_rows(state)
-    keys = COLUMNS + [k for k in dict.fromkeys(k for r in rows for k in r) if k not in COLUMNS]
-    with open(out / "engine.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "engine.csv", rows, columns(rows, COLUMNS))
     if final:
         table = markdown(rows, state)
         (out / "engine.md").write_text(table)
         print("\n" + table, flush=True)
-        guard("plot", plot, rows, out / "engine.png")
+        if can_plot(out / "engine.png"):
+            guard("plot", plot, rows, out / "engine.png")
     return rows
 
 

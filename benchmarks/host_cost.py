@@ -54,7 +54,6 @@ Usage: python benchmarks/host_cost.py [--out DIR] [--quick] [--reps N]
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import gc
 import math
@@ -71,6 +70,8 @@ from torch import nn
 
 import kv_ops
 import ple_ops
+
+from report import can_plot, figure, save_figure, write_csv
 
 LAYERS = 8  # K/V-first: 16 regions
 BLOCKS = (1, 4, 16, 64)  # blocks per call
@@ -708,14 +709,9 @@ def markdown(rows: list[dict], cfg: Config, note: str) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colors = {"kernel": "tab:blue", "staged": "tab:green", "dma": "tab:orange", "auto": "tab:red"}
     ok = [r for r in rows if r["status"] == "ok" and r["family"] == "kv"]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    fig, axes = figure(3, (18, 4.8))
     for ax, direction in zip(axes[:2], ("store", "load")):
         for p in PATHS:
             pts = sorted(
@@ -761,9 +757,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
     fig.suptitle("Host cost per call: kv_ops ops and OffloadEngine, against copy_ and plain torch")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def ok_ids(rows: list[dict]) -> str:
@@ -772,17 +766,10 @@ def ok_ids(rows: list[dict]) -> str:
 
 
 def save(rows: list[dict], out: Path, cfg: Config, note: str) -> str:
-    with open(out / "host_cost.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    write_csv(out / "host_cost.csv", rows, COLUMNS, digits=4, ignore_extra=True)
     table = markdown(rows, cfg, note)
     (out / "host_cost.md").write_text(table)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("matplotlib is not installed: no host_cost.png", flush=True)
-    else:
+    if can_plot(out / "host_cost.png"):
         guard("plot", plot, rows, out / "host_cost.png")
     return table
 

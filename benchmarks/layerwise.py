@@ -33,7 +33,6 @@ machine it exits at once: the measurement needs the GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -43,6 +42,8 @@ import torch
 from torch import nn
 
 import kv_ops
+
+from report import can_plot, figure, save_figure, write_csv
 
 NAME = "benchmark-layerwise"
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Llama-3-8B's KV per layer and block
@@ -285,12 +286,7 @@ def markdown(rows: list[dict], once: dict, args) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = figure(2, (12, 4.5))
     first = rows[0]["copies"]
     base = [r for r in rows if r["copies"] == first]
     blocks = [r["blocks"] for r in base]
@@ -312,9 +308,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Layer-wise loads in a captured prefill step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -333,17 +327,12 @@ def main() -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows, once = measure(args)
-    with open(args.out / "layerwise.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    write_csv(args.out / "layerwise.csv", rows, COLUMNS, digits=4)
     table = markdown(rows, once, args)
     (args.out / "layerwise.md").write_text(table)
     print(table, flush=True)
-    try:
+    if can_plot(args.out / "layerwise.png"):
         plot(rows, args.out / "layerwise.png")
-    except ImportError:
-        print("matplotlib is not installed: no layerwise.png", flush=True)
     return 0 if all(r["bitwise"] for r in rows) else 1
 
 

@@ -19,17 +19,18 @@ Usage: python benchmarks/ple_latency.py --out DIR
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from common import time_graph  # this script's own directory
 from torch import nn
 
 import ple_ops
+
+from common import time_graph  # this script's own directory
+from report import can_plot, columns, figure, save_figure, write_csv
 
 VOCAB, DIM, LAYERS = 1000, 64, 3
 
@@ -230,12 +231,7 @@ def decode_step(tokens: int = 4, steps: int = 300) -> list[dict]:
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = figure(2, (11, 4))
     lat = [r for r in rows if r["kind"] == "latency" and r["what"] == "wait_copy"]
     watched = [r for r in rows if r["kind"] == "latency" and r["what"] == "wait_copy_watched"]
     floor = next(r for r in rows if r["what"] == "ping_pong")
@@ -256,8 +252,7 @@ def plot(rows, path: Path) -> None:
     right.set_xlabel("rows of 16 KiB")
     right.set_ylabel("ratio")
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -268,12 +263,9 @@ def main() -> None:
         sys.exit("ple_latency.py needs a CUDA device")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = latency([1, 2, 4, 8, 32]) + bandwidth([1, 4, 16, 64, 256, 1024, 4096, 8192]) + decode_step()
-    keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(args.out / "ple_latency.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    plot(rows, args.out / "ple_latency.png")
+    write_csv(args.out / "ple_latency.csv", rows, columns(rows))
+    if can_plot(args.out / "ple_latency.png"):
+        plot(rows, args.out / "ple_latency.png")
     print("| measure | rows of 16 KiB | value | ratio to baseline |\n| --- | ---: | ---: | ---: |")
     for r in rows:
         if r["kind"] == "latency":

@@ -1,0 +1,98 @@
+"""benchmarks/report.py, on fake rows: the CSV the scripts write, and the figure that is skipped
+with one line when matplotlib is absent; and every script that uses it imports, its table
+functions running on fake rows."""
+
+import csv
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
+
+report = importlib.import_module("report")
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_columns_put_the_given_first_then_keys_as_they_first_appear():
+    rows = [{"kind": "a", "x": 1}, {"kind": "b", "y": 2, "x": 3}, {"z": 4}]
+    assert report.columns(rows) == ["kind", "x", "y", "z"]
+    assert report.columns(rows, ["z", "kind"]) == ["z", "kind", "x", "y"]
+
+
+def test_write_csv_round_trips_and_rounds_floats_when_asked(tmp_path):
+    rows = [{"kind": "bandwidth", "gbps": 51.123456789, "blocks": 16}, {"kind": "memcpy", "gbps": 1 / 3}]
+    path = tmp_path / "plain.csv"
+    report.write_csv(path, rows, report.columns(rows))
+    with open(path, newline="") as f:
+        back = list(csv.DictReader(f))
+    assert back == [
+        {"kind": "bandwidth", "gbps": "51.123456789", "blocks": "16"},
+        {"kind": "memcpy", "gbps": str(1 / 3), "blocks": ""},
+    ]
+    report.write_csv(path, rows, ["kind", "gbps", "blocks"], digits=4)
+    assert path.read_text().splitlines() == ["kind,gbps,blocks", "bandwidth,51.1235,16", "memcpy,0.3333,"]
+    assert rows[0]["gbps"] == 51.123456789  # the caller's rows are left as they were
+
+
+def test_write_csv_refuses_a_key_outside_the_columns_unless_told(tmp_path):
+    rows = [{"call": "store", "working": object()}]
+    with pytest.raises(ValueError, match="working"):
+        report.write_csv(tmp_path / "strict.csv", rows, ["call"])
+    report.write_csv(tmp_path / "loose.csv", rows, ["call"], ignore_extra=True)
+    assert (tmp_path / "loose.csv").read_text().splitlines() == ["call", "store"]
+
+
+@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed: the figure is drawn")
+def test_without_matplotlib_the_figure_is_skipped_with_the_scripts_message(tmp_path, capsys):
+    assert report.can_plot(tmp_path / "engine.png") is False
+    assert capsys.readouterr().out == "matplotlib is not installed: no engine.png\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_with_matplotlib_the_figure_is_saved(tmp_path):
+    assert report.can_plot(tmp_path / "fig.png")
+    fig, axes = report.figure(2, (4, 2), sharey=True)
+    axes[0].plot([1, 2], [3, 4])
+    report.save_figure(fig, tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_block_copy_table_from_fake_rows():
+    block_copy = importlib.import_module("block_copy")
+    rows = [
+        {"block_bytes": 4096, "blocks": 2048, "direction": d, "method": m, "gbps": 50.0, "ratio_to_memcpy": r}
+        for d in ("gpu_to_host", "host_to_gpu")
+        for m, r in (("memcpy", 1.0), ("kernel", 0.95), ("naive", 0.5))
+    ]
+    assert block_copy.markdown(rows).splitlines() == [
+        "| block | direction | memcpy GB/s | kernel | naive (no host scatter) | per-block memcpy |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        "| 4 KiB | gpu to host | 50.0 | 0.95 | 0.50 | - |",
+        "| 4 KiB | host to gpu | 50.0 | 0.95 | 0.50 | - |",
+    ]
+
+
+def test_layerwise_table_from_fake_rows():
+    layerwise = importlib.import_module("layerwise")
+    row = dict.fromkeys(layerwise.COLUMNS, 1.0) | {"blocks": 16, "copies": "kernel", "bitwise": True}
+    once = dict.fromkeys(
+        ["compute_us", "zero_block_us", "zero_block_ratio", "per_wait_us", "short_step_us", "short_step_waits_us"],
+        2.0,
+    )
+    args = SimpleNamespace(layers=4, tokens=8, hidden=16, mlp=32)
+    lines = layerwise.markdown([row], once, args).splitlines()
+    assert lines[0].startswith("Step: 4 layers, 8 tokens, MLP 16x32 bf16")
+    assert lines[-1] == "| 16 | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 | yes |"
+
+
+@pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "ple_latency"])
+def test_every_script_imports_and_plots_through_report(script):
+    module = importlib.import_module(script)
+    assert module.write_csv is report.write_csv
+    assert module.figure is report.figure and module.save_figure is report.save_figure
