@@ -181,7 +181,7 @@ def gpu_runtime(monkeypatch):
 def stream_resets(rt, names=NAMES):
     """What a replayed graph's releases do: once a layer's rows of the last step are there, reset its flag."""
     deadline = time.monotonic() + rt.step_timeout
-    control = rt._control
+    control = rt.control
     for n in names:
         while not (
             ple_ops.lookup(n).flag.host_value() == DONE
