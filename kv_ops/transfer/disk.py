@@ -32,8 +32,11 @@ def aligned(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first row, first slot, count) for each run of consecutive slots, in the given order."""
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first row, first slot, count) for each run of consecutive slots, in the given order.
+
+    The tier's I/O is one read or write per run. Public so that tests check the merging rule itself.
+    """
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(slots):
         if runs and runs[-1][1] + runs[-1][2] == slot and runs[-1][0] + runs[-1][2] == row:
@@ -209,7 +212,7 @@ class BlockFile:
         self._check(slots, buf)
         stride = self.slot_stride
         what = "write" if write else "read"
-        for row, slot, count in _runs(slots):
+        for row, slot, count in slot_runs(slots):
             nbytes = count * stride
             view = (ctypes.c_char * nbytes).from_address(buf.data_ptr() + row * stride)
             offset = slot * stride
@@ -458,4 +461,4 @@ class DiskTier:
         return done
 
 
-__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN", "aligned"]
+__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN", "aligned", "slot_runs"]

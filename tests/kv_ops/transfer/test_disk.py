@@ -13,7 +13,7 @@ import torch
 
 import kv_ops
 from kv_ops.transfer import disk
-from kv_ops.transfer.disk import BlockFile, _runs
+from kv_ops.transfer.disk import BlockFile, slot_runs
 
 
 def staging(rows, stride, seed):
@@ -25,8 +25,8 @@ def staging(rows, stride, seed):
 
 
 def test_runs_merge_consecutive_slots_only_when_rows_are_consecutive_too():
-    assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
-    assert _runs([]) == []
+    assert slot_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert slot_runs([]) == []
 
 
 @pytest.mark.parametrize("page_cache", [False, True], ids=["o_direct", "page_cache"])
