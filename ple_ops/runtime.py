@@ -209,7 +209,9 @@ class OffloadRuntime:
             )
         self.max_tokens = int(max_tokens)
         self.step_timeout = float(step_timeout)
-        self._on_gpu = self.device.type == "cuda"
+        # Whether the step transaction takes its GPU branches (the device is CUDA). Public so that
+        # tests can set it on a CPU runtime and run those branches without a GPU; nothing else writes it.
+        self.on_gpu = self.device.type == "cuda"
 
         # The step transaction (main thread): the number of the last prepared step, and whether
         # it is open (prepared, not released).
@@ -311,12 +313,12 @@ class OffloadRuntime:
                 f"{[s.name for s in report.layers]}",
                 fatal=True,
             )
-        self._control = ControlBlock.create(self.max_tokens, len(modules), map_for_gpu=self._on_gpu)
+        self._control = ControlBlock.create(self.max_tokens, len(modules), map_for_gpu=self.on_gpu)
         self._words = self._control.words
         self._ids_address = self._control.ids.data_ptr()
         shared.append(self._control.buffer)
         for i, ((name, module), spec) in enumerate(zip(modules, report.layers)):
-            slot_buffer = SharedHostBuffer(self.max_tokens * spec.row_bytes, register=self._on_gpu)
+            slot_buffer = SharedHostBuffer(self.max_tokens * spec.row_bytes, register=self.on_gpu)
             shared.append(slot_buffer)
             slot = slot_buffer.view(0, (self.max_tokens, spec.row_bytes), torch.uint8)
             reference.poison_rows(slot)  # rows no step wrote are poison, never zeros (worker.ServedLayer)
@@ -387,7 +389,7 @@ class OffloadRuntime:
                 "in forward_impl, for one): release() resets the flags, and the next prepare() is served"
             )
         self._raise_unreported(self._step)
-        if self._on_gpu:
+        if self.on_gpu:
             refuse_capture(
                 "prepare()",
                 "refused during CUDA-graph capture (nothing runs while a graph is captured, so the step's rows "
@@ -461,7 +463,7 @@ class OffloadRuntime:
             resets the flags, so later steps are served); or the runtime is dead.
         """
         self._check_failed()
-        if self._on_gpu and capturing():
+        if self.on_gpu and capturing():
             if self._open:
                 raise self._captured_while_prepared("release()")
             for layer in self._layers:
@@ -480,7 +482,7 @@ class OffloadRuntime:
                 # every op executes; on the GPU a wait that executed without its release shows an
                 # eager forward, while a replay shows nothing and is trusted.
                 step = self._step
-                if not self._on_gpu:
+                if not self.on_gpu:
                     if self._releases < len(self._layers):
                         missing = [layer for layer in self._layers if layer.released_step != step]
                 elif self._waits:
@@ -772,7 +774,7 @@ class OffloadRuntime:
             release_fence()
             for layer in owed:
                 layer.flag.host_signal()
-            if self._on_gpu:
+            if self.on_gpu:
                 # The watchdog keeps freeing streams that wait on a flag meanwhile.
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize(self.device)

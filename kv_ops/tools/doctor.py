@@ -68,8 +68,8 @@ class ReportLine:
     each_dir: bool = False
 
 
-# The report's lines in order: each check's section appends its own. The calls look the check up
-# by its module name when they run, so a patched check is the one that runs.
+# The report's lines in order: each check's section appends its own. Each ``run`` looks its check
+# up by name when it runs (a lambda, not the function itself), so a patched check is the one that runs.
 REPORT: list[ReportLine] = []
 
 
@@ -399,7 +399,6 @@ REPORT.append(ReportLine("batched copy", lambda o: check_batched_copy(o.device))
 # Below this fraction of the link's nominal rate the measured copies point at a real problem
 # (a degraded link, the wrong NUMA node); a healthy H200 at Gen5 x16 measures about 0.87.
 SLOW_LINK_FRACTION = 0.6
-
 
 # Per-lane rate in GB/s after line encoding (8b/10b to Gen 2, 128b/130b from Gen 3, FLIT at Gen 6).
 _LANE_GBPS = {

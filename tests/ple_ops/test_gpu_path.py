@@ -148,17 +148,17 @@ def test_a_failed_driver_call_raises_with_the_call_named(drv, gpu_layer, op, fai
 def test_the_bound_driver_keeps_one_handle_per_stream():
     bound = semaphore.BoundDriver()  # cuda-bindings builds handles without a GPU
     raw = [0]
-    bound._raw_stream = lambda: raw[0]
+    bound.raw_stream = lambda: raw[0]
     handles = {}
     for value in random.Random(11).sample(range(1, 1 << 40), 20) * 2:
         raw[0] = value
         handle = bound.current_stream()
         assert int(handle) == value
         assert handles.setdefault(value, handle) is handle  # built once, then the same object
-    for value in range(1, 2 * semaphore.BoundDriver._MAX_STREAMS):  # the table stays bounded
+    for value in range(1, 2 * semaphore.BoundDriver.MAX_STREAMS):  # the table stays bounded
         raw[0] = value
         assert int(bound.current_stream()) == value
-    assert len(bound._streams) <= semaphore.BoundDriver._MAX_STREAMS
+    assert len(bound.streams) <= semaphore.BoundDriver.MAX_STREAMS
 
 
 # --- the runtime's guard on the GPU path ----------------------------------------------------------
@@ -172,9 +172,9 @@ def gpu_runtime(monkeypatch):
     the CUDA ops ask the guard is asked by the test, and the stream's resets are done by hand."""
     rt = ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", step_timeout=2.0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    rt._on_gpu = True
+    rt.on_gpu = True
     yield rt
-    rt._on_gpu = False
+    rt.on_gpu = False
     rt.close()
 
 
@@ -229,7 +229,7 @@ def test_the_gpu_step_transaction_tells_a_replay_from_an_eager_forward(gpu_runti
         guard.before_stream_release(NAMES[0])
     # ... and the runtime serves on, with the local model's rows.
     ids, hidden = torch.randint(0, VOCAB, (5,), generator=gen), torch.randn(5, DIM, generator=gen)
-    rt._on_gpu = False
+    rt.on_gpu = False
     rt.prepare(ids)
     torch.testing.assert_close(rt.model(hidden, ids), make_model()(hidden, ids), rtol=0, atol=0)
     rt.release()
