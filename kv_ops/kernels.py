@@ -269,15 +269,17 @@ class BoundCopy:
         if num_pairs == 0:
             return None
         tiles = sum(-(-num_pairs * c // self.rows) for c in self.chunks)
-        return self._launch(packed, src_ids, dst_ids, num_pairs, errors, min(self.num_programs, tiles), False)
+        return self.launch_kernel(packed, src_ids, dst_ids, num_pairs, errors, min(self.num_programs, tiles), False)
 
     def launch_from_block(self, packed: torch.Tensor | None, block: torch.Tensor, capacity: int, errors: torch.Tensor):
         """Launch on the current stream with the count and ids read from ``block`` (int64
         ``[n, src ids, dst ids]``, ``n <= capacity``), on every program: what :class:`GraphedCopy`
         captures."""
-        return self._launch(packed, block, block, capacity, errors, self.num_programs, True)
+        return self.launch_kernel(packed, block, block, capacity, errors, self.num_programs, True)
 
-    def _launch(self, packed, src_ids, dst_ids, num_pairs: int, errors, programs: int, in_block: bool):
+    def launch_kernel(self, packed, src_ids, dst_ids, num_pairs: int, errors, programs: int, in_block: bool):
+        """The one kernel launch under :meth:`launch` and :meth:`launch_from_block`; public so that
+        tests count launches."""
         align, packed_stride = self.align, 0
         if packed is None:
             packed = self.anchor  # a copy never reads it

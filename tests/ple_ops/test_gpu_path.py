@@ -101,17 +101,17 @@ def test_each_op_enqueues_its_stream_operations_in_order_on_the_current_stream(d
         drv.stream = Handle(int(torch.randint(1, 1 << 30, (1,), generator=gen)))  # e.g. a capture's stream
         s = int(drv.stream)
         drv.calls.clear()
-        ops._wait_copy_cuda(out, torch.zeros(1), n, "gpu.ple")
+        ops.wait_copy_cuda(out, torch.zeros(1), n, "gpu.ple")
         assert drv.calls == [
             ("write", s, waiting, WAITING),
             ("wait", s, flag, DONE),
             ("copy", s, out.data_ptr(), gpu_layer.slot.data_ptr(), n * 128),
         ]
         drv.calls.clear()
-        ops._wait_cuda(out, torch.zeros(1), "gpu.ple")
+        ops.wait_cuda(out, torch.zeros(1), "gpu.ple")
         assert drv.calls == [("write", s, waiting, WAITING), ("wait", s, flag, DONE)]
         drv.calls.clear()
-        ops._release_cuda(out, "gpu.ple")
+        ops.release_cuda(out, "gpu.ple")
         assert drv.calls == [
             ("write", s, waiting, WAITING),
             ("wait", s, flag, DONE),
@@ -119,12 +119,12 @@ def test_each_op_enqueues_its_stream_operations_in_order_on_the_current_stream(d
             ("write", s, flag, RESET),
         ]
     drv.calls.clear()
-    ops._wait_copy_cuda(out, torch.zeros(1), 0, "gpu.ple")  # no rows: the wait, no copy
+    ops.wait_copy_cuda(out, torch.zeros(1), 0, "gpu.ple")  # no rows: the wait, no copy
     assert [c[0] for c in drv.calls] == ["write", "wait"]
     # The flag's, the waiting word's and out's handles were each built once, not once per call.
     assert drv.pointers == 3
     other = torch.empty(16, 32)
-    ops._wait_copy_cuda(other, torch.zeros(1), 2, "gpu.ple")  # another buffer: its own handle
+    ops.wait_copy_cuda(other, torch.zeros(1), 2, "gpu.ple")  # another buffer: its own handle
     assert drv.pointers == 4 and drv.calls[-1][2] == other.data_ptr()
 
 
@@ -140,9 +140,9 @@ def test_a_failed_driver_call_raises_with_the_call_named(drv, gpu_layer, op, fai
     drv.fail = fail
     with pytest.raises(RuntimeError, match=message):
         if op == "wait_copy":
-            ops._wait_copy_cuda(torch.empty(16, 32), torch.zeros(1), 2, "gpu.ple")
+            ops.wait_copy_cuda(torch.empty(16, 32), torch.zeros(1), 2, "gpu.ple")
         else:
-            ops._release_cuda(torch.empty(16, 32), "gpu.ple")
+            ops.release_cuda(torch.empty(16, 32), "gpu.ple")
 
 
 def test_the_bound_driver_keeps_one_handle_per_stream():
