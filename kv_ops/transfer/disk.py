@@ -47,12 +47,13 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _open_tmpfile(directory: str) -> int | None:
+def open_tmpfile(directory: str) -> int | None:
     """An unnamed regular file in ``directory`` (``O_TMPFILE``), or None where the kernel or the
     file system cannot make one.
 
     ``O_EXCL`` makes the file impossible to link into the directory later (``linkat`` refuses),
-    so no name can ever reach its bytes: they live exactly as long as the descriptor.
+    so no name can ever reach its bytes: they live exactly as long as the descriptor. Public so
+    that tests stand in a file system without it.
     """
     tmpfile = getattr(os, "O_TMPFILE", None)
     if tmpfile is None:  # not Linux
@@ -67,9 +68,10 @@ def _open_tmpfile(directory: str) -> int | None:
         raise
 
 
-def _candidate_names(tag: str):
+def candidate_names(tag: str):
     """Names for the create-then-unlink fallback: the tag, the pid, and a random part, so that a
-    name cannot be predicted (and planted in advance) and a leftover is traceable to its process."""
+    name cannot be predicted (and planted in advance) and a leftover is traceable to its process.
+    Public so that tests plant a link at a name the fallback will try."""
     while True:
         yield f"kv_offload.{tag}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
 
@@ -83,7 +85,7 @@ def _create_then_unlink(directory: str, tag: str) -> int:
     named after its pid, which nothing ever reuses.
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _, name in zip(range(16), _candidate_names(tag)):
+    for _, name in zip(range(16), candidate_names(tag)):
         path = os.path.join(directory, name)
         try:
             fd = os.open(path, flags, 0o600)
@@ -149,7 +151,7 @@ class BlockFile:
         self.num_slots = num_slots
         self.direct = not page_cache
         try:
-            fd = _open_tmpfile(directory)
+            fd = open_tmpfile(directory)
             if fd is None:
                 fd = _create_then_unlink(directory, tag)
         except OSError as e:
