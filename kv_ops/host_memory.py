@@ -21,7 +21,9 @@ from .driver import check_driver, device_pointer, driver, driver_context
 # we know) the device addresses are adjacent too, so one tensor may span several pieces.
 REGISTER_CHUNK_BYTES = 64 << 30
 
-_warned_no_cuda = False
+# Whether pinned_empty has warned that CUDA is missing (once per process); public so that tests
+# reset it and see the warning again.
+warned_no_cuda = False
 
 
 class _Pinned:
@@ -102,7 +104,7 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     --------
     >>> mirror = kv_ops.pinned_empty((num_host_blocks, block_bytes))
     """
-    global _warned_no_cuda
+    global warned_no_cuda
     shape = (size,) if isinstance(size, int) else tuple(size)
     if any(s < 0 for s in shape):
         raise ValueError(f"pinned_empty: negative dimension in size {shape}")
@@ -110,8 +112,8 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if not torch.cuda.is_available() and not _warned_no_cuda:
-        _warned_no_cuda = True
+    if not torch.cuda.is_available() and not warned_no_cuda:
+        warned_no_cuda = True
         warnings.warn(
             "kv_ops.pinned_empty: CUDA is not available; returning ordinary (pageable) host memory",
             RuntimeWarning,

@@ -205,12 +205,16 @@ def _geometry_table(
     values = [v for row in rows for v in row]
     table.copy_(torch.tensor(values, dtype=torch.int64))
     # Offsets from the table: their alignment is what the kernel's address math inherits.
-    _tables[key] = (table, _alignment(values))
+    _tables[key] = (table, alignment(values))
     return _tables[key]
 
 
-def _alignment(values: Sequence[int]) -> int:
-    """Largest power of two, at most 16, that divides every value."""
+def alignment(values: Sequence[int]) -> int:
+    """Largest power of two, at most 16, that divides every value (0 divides nothing: 16).
+
+    The byte alignment the kernel may assume of addresses built from these offsets and strides.
+    Public so that tests check the rule itself, not only the copies that depend on it.
+    """
     g = 0
     for v in values:
         g = math.gcd(g, v)
@@ -265,21 +269,23 @@ class BoundCopy:
         if num_pairs == 0:
             return None
         tiles = sum(-(-num_pairs * c // self.rows) for c in self.chunks)
-        return self._launch(packed, src_ids, dst_ids, num_pairs, errors, min(self.num_programs, tiles), False)
+        return self.launch_kernel(packed, src_ids, dst_ids, num_pairs, errors, min(self.num_programs, tiles), False)
 
     def launch_from_block(self, packed: torch.Tensor | None, block: torch.Tensor, capacity: int, errors: torch.Tensor):
         """Launch on the current stream with the count and ids read from ``block`` (int64
         ``[n, src ids, dst ids]``, ``n <= capacity``), on every program: what :class:`GraphedCopy`
         captures."""
-        return self._launch(packed, block, block, capacity, errors, self.num_programs, True)
+        return self.launch_kernel(packed, block, block, capacity, errors, self.num_programs, True)
 
-    def _launch(self, packed, src_ids, dst_ids, num_pairs: int, errors, programs: int, in_block: bool):
+    def launch_kernel(self, packed, src_ids, dst_ids, num_pairs: int, errors, programs: int, in_block: bool):
+        """The one kernel launch under :meth:`launch` and :meth:`launch_from_block`; public so that
+        tests count launches."""
         align, packed_stride = self.align, 0
         if packed is None:
             packed = self.anchor  # a copy never reads it
         else:
             packed_stride = packed.stride(0)
-            align = min(align, _alignment([_address(packed, self.device), packed_stride]))
+            align = min(align, alignment([_address(packed, self.device), packed_stride]))
         on_device = self.device.type == "cuda" and torch.cuda.current_device() != self.device.index
         with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
             return _block_copy_kernel[(max(1, programs),)](
@@ -436,4 +442,4 @@ def block_copy(
     return bound(packed, src_ids, dst_ids, num_pairs, errors)
 
 
-__all__ = ["block_copy", "BoundCopy", "GraphedCopy", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]
+__all__ = ["block_copy", "BoundCopy", "GraphedCopy", "alignment", "NUM_PROGRAMS", "TILE_BYTES", "NUM_WARPS"]

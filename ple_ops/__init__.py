@@ -14,7 +14,10 @@ Where each piece lives:
 * ``control``       -- ``ControlBlock``: the shared words both processes use (steps, flags,
                        waiting words), and the named messages of their pipe.
 * ``worker``        -- the offload process: the handshake, then the serving loop.
-* ``runtime``       -- ``OffloadRuntime``: the GPU side of the step transaction and the watchdog.
+* ``runtime``       -- ``OffloadRuntime``: starts the offload process; the GPU side of the step
+                       transaction.
+* ``watchdog``      -- ``Watchdog``: the runtime's thread that frees GPU streams no prepared step
+                       will serve, and fails the runtime (a dead process, a late step).
 * ``host_rows``     -- ``pin_rows`` / ``gather_rows``: a table as page-locked rows, and their
                        zero-copy gather.
 * ``host_table``    -- ``gather_from_host``: the gather transport (lookup tables in page-locked

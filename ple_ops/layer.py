@@ -29,6 +29,15 @@ def building_placeholders():
         _role = previous
 
 
+def role() -> str:
+    """Which role this process plays now: ``"local"``, ``"placeholder"`` or ``"worker"``.
+
+    For model factories and tests that must tell the offload process from the GPU process (a
+    factory that loads weights present only where the worker runs, say); the layers read it too.
+    """
+    return _role
+
+
 def mark_offload_worker() -> None:
     """Declare this process the offload worker: PLE layers build their weights and compute."""
     global _role

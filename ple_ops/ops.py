@@ -145,13 +145,17 @@ def _wait_fake(out, dep, name):
     torch._check(out.dim() == 2, lambda: "ple_ops.wait: out must be 2-D [rows, dim]")
 
 
-def _wait_cuda(out, dep, name):
+def wait_cuda(out, dep, name):
+    """The CUDA implementation of ``ple_ops.wait``: the waiting word, then the flag wait, on the current stream.
+
+    Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
+    """
     layer = registry.lookup(name)
     _check_out("ple_ops.wait", layer, out)
     _enqueue_wait(layer, None, bound_driver().current_stream())
 
 
-_register("wait(Tensor(a0!) out, Tensor dep, str name) -> ()", _wait_cpu, _wait_cuda, _wait_fake)
+_register("wait(Tensor(a0!) out, Tensor dep, str name) -> ()", _wait_cpu, wait_cuda, _wait_fake)
 
 
 def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
@@ -194,7 +198,11 @@ def _wait_copy_fake(out, dep, num_tokens, name):
     torch._check(num_tokens <= out.shape[0], lambda: "ple_ops.wait_copy: num_tokens exceeds out's rows")
 
 
-def _wait_copy_cuda(out, dep, num_tokens, name):
+def wait_copy_cuda(out, dep, num_tokens, name):
+    """The CUDA implementation of ``ple_ops.wait_copy``: the wait, then the rows' copy, on the current stream.
+
+    Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
+    """
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
     d = bound_driver()
@@ -214,7 +222,7 @@ def _wait_copy_cuda(out, dep, num_tokens, name):
 _register(
     "wait_copy(Tensor(a0!) out, Tensor dep, SymInt num_tokens, str name) -> ()",
     _wait_copy_cpu,
-    _wait_copy_cuda,
+    wait_copy_cuda,
     _wait_copy_fake,
 )
 
@@ -263,7 +271,11 @@ def _release_fake(out, name):
     torch._check(out.dim() == 2, lambda: "ple_ops.release: out must be 2-D [rows, dim]")
 
 
-def _release_cuda(out, name):
+def release_cuda(out, name):
+    """The CUDA implementation of ``ple_ops.release``: the waits and writes of a reset, on the current stream.
+
+    Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
+    """
     layer = registry.lookup(name)
     if layer.guard is not None and not layer.guard.before_stream_release(name):
         return  # this step already released the layer (eagerly): a second reset would clear the next step
@@ -282,7 +294,7 @@ def _release_cuda(out, name):
     layer.flag.write_on(stream, RESET)
 
 
-_register("release(Tensor(a0!) out, str name) -> ()", _release_cpu, _release_cuda, _release_fake)
+_register("release(Tensor(a0!) out, str name) -> ()", _release_cpu, release_cuda, _release_fake)
 
 
 def release(out: torch.Tensor, name: str) -> None:

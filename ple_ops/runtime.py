@@ -1,4 +1,4 @@
-"""OffloadRuntime: the GPU side of the PLE step transaction, its layers, and the watchdog."""
+"""OffloadRuntime: starts the offload process, and the GPU side of the PLE step transaction and its layers."""
 
 from __future__ import annotations
 
@@ -22,25 +22,20 @@ from kv_ops.capture import capturing, refuse_capture
 from . import layer as layer_mod
 from . import reference, registry, worker
 from .control import (
-    WAITING,
     Attach,
     ControlBlock,
     LayersReport,
-    Phase,
     Ready,
     StepFailed,
     Word,
     WorkerFailed,
 )
-from .semaphore import DONE, RESET, ProducerFailed, release_fence, spin_wait
+from .semaphore import DONE, ProducerFailed, release_fence, spin_wait
 from .shared_memory import SharedHostBuffer
+from .watchdog import Watchdog
 
-_POLL = 0.005  # seconds between two looks of the watchdog
 # Header words as plain ints, for the hot paths' direct loads and stores (ControlBlock.words).
 _REQUEST, _NUM_TOKENS, _TAKEN, _FAILED = int(Word.REQUEST), int(Word.NUM_TOKENS), int(Word.TAKEN), int(Word.FAILED)
-# A stream must look stuck (waiting on a reset flag that no prepared step will raise) on looks at
-# least this far apart before the runtime acts: the words are read one by one, not atomically.
-_STUCK_GRACE = 0.05
 
 
 class OffloadError(ProducerFailed):
@@ -214,7 +209,9 @@ class OffloadRuntime:
             )
         self.max_tokens = int(max_tokens)
         self.step_timeout = float(step_timeout)
-        self._on_gpu = self.device.type == "cuda"
+        # Whether the step transaction takes its GPU branches (the device is CUDA). Public so that
+        # tests can set it on a CPU runtime and run those branches without a GPU; nothing else writes it.
+        self.on_gpu = self.device.type == "cuda"
 
         # The step transaction (main thread): the number of the last prepared step, and whether
         # it is open (prepared, not released).
@@ -236,7 +233,6 @@ class OffloadRuntime:
         self._fail_lock = threading.Lock()
         self._failure: OffloadError | None = None
         self._closed = False
-        self._stop_watching = threading.Event()
         self._layers: list[_Layer] = []
         self._by_name: dict[str, _Layer] = {}
         self._guard = _Guard(self)
@@ -268,8 +264,9 @@ class OffloadRuntime:
             # nothing is left in /dev/shm however either process ends. The mappings stay valid.
             for buf in shared:
                 buf.unlink()
-        self._watchdog = threading.Thread(target=self._watch, name="ple-offload-watchdog", daemon=True)
-        self._watchdog.start()
+        # Public so that tests can stop it and see what the runtime notices without it.
+        self.watchdog = Watchdog(self)
+        self.watchdog.start()
 
     # --- set-up ------------------------------------------------------------------------------
 
@@ -316,12 +313,12 @@ class OffloadRuntime:
                 f"{[s.name for s in report.layers]}",
                 fatal=True,
             )
-        self._control = ControlBlock.create(self.max_tokens, len(modules), map_for_gpu=self._on_gpu)
+        self._control = ControlBlock.create(self.max_tokens, len(modules), map_for_gpu=self.on_gpu)
         self._words = self._control.words
         self._ids_address = self._control.ids.data_ptr()
         shared.append(self._control.buffer)
         for i, ((name, module), spec) in enumerate(zip(modules, report.layers)):
-            slot_buffer = SharedHostBuffer(self.max_tokens * spec.row_bytes, register=self._on_gpu)
+            slot_buffer = SharedHostBuffer(self.max_tokens * spec.row_bytes, register=self.on_gpu)
             shared.append(slot_buffer)
             slot = slot_buffer.view(0, (self.max_tokens, spec.row_bytes), torch.uint8)
             reference.poison_rows(slot)  # rows no step wrote are poison, never zeros (worker.ServedLayer)
@@ -392,7 +389,7 @@ class OffloadRuntime:
                 "in forward_impl, for one): release() resets the flags, and the next prepare() is served"
             )
         self._raise_unreported(self._step)
-        if self._on_gpu:
+        if self.on_gpu:
             refuse_capture(
                 "prepare()",
                 "refused during CUDA-graph capture (nothing runs while a graph is captured, so the step's rows "
@@ -466,7 +463,7 @@ class OffloadRuntime:
             resets the flags, so later steps are served); or the runtime is dead.
         """
         self._check_failed()
-        if self._on_gpu and capturing():
+        if self.on_gpu and capturing():
             if self._open:
                 raise self._captured_while_prepared("release()")
             for layer in self._layers:
@@ -485,7 +482,7 @@ class OffloadRuntime:
                 # every op executes; on the GPU a wait that executed without its release shows an
                 # eager forward, while a replay shows nothing and is trusted.
                 step = self._step
-                if not self._on_gpu:
+                if not self.on_gpu:
                     if self._releases < len(self._layers):
                         missing = [layer for layer in self._layers if layer.released_step != step]
                 elif self._waits:
@@ -511,6 +508,33 @@ class OffloadRuntime:
         """Steps the offload process has finished writing (failed steps included)."""
         self._check_usable()
         return self._control.get(Word.SERVED)
+
+    # --- seams for tests and tools -----------------------------------------------------------
+
+    @property
+    def control(self) -> ControlBlock:
+        """The shared control block (steps, flags, waiting words) both processes use.
+
+        Exists for tests and tools: they read its words, and write a waiting word as a GPU stream
+        would. Serving never needs it.
+        """
+        return self._control
+
+    @property
+    def failure(self) -> OffloadError | None:
+        """The fatal error once the runtime failed, else ``None``.
+
+        Exists for tests: unlike :meth:`check` it notices nothing itself (asks no process), so a
+        test sees what the watchdog or an earlier call noticed.
+        """
+        return self._failure
+
+    def shared_paths(self) -> list[str]:
+        """The ``/dev/shm`` paths of the control block and of each layer's slot, in that order.
+
+        Exists for tests: the files are removed when start-up ends, so none of them exists.
+        """
+        return [self._control.buffer.handle.path] + [layer.slot_buffer.handle.path for layer in self._layers]
 
     # --- what the ops ask (registry.StepGuard) -----------------------------------------------
 
@@ -678,7 +702,7 @@ class OffloadRuntime:
         """:meth:`_check_usable` without the system calls, for the per-layer checks and ``release``.
 
         A death is noticed here once the process's exit status was collected: by the watchdog,
-        which asks every ``_POLL`` seconds (and then fails the runtime itself), by ``prepare()``
+        which asks every ``watchdog.POLL`` seconds (and then fails the runtime itself), by ``prepare()``
         or ``check()``, or by a join. Nothing can hang on the difference: a CPU wait checks
         fully while it spins, and the watchdog frees a GPU stream that waits on a dead process.
         """
@@ -704,67 +728,6 @@ class OffloadRuntime:
             return f"the offload process failed:\n{self._worker_failed}"
         return f"the offload process died (exit code {self.process.exitcode})"
 
-    def _watch(self) -> None:
-        stuck: dict[int, tuple[float, int]] = {}
-        while not self._stop_watching.wait(_POLL):
-            try:
-                self._collect()
-                if self._failure is not None or self._closed:
-                    self._unblock_waiters()
-                    continue
-                reason = self._failure_reason(stuck)
-                if reason is not None:
-                    self._fail(reason)
-            except Exception as exc:  # never let the watchdog die silently
-                if self._failure is None and not self._closed:
-                    self._fail(f"the offload watchdog failed: {exc!r}")
-
-    def _failure_reason(self, stuck: dict[int, tuple[float, int]]) -> str | None:
-        if self._worker_failed is not None or not self.process.is_alive():
-            return self._death_reason()
-        control = self._control
-        request = control.get(Word.REQUEST)  # before _prepared_at: prepare() writes them in the other order
-        if control.get(Word.SERVED) < request and time.monotonic() - self._prepared_at > self.step_timeout:
-            return self._late_reason()
-        now = time.monotonic()
-        for layer in self._layers:
-            i = layer.index
-            # delivered first: the worker raises the flag before it writes delivered, so a reset
-            # flag read after "delivered == request" was consumed by a stream, not yet-to-come.
-            if (
-                control.delivered(i) == request
-                and layer.flag.host_value() == RESET
-                and control.waiting[i].host_value() == WAITING
-                and control.get(Word.REQUEST) == request
-            ):
-                since, seen_request = stuck.setdefault(i, (now, request))
-                if seen_request != request:
-                    stuck[i] = (now, request)
-                elif now - since >= _STUCK_GRACE:
-                    return (
-                        f"a GPU stream waits for layer {layer.name!r}'s rows but no prepared step will produce "
-                        "them: prepare() was missing (a forward or CUDA-graph replay without prepare(), a second "
-                        "replay after one prepare(), or release() after a graph that already released the step). "
-                        "The runtime poisoned the rows and raised the flags so that the stream could go on"
-                    )
-            else:
-                stuck.pop(i, None)
-        return None
-
-    def _late_reason(self) -> str:
-        control = self._control
-        index, phase = control.get(Word.WORKER_LAYER), control.get(Word.WORKER_PHASE)
-        name = self._layers[index].name if 0 <= index < len(self._layers) else "?"
-        base = f"the offload process did not serve step {control.get(Word.REQUEST)} within step_timeout {self.step_timeout} s"
-        if phase == Phase.AWAITING_RESET:
-            return (
-                f"{base}: it waits for layer {name!r}'s flag to be reset by the previous step's release, which never "
-                "ran (a release(enqueue=False) after a graph without the releases, or a GPU stream that stopped?)"
-            )
-        if phase == Phase.COMPUTING:
-            return f"{base}: layer {name!r}'s forward_impl is still running"
-        return base
-
     def _fail(self, reason: str) -> None:
         """Stop the producer, poison every slot, raise every flag: no stream stays blocked."""
         with self._fail_lock:
@@ -780,15 +743,6 @@ class OffloadRuntime:
             for layer in self._layers:
                 layer.flag.host_signal()
             self._failure = OffloadError(reason, fatal=True)
-
-    def _unblock_waiters(self) -> None:
-        """After a failure or during close: raise, over poison, any flag a stream waits on."""
-        if self.process.is_alive():
-            return  # close() is still stopping the worker, which may yet write the slots
-        for layer in self._layers:
-            if self._control.waiting[layer.index].host_value() == WAITING and layer.flag.host_value() == RESET:
-                reference.poison_rows(layer.armed.slot)
-                layer.flag.host_signal()
 
     # --- shutdown ----------------------------------------------------------------------------
 
@@ -820,13 +774,12 @@ class OffloadRuntime:
             release_fence()
             for layer in owed:
                 layer.flag.host_signal()
-            if self._on_gpu:
+            if self.on_gpu:
                 # The watchdog keeps freeing streams that wait on a flag meanwhile.
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize(self.device)
         finally:
-            self._stop_watching.set()
-            self._watchdog.join(1.0)
+            self.watchdog.stop(1.0)
             # A stray replay after close gets NaN rows and goes on instead of waiting forever.
             for layer in self._layers:
                 reference.poison_rows(layer.armed.slot)

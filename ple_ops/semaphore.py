@@ -72,7 +72,7 @@ class BoundDriver:
     is built once per stream, and an error text is formatted only when a call fails.
     """
 
-    _MAX_STREAMS = 64  # handles kept; past that the table starts again (a handle is a plain wrapper)
+    MAX_STREAMS = 64  # handles kept; past that the table starts again (a handle is a plain wrapper)
 
     def __init__(self):
         drv = driver()
@@ -83,23 +83,25 @@ class BoundDriver:
         self.memcpy_htod = drv.cuMemcpyHtoDAsync
         self.CUdeviceptr = drv.CUdeviceptr
         self._CUstream = drv.CUstream
-        self._streams: dict[int, object] = {}
+        # Raw stream handle -> its driver handle, built once; public, with raw_stream, so that tests
+        # check the table without a GPU.
+        self.streams: dict[int, object] = {}
         # The current stream's raw handle without building a torch.cuda.Stream (what Inductor's
         # generated code calls); torch.cuda.current_stream() where this torch lacks them.
         raw, device = getattr(torch._C, "_cuda_getCurrentRawStream", None), getattr(torch._C, "_cuda_getDevice", None)
         if raw is not None and device is not None:
-            self._raw_stream = lambda: raw(device())
+            self.raw_stream = lambda: raw(device())
         else:
-            self._raw_stream = lambda: torch.cuda.current_stream().cuda_stream
+            self.raw_stream = lambda: torch.cuda.current_stream().cuda_stream
 
     def current_stream(self):
         """The driver handle of the current device's current stream, as it is at this call."""
-        raw = self._raw_stream()
-        stream = self._streams.get(raw)
+        raw = self.raw_stream()
+        stream = self.streams.get(raw)
         if stream is None:
-            if len(self._streams) >= self._MAX_STREAMS:
-                self._streams.clear()
-            stream = self._streams[raw] = self._CUstream(raw)
+            if len(self.streams) >= self.MAX_STREAMS:
+                self.streams.clear()
+            stream = self.streams[raw] = self._CUstream(raw)
         return stream
 
 

@@ -87,7 +87,7 @@ def make_failing_model():
 
 def make_unbuildable_model():
     """Fails to build in the offload process (its weights are not there), so the start fails."""
-    if ple_ops.layer._role == "worker":
+    if ple_ops.layer.role() == "worker":
         raise FileNotFoundError("ple_shard_0.bin")
     return TinyModel()
 

@@ -148,8 +148,13 @@ class OffloadOpsWorker(OffloadingWorker):
         self.submitted = {"stores": 0, "loads": 0}  # jobs so far, per direction
         self._closed = False
 
-    def _rows(self, gpu_spec: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> tuple[np.ndarray, np.ndarray, int]:
-        """GPU ids, mirror rows and bytes of one transfer."""
+    def transfer_rows(
+        self, gpu_spec: GPULoadStoreSpec, chunk_spec: LoadStoreSpec
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """GPU ids, mirror rows and bytes of one transfer: vLLM's specs mapped onto the engine's ids.
+
+        What each submit does before it calls the engine; public so that tests time the mapping alone.
+        """
         if not isinstance(chunk_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"OffloadOpsWorker: expected CPU chunk ids, got {type(chunk_spec).__name__}")
         group_sizes, block_indices = gpu_spec.group_sizes, gpu_spec.block_indices
@@ -180,13 +185,13 @@ class OffloadOpsWorker(OffloadingWorker):
         return gpu_spec.block_ids, host, nbytes
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        gpu, host, nbytes = self._rows(src_spec, dst_spec)
+        gpu, host, nbytes = self.transfer_rows(src_spec, dst_spec)
         self._jobs[self.engine.store(gpu, host)] = (job_id, nbytes, time.perf_counter())
         self.submitted["stores"] += 1
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        gpu, host, nbytes = self._rows(dst_spec, src_spec)
+        gpu, host, nbytes = self.transfer_rows(dst_spec, src_spec)
         self._jobs[self.engine.load(host, gpu)] = (job_id, nbytes, time.perf_counter())
         self.submitted["loads"] += 1
         return True

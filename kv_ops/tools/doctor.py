@@ -1,4 +1,8 @@
-"""``python -m kv_ops.tools.doctor``: the machine checks kv_ops and ple_ops depend on, each with its fix, and ``measure_link``."""
+"""``python -m kv_ops.tools.doctor``: the machine checks kv_ops and ple_ops depend on, each with its fix, and ``measure_link``.
+
+One section per check: its function, what only it uses, and the ``REPORT`` line that puts it in
+the report. A new check is a new section.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,29 +27,12 @@ import torch
 from ..driver import check_driver, device_pointer, driver, driver_context
 from ..host_memory import device_view, pinned_empty
 
-_kept_alive: list[torch.Tensor] = []
-
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 CUDA_CHECKS = ("driver", "stream memory ops", "host register", "batched copy", "PCIe link")
 
 # O_DIRECT needs the buffer, the offset and the length aligned to the device's logical block
 # size; 4 KiB is what kv_ops.transfer.disk uses, so it is what must work.
 ALIGN = 4096
-
-# Below this fraction of the link's nominal rate the measured copies point at a real problem
-# (a degraded link, the wrong NUMA node); a healthy H200 at Gen5 x16 measures about 0.87.
-SLOW_LINK_FRACTION = 0.6
-
-# Per-lane rate in GB/s after line encoding (8b/10b to Gen 2, 128b/130b from Gen 3, FLIT at Gen 6).
-_LANE_GBPS = {
-    1: 0.25,
-    2: 0.5,
-    3: 8 * 128 / 130 / 8,
-    4: 16 * 128 / 130 / 8,
-    5: 32 * 128 / 130 / 8,
-    6: 64 * 242 / 256 / 8,
-}
-_GEN_OF_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 
 
 @dataclass(frozen=True)
@@ -58,14 +46,34 @@ class CheckResult:
 
 
 @dataclass(frozen=True)
-class LinkBandwidth:
-    """Measured contiguous copy rates between page-locked host memory and one GPU, in GB/s (1e9 B/s)."""
+class Options:
+    """What the report was asked to check, as :func:`run_checks` took it; each check reads its part."""
 
-    h2d_gbps: float
-    d2h_gbps: float
+    device: torch.device | str | int | None
+    ple_bytes: int
+    dirs: tuple[str, ...]
+    seconds: float
 
 
-# --- helpers -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReportLine:
+    """A check's place in the report: the line's ``name`` and ``run``, which calls the check.
+
+    ``run`` takes the :class:`Options`; with ``each_dir`` the check reports one line per directory
+    asked for instead, ``name`` is formatted with ``dir`` and ``run`` takes the directory.
+    """
+
+    name: str
+    run: Callable[..., CheckResult]
+    each_dir: bool = False
+
+
+# The report's lines in order: each check's section appends its own. Each ``run`` looks its check
+# up by name when it runs (a lambda, not the function itself), so a patched check is the one that runs.
+REPORT: list[ReportLine] = []
+
+
+# --- helpers shared by several checks ------------------------------------------------------------
 
 
 def _cuda_device(device: torch.device | str | int | None) -> torch.device:
@@ -102,6 +110,9 @@ def _attribute(drv, name: str, ordinal: int) -> int | None:
     return int(value) if err == drv.CUresult.CUDA_SUCCESS else None
 
 
+# --- check: driver -------------------------------------------------------------------------------
+
+
 def _nvidia_kernel_module_version() -> str | None:
     try:
         with open("/proc/driver/nvidia/version") as f:
@@ -109,18 +120,6 @@ def _nvidia_kernel_module_version() -> str | None:
     except OSError:
         return None
     return match.group(1) if match else None
-
-
-def _wait_event(event: torch.cuda.Event, timeout: float) -> bool:
-    deadline = time.perf_counter() + timeout
-    while not event.query():
-        if time.perf_counter() > deadline:
-            return False
-        time.sleep(1e-3)
-    return True
-
-
-# --- CUDA checks ---------------------------------------------------------------------------------
 
 
 def check_driver_version(device: torch.device | str | int | None = None) -> CheckResult:
@@ -166,6 +165,24 @@ def check_driver_version(device: torch.device | str | int | None = None) -> Chec
             "install an NVIDIA driver of the R570 series or newer (CUDA 12.8+)",
         )
     return CheckResult("driver", "ok", detail)
+
+
+REPORT.append(ReportLine("driver", lambda o: check_driver_version(o.device)))
+
+
+# --- check: stream memory ops --------------------------------------------------------------------
+
+
+_kept_alive: list[torch.Tensor] = []
+
+
+def _wait_event(event: torch.cuda.Event, timeout: float) -> bool:
+    deadline = time.perf_counter() + timeout
+    while not event.query():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(1e-3)
+    return True
 
 
 def check_stream_memory_ops(device: torch.device | str | int | None = None) -> CheckResult:
@@ -253,6 +270,12 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
     )
 
 
+REPORT.append(ReportLine("stream memory ops", lambda o: check_stream_memory_ops(o.device)))
+
+
+# --- check: host register ------------------------------------------------------------------------
+
+
 def check_host_register(device: torch.device | str | int | None = None) -> CheckResult:
     """Whether ``cuMemHostRegister`` pins mmap'd memory as portable, device-mapped memory.
 
@@ -312,6 +335,12 @@ def check_host_register(device: torch.device | str | int | None = None) -> Check
     return CheckResult(name, "ok", detail)
 
 
+REPORT.append(ReportLine("host register", lambda o: check_host_register(o.device)))
+
+
+# --- check: batched copy -------------------------------------------------------------------------
+
+
 def check_batched_copy(device: torch.device | str | int | None = None) -> CheckResult:
     """Whether ``cuMemcpyBatchAsync`` resolves and moves bytes, through :mod:`kv_ops.dma` itself.
 
@@ -359,6 +388,36 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
     return CheckResult(
         name, "ok", f"cuMemcpyBatchAsync (CUDA {_cuda_version(abi)} signature) moved blocks both ways, bytes check out"
     )
+
+
+REPORT.append(ReportLine("batched copy", lambda o: check_batched_copy(o.device)))
+
+
+# --- check: PCIe link (and measure_link) ---------------------------------------------------------
+
+
+# Below this fraction of the link's nominal rate the measured copies point at a real problem
+# (a degraded link, the wrong NUMA node); a healthy H200 at Gen5 x16 measures about 0.87.
+SLOW_LINK_FRACTION = 0.6
+
+# Per-lane rate in GB/s after line encoding (8b/10b to Gen 2, 128b/130b from Gen 3, FLIT at Gen 6).
+_LANE_GBPS = {
+    1: 0.25,
+    2: 0.5,
+    3: 8 * 128 / 130 / 8,
+    4: 16 * 128 / 130 / 8,
+    5: 32 * 128 / 130 / 8,
+    6: 64 * 242 / 256 / 8,
+}
+_GEN_OF_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
+
+
+@dataclass(frozen=True)
+class LinkBandwidth:
+    """Measured contiguous copy rates between page-locked host memory and one GPU, in GB/s (1e9 B/s)."""
+
+    h2d_gbps: float
+    d2h_gbps: float
 
 
 def measure_link(device: torch.device | str | int | None = None, seconds: float = 1.0) -> LinkBandwidth:
@@ -418,7 +477,6 @@ def measure_link(device: torch.device | str | int | None = None, seconds: float 
     return LinkBandwidth(h2d_gbps=h2d, d2h_gbps=d2h)
 
 
-@dataclass(frozen=True)
 class _Link:
     source: str
     gen: int | None
@@ -566,7 +624,10 @@ def check_pcie_link(device: torch.device | str | int | None = None, seconds: flo
     return CheckResult(name, "warn", described, fix)
 
 
-# --- host checks ---------------------------------------------------------------------------------
+REPORT.append(ReportLine("PCIe link", lambda o: check_pcie_link(o.device, o.seconds)))
+
+
+# --- check: /dev/shm -----------------------------------------------------------------------------
 
 
 def check_shm(ple_bytes: int = 0, path: str = "/dev/shm") -> CheckResult:
@@ -610,6 +671,12 @@ def check_shm(ple_bytes: int = 0, path: str = "/dev/shm") -> CheckResult:
             f"sudo mount -o remount,size={need_gib}G {path} (Kubernetes: an emptyDir volume with medium: Memory)",
         )
     return CheckResult(name, "ok", f"PLE needs {_fmt_bytes(ple_bytes)}; {have}")
+
+
+REPORT.append(ReportLine("/dev/shm", lambda o: check_shm(o.ple_bytes)))
+
+
+# --- check: O_DIRECT, one line per --dir ---------------------------------------------------------
 
 
 def check_o_direct(directory: str) -> CheckResult:
@@ -693,6 +760,9 @@ def _o_direct_error(name: str, directory: str, what: str, e: OSError) -> CheckRe
     return CheckResult(name, "fail", f"cannot {what} in {directory}: {e.strerror or e}")
 
 
+REPORT.append(ReportLine("O_DIRECT {dir}", lambda d: check_o_direct(d), each_dir=True))
+
+
 # --- running and reporting -----------------------------------------------------------------------
 
 
@@ -730,15 +800,13 @@ def run_checks(
     -------
     list of CheckResult
     """
-    results = [
-        _guarded("driver", check_driver_version, device),
-        _guarded("stream memory ops", check_stream_memory_ops, device),
-        _guarded("host register", check_host_register, device),
-        _guarded("batched copy", check_batched_copy, device),
-        _guarded("PCIe link", check_pcie_link, device, seconds),
-        _guarded("/dev/shm", check_shm, ple_bytes),
-    ]
-    results += [_guarded(f"O_DIRECT {d}", check_o_direct, d) for d in dirs]
+    options = Options(device, ple_bytes, tuple(dirs), seconds)
+    results = []
+    for line in REPORT:
+        if line.each_dir:
+            results += [_guarded(line.name.format(dir=d), line.run, d) for d in options.dirs]
+        else:
+            results.append(_guarded(line.name, line.run, options))
     return results
 
 
@@ -769,7 +837,10 @@ def format_report(results: list[CheckResult]) -> str:
 _UNITS = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
+    """A size as ``--ple-bytes`` takes it: bytes, or with a K, M, G or T suffix (powers of 1024;
+    ``KiB``/``KB`` alike), fractions allowed (``1.5k``). Raises ``argparse.ArgumentTypeError``.
+    """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (a number of bytes, or with K, M, G or T)")
@@ -795,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--ple-bytes",
-        type=_parse_bytes,
+        type=parse_bytes,
         default=0,
         metavar="N",
         help="bytes the PLE runtime will need in /dev/shm (K, M, G, T suffixes: powers of 1024); default 0: just report",
@@ -833,6 +904,10 @@ __all__ = [
     "check_o_direct",
     "run_checks",
     "format_report",
+    "parse_bytes",
+    "REPORT",
+    "ReportLine",
+    "Options",
     "main",
     "NO_CUDA",
     "CUDA_CHECKS",

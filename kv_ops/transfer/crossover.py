@@ -205,7 +205,9 @@ def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = 2) -
 
 
 @functools.cache
-def _measured(device: torch.device, widths: tuple[int, ...], ring_bytes: int) -> Crossover:
+def measured_once(device: torch.device, widths: tuple[int, ...], ring_bytes: int) -> Crossover:
+    """:func:`measure`, once per process and shape (engines of one shape share it). Public so that
+    tests stand in for the GPU measurement."""
     return measure(device, list(widths), ring_bytes)
 
 
@@ -217,7 +219,7 @@ def crossover(device: torch.device, widths: list[int], ring_bytes: int, cache_fi
         kept = Crossover.load(cache_file, key)
         if kept is not None:
             return kept
-    found = _measured(device, tuple(widths), int(ring_bytes))
+    found = measured_once(device, tuple(widths), int(ring_bytes))
     if cache_file is not None:
         found.save(cache_file)
     return found

@@ -32,8 +32,11 @@ def aligned(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first row, first slot, count) for each run of consecutive slots, in the given order."""
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first row, first slot, count) for each run of consecutive slots, in the given order.
+
+    The tier's I/O is one read or write per run. Public so that tests check the merging rule itself.
+    """
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(slots):
         if runs and runs[-1][1] + runs[-1][2] == slot and runs[-1][0] + runs[-1][2] == row:
@@ -44,12 +47,13 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _open_tmpfile(directory: str) -> int | None:
+def open_tmpfile(directory: str) -> int | None:
     """An unnamed regular file in ``directory`` (``O_TMPFILE``), or None where the kernel or the
     file system cannot make one.
 
     ``O_EXCL`` makes the file impossible to link into the directory later (``linkat`` refuses),
-    so no name can ever reach its bytes: they live exactly as long as the descriptor.
+    so no name can ever reach its bytes: they live exactly as long as the descriptor. Public so
+    that tests stand in a file system without it.
     """
     tmpfile = getattr(os, "O_TMPFILE", None)
     if tmpfile is None:  # not Linux
@@ -64,9 +68,10 @@ def _open_tmpfile(directory: str) -> int | None:
         raise
 
 
-def _candidate_names(tag: str):
+def candidate_names(tag: str):
     """Names for the create-then-unlink fallback: the tag, the pid, and a random part, so that a
-    name cannot be predicted (and planted in advance) and a leftover is traceable to its process."""
+    name cannot be predicted (and planted in advance) and a leftover is traceable to its process.
+    Public so that tests plant a link at a name the fallback will try."""
     while True:
         yield f"kv_offload.{tag}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
 
@@ -80,7 +85,7 @@ def _create_then_unlink(directory: str, tag: str) -> int:
     named after its pid, which nothing ever reuses.
     """
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _, name in zip(range(16), _candidate_names(tag)):
+    for _, name in zip(range(16), candidate_names(tag)):
         path = os.path.join(directory, name)
         try:
             fd = os.open(path, flags, 0o600)
@@ -146,7 +151,7 @@ class BlockFile:
         self.num_slots = num_slots
         self.direct = not page_cache
         try:
-            fd = _open_tmpfile(directory)
+            fd = open_tmpfile(directory)
             if fd is None:
                 fd = _create_then_unlink(directory, tag)
         except OSError as e:
@@ -209,7 +214,7 @@ class BlockFile:
         self._check(slots, buf)
         stride = self.slot_stride
         what = "write" if write else "read"
-        for row, slot, count in _runs(slots):
+        for row, slot, count in slot_runs(slots):
             nbytes = count * stride
             view = (ctypes.c_char * nbytes).from_address(buf.data_ptr() + row * stride)
             offset = slot * stride
@@ -458,4 +463,4 @@ class DiskTier:
         return done
 
 
-__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN", "aligned"]
+__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN", "aligned", "slot_runs"]

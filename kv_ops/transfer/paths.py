@@ -222,7 +222,8 @@ class KernelPath:
                 Direction.STORE: kernels.BoundCopy(self.device, self.regions, self.views),
                 Direction.LOAD: kernels.BoundCopy(self.device, self.views, self.regions),
             }
-            self._host_fed = {
+            # Per direction and bucket: pooled graphs fed from host ids (public: tests see the pools grow).
+            self.host_fed = {
                 d: [
                     Pool(functools.partial(kernels.GraphedCopy, self._copies[d], b, errors, from_host=True))
                     for b in self.buckets
@@ -252,7 +253,7 @@ class KernelPath:
 
     def _enqueue_host_ids(self, d: Direction, ready, src_ids: np.ndarray, dst_ids: np.ndarray) -> torch.cuda.Event:
         handle = self._launchers[d].handle
-        pools, taken = self._host_fed[d], []
+        pools, taken = self.host_fed[d], []
         n, step = len(src_ids), self.capacity
         wait_event(handle, ready)  # the graph's own id copy, and the kernel, come after the caller
         for lo in range(0, n, step):
@@ -390,8 +391,9 @@ class StagedPath:
             self._bound = bound
             self._errors = errors
             # Per direction and slot: graphs of the slot's gather (or scatter) fed from host ids,
-            # pooled (a twin is rewritten only after the replay that read it has run).
-            self._host_fed = {
+            # pooled (a twin is rewritten only after the replay that read it has run; public: tests see
+            # the pools grow).
+            self.host_fed = {
                 d: [
                     Pool(
                         functools.partial(
@@ -429,7 +431,7 @@ class StagedPath:
         return RING_SLOTS * self.chunk * self.mirror.shape[1]
 
     def _slot_rows(self, direction: Direction, slot: int) -> torch.Tensor:
-        return self._ring(direction)[slot * self.chunk : (slot + 1) * self.chunk]
+        return self.ring(direction)[slot * self.chunk : (slot + 1) * self.chunk]
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         d = blocks.direction
@@ -441,10 +443,10 @@ class StagedPath:
             stream = self.kernel_streams[d] if d is Direction.LOAD else self.streams[d]
             stream.wait_event(ready)
             return _record(stream)
-        ring = self._ring(d)
+        ring = self.ring(d)
         # Slots for every chunk up front, so that the whole transfer is planned in one pass.
         slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]
-        plans = self._plans(blocks, ring, slots[0])
+        plans = self.plans(blocks, ring, slots[0])
         bounds = self._bounds(blocks)
         if self.streams is None:
             gpu_ids = _host_tensor(blocks.gpu_ids)
@@ -476,7 +478,7 @@ class StagedPath:
         def gather_or_scatter(slot: int, start: int, stop: int) -> None:
             # The chunk's ids into a graph of this slot, then its replay on the kernel stream.
             if on_host:
-                pool = self._host_fed[d][slot]
+                pool = self.host_fed[d][slot]
                 graph = pool.take()
                 words = graph.words
                 words[0] = stop - start
@@ -514,7 +516,9 @@ class StagedPath:
             pool.give(item, done)
         return done
 
-    def _ring(self, direction: Direction) -> torch.Tensor:
+    def ring(self, direction: Direction) -> torch.Tensor:
+        """The direction's ring of packed rows (made on first use on the CPU). Public, with
+        :meth:`plans` and :meth:`small_plans`, so that tests check the two planners agree."""
         ring = self._rings.get(direction)
         if ring is None:
             ring = torch.empty((RING_SLOTS * self.chunk, self.mirror.shape[1]), dtype=torch.uint8, device=self.device)
@@ -529,8 +533,8 @@ class StagedPath:
     def _bounds(self, blocks: Blocks):
         return [(start, min(start + self.chunk, blocks.count)) for start in range(0, blocks.count, self.chunk)]
 
-    def _small_plans(self, host: list[int], ring: torch.Tensor, first_slot: int, direction) -> list[dma.Plan]:
-        """:meth:`_plans` for a few pairs, in plain Python: a dozen numpy calls cost more there."""
+    def small_plans(self, host: list[int], ring: torch.Tensor, first_slot: int, direction) -> list[dma.Plan]:
+        """:meth:`plans` for a few pairs, in plain Python: a dozen numpy calls cost more there."""
         chunk, row, rows = self.chunk, self.mirror.shape[1], ring.shape[0]
         ring_base, mirror_base = ring.data_ptr(), self.mirror.data_ptr()
         plans, ring_at, mirror_at, sizes = [], [], [], []
@@ -554,7 +558,7 @@ class StagedPath:
             out.append(dma.Plan(dsts, srcs, np.array(sizes, dtype=np.int64)))
         return out
 
-    def _plans(self, blocks: Blocks, ring: torch.Tensor, first_slot: int) -> list[dma.Plan]:
+    def plans(self, blocks: Blocks, ring: torch.Tensor, first_slot: int) -> list[dma.Plan]:
         """Each chunk's copies between its ring slot and the mirror, planned in one pass.
 
         The chunks take consecutive slots from ``first_slot`` on, wrapping around the ring, so
@@ -563,7 +567,7 @@ class StagedPath:
         """
         host, n, chunk, row = blocks.host_ids, blocks.count, self.chunk, self.mirror.shape[1]
         if n <= SMALL_PLAN:
-            return self._small_plans(host.tolist(), ring, first_slot, blocks.direction)
+            return self.small_plans(host.tolist(), ring, first_slot, blocks.direction)
         begins = np.ones(n + 1, dtype=bool)  # [n] stays True: the end of the last run
         np.not_equal(np.diff(host), 1, out=begins[1:n])
         begins[:n:chunk] = True  # a run never crosses into the next chunk's slot (nor the ring's end)

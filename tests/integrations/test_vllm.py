@@ -335,7 +335,7 @@ def test_submit_overhead_is_reported(layout, blocks_per_chunk):
         t1 = time.perf_counter()
         worker.engine.store(gpu_ids, rows)
         t2 = time.perf_counter()
-        worker._rows(g, c)
+        worker.transfer_rows(g, c)
         t3 = time.perf_counter()
         if j >= 20:
             adapter.append(t1 - t0)

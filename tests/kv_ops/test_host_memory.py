@@ -35,7 +35,7 @@ def test_pinned_empty_rejects_negative_sizes():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_without_cuda_pinned_empty_warns_once_and_returns_plain_memory(monkeypatch):
-    monkeypatch.setattr(host_memory, "_warned_no_cuda", False)
+    monkeypatch.setattr(host_memory, "warned_no_cuda", False)
     with pytest.warns(RuntimeWarning, match="CUDA is not available"):
         a = kv_ops.pinned_empty(16)
     with warnings.catch_warnings():

@@ -108,10 +108,10 @@ def test_zero_pairs_launch_nothing():
 
 
 def test_alignment_is_the_largest_power_of_two_up_to_16():
-    assert kernels._alignment([64, 4096, 32]) == 16
-    assert kernels._alignment([12, 4096]) == 4
-    assert kernels._alignment([3, 4096]) == 1
-    assert kernels._alignment([0, 0]) == 16
+    assert kernels.alignment([64, 4096, 32]) == 16
+    assert kernels.alignment([12, 4096]) == 4
+    assert kernels.alignment([3, 4096]) == 1
+    assert kernels.alignment([0, 0]) == 16
 
 
 @pytest.mark.gpu

@@ -363,9 +363,9 @@ def test_an_eager_copy_used_again_launches_one_replay_and_no_torch_operation(mon
     for _ in range(3):
         kv_ops.copy_blocks(src, dst, ids, ids)
     replays, launches = [], []
-    replay, launch = kernels.GraphedCopy.replay, kernels.BoundCopy._launch
+    replay, launch = kernels.GraphedCopy.replay, kernels.BoundCopy.launch_kernel
     monkeypatch.setattr(kernels.GraphedCopy, "replay", lambda *a: replays.append(1) or replay(*a))
-    monkeypatch.setattr(kernels.BoundCopy, "_launch", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(kernels.BoundCopy, "launch_kernel", lambda *a: launches.append(1) or launch(*a))
     with (
         kv_ops.validation.id_checks(False),
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,

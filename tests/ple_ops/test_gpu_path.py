@@ -101,17 +101,17 @@ def test_each_op_enqueues_its_stream_operations_in_order_on_the_current_stream(d
         drv.stream = Handle(int(torch.randint(1, 1 << 30, (1,), generator=gen)))  # e.g. a capture's stream
         s = int(drv.stream)
         drv.calls.clear()
-        ops._wait_copy_cuda(out, torch.zeros(1), n, "gpu.ple")
+        ops.wait_copy_cuda(out, torch.zeros(1), n, "gpu.ple")
         assert drv.calls == [
             ("write", s, waiting, WAITING),
             ("wait", s, flag, DONE),
             ("copy", s, out.data_ptr(), gpu_layer.slot.data_ptr(), n * 128),
         ]
         drv.calls.clear()
-        ops._wait_cuda(out, torch.zeros(1), "gpu.ple")
+        ops.wait_cuda(out, torch.zeros(1), "gpu.ple")
         assert drv.calls == [("write", s, waiting, WAITING), ("wait", s, flag, DONE)]
         drv.calls.clear()
-        ops._release_cuda(out, "gpu.ple")
+        ops.release_cuda(out, "gpu.ple")
         assert drv.calls == [
             ("write", s, waiting, WAITING),
             ("wait", s, flag, DONE),
@@ -119,12 +119,12 @@ def test_each_op_enqueues_its_stream_operations_in_order_on_the_current_stream(d
             ("write", s, flag, RESET),
         ]
     drv.calls.clear()
-    ops._wait_copy_cuda(out, torch.zeros(1), 0, "gpu.ple")  # no rows: the wait, no copy
+    ops.wait_copy_cuda(out, torch.zeros(1), 0, "gpu.ple")  # no rows: the wait, no copy
     assert [c[0] for c in drv.calls] == ["write", "wait"]
     # The flag's, the waiting word's and out's handles were each built once, not once per call.
     assert drv.pointers == 3
     other = torch.empty(16, 32)
-    ops._wait_copy_cuda(other, torch.zeros(1), 2, "gpu.ple")  # another buffer: its own handle
+    ops.wait_copy_cuda(other, torch.zeros(1), 2, "gpu.ple")  # another buffer: its own handle
     assert drv.pointers == 4 and drv.calls[-1][2] == other.data_ptr()
 
 
@@ -140,25 +140,25 @@ def test_a_failed_driver_call_raises_with_the_call_named(drv, gpu_layer, op, fai
     drv.fail = fail
     with pytest.raises(RuntimeError, match=message):
         if op == "wait_copy":
-            ops._wait_copy_cuda(torch.empty(16, 32), torch.zeros(1), 2, "gpu.ple")
+            ops.wait_copy_cuda(torch.empty(16, 32), torch.zeros(1), 2, "gpu.ple")
         else:
-            ops._release_cuda(torch.empty(16, 32), "gpu.ple")
+            ops.release_cuda(torch.empty(16, 32), "gpu.ple")
 
 
 def test_the_bound_driver_keeps_one_handle_per_stream():
     bound = semaphore.BoundDriver()  # cuda-bindings builds handles without a GPU
     raw = [0]
-    bound._raw_stream = lambda: raw[0]
+    bound.raw_stream = lambda: raw[0]
     handles = {}
     for value in random.Random(11).sample(range(1, 1 << 40), 20) * 2:
         raw[0] = value
         handle = bound.current_stream()
         assert int(handle) == value
         assert handles.setdefault(value, handle) is handle  # built once, then the same object
-    for value in range(1, 2 * semaphore.BoundDriver._MAX_STREAMS):  # the table stays bounded
+    for value in range(1, 2 * semaphore.BoundDriver.MAX_STREAMS):  # the table stays bounded
         raw[0] = value
         assert int(bound.current_stream()) == value
-    assert len(bound._streams) <= semaphore.BoundDriver._MAX_STREAMS
+    assert len(bound.streams) <= semaphore.BoundDriver.MAX_STREAMS
 
 
 # --- the runtime's guard on the GPU path ----------------------------------------------------------
@@ -172,16 +172,16 @@ def gpu_runtime(monkeypatch):
     the CUDA ops ask the guard is asked by the test, and the stream's resets are done by hand."""
     rt = ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", step_timeout=2.0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    rt._on_gpu = True
+    rt.on_gpu = True
     yield rt
-    rt._on_gpu = False
+    rt.on_gpu = False
     rt.close()
 
 
 def stream_resets(rt, names=NAMES):
     """What a replayed graph's releases do: once a layer's rows of the last step are there, reset its flag."""
     deadline = time.monotonic() + rt.step_timeout
-    control = rt._control
+    control = rt.control
     for n in names:
         while not (
             ple_ops.lookup(n).flag.host_value() == DONE
@@ -229,7 +229,7 @@ def test_the_gpu_step_transaction_tells_a_replay_from_an_eager_forward(gpu_runti
         guard.before_stream_release(NAMES[0])
     # ... and the runtime serves on, with the local model's rows.
     ids, hidden = torch.randint(0, VOCAB, (5,), generator=gen), torch.randn(5, DIM, generator=gen)
-    rt._on_gpu = False
+    rt.on_gpu = False
     rt.prepare(ids)
     torch.testing.assert_close(rt.model(hidden, ids), make_model()(hidden, ids), rtol=0, atol=0)
     rt.release()

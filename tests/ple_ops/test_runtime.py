@@ -117,7 +117,7 @@ def test_a_stream_waiting_with_no_step_is_freed_with_poison_and_fails_the_runtim
     with ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", step_timeout=2.0) as rt:
         gen = torch.Generator().manual_seed(2)
         served_step(rt, local, *random_step(gen, 6))
-        control = rt._control
+        control = rt.control
         assert control.delivered(1) == control.get(Word.REQUEST) and flags(rt)[1] == RESET
         start = time.perf_counter()
         control.waiting[1].flag.fill_(WAITING)
@@ -137,11 +137,11 @@ def test_a_stream_waiting_for_a_slow_step_is_not_mistaken_for_a_stuck_one(local)
     with ple_ops.OffloadRuntime(make_slow_model, max_tokens=8, device="cpu", step_timeout=5.0) as rt:
         ids, hidden = random_step(torch.Generator().manual_seed(3), 7)
         rt.prepare(ids)  # layer 1 takes 3 s
-        for waiting in rt._control.waiting:
+        for waiting in rt.control.waiting:
             waiting.flag.fill_(WAITING)  # streams park on every layer's flag
         time.sleep(0.5)
         rt.check()  # a waiting stream whose step is owed rows is fine
-        for waiting in rt._control.waiting:
+        for waiting in rt.control.waiting:
             waiting.flag.fill_(0)  # (the GPU release clears them; the CPU path never sets them)
         torch.testing.assert_close(rt.model(hidden, ids), local(hidden, ids), rtol=0, atol=0)
         rt.release()
@@ -190,7 +190,7 @@ def test_killing_the_offload_process_mid_step_raises_within_a_second():
 def wait_served(rt):
     """Until the offload process has served the prepared step (read from its word: no liveness check)."""
     deadline = time.monotonic() + rt.step_timeout
-    while rt._control.get(Word.SERVED) < rt._control.get(Word.REQUEST):
+    while rt.control.get(Word.SERVED) < rt.control.get(Word.REQUEST):
         assert time.monotonic() < deadline, "the step was not served"
         time.sleep(1e-4)
 
@@ -226,14 +226,13 @@ def test_a_death_after_the_rows_were_published_fails_the_next_forward(local, not
         wait_served(rt)
         if noticed_by == "join":
             # No watchdog: the forward's own (system-call-free) check must see the collected exit.
-            rt._stop_watching.set()
-            rt._watchdog.join(5.0)
+            rt.watchdog.stop(5.0)
             os.kill(rt.process.pid, 9)
             rt.process.join(10)
         else:
             os.kill(rt.process.pid, 9)
             deadline = time.monotonic() + 1.0
-            while rt._failure is None:
+            while rt.failure is None:
                 assert time.monotonic() < deadline, "the watchdog did not notice the death within a second"
                 time.sleep(1e-3)
         with pytest.raises(ple_ops.OffloadError, match="died") as e:
@@ -364,7 +363,7 @@ def test_an_exception_in_the_offload_process_surfaces_with_its_traceback(local):
 
 def test_no_shared_file_outlives_start_up_and_close_unblocks_a_prepared_step():
     rt = ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu")
-    paths = [rt._control.buffer.handle.path] + [layer.slot_buffer.handle.path for layer in rt._layers]
+    paths = rt.shared_paths()
     # Both processes hold their mappings; the names are gone, so a crash leaks nothing in /dev/shm.
     assert len(paths) == 1 + LAYERS and not any(os.path.exists(p) for p in paths)
     rt.prepare(torch.arange(4))

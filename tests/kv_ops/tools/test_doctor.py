@@ -78,7 +78,7 @@ def test_a_bad_size_is_a_usage_error_not_a_traceback():
     "text, value", [("0", 0), ("4096", 4096), ("8G", 8 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)]
 )
 def test_ple_bytes_accepts_binary_suffixes(text, value):
-    assert doctor._parse_bytes(text) == value
+    assert doctor.parse_bytes(text) == value
 
 
 def test_o_direct_check_writes_reads_and_removes_its_file(tmp_path):

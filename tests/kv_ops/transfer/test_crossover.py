@@ -231,7 +231,7 @@ def test_crossover_measures_once_writes_the_file_and_then_reads_it(tmp_path, mon
         return Crossover({**KEY, "widths": list(widths)}, sample_crossover().cells)
 
     monkeypatch.setattr(crossover_mod, "shape_key", lambda device, widths, ring_bytes: {**KEY, "widths": list(widths)})
-    monkeypatch.setattr(crossover_mod, "_measured", fake_measured)
+    monkeypatch.setattr(crossover_mod, "measured_once", fake_measured)
     device, file = torch.device("cuda", 0), str(tmp_path / "crossover.json")
     first = crossover_mod.crossover(device, [256, 256, 192], 1 << 20, file)
     assert measured == [(device, (256, 256, 192), 1 << 20)] and first == sample_crossover()
@@ -352,7 +352,7 @@ def test_an_auto_engine_keeps_its_crossover_in_a_file_that_a_second_engine_reads
     def refuse(*args):
         raise AssertionError("measured although the file holds this shape's crossover")
 
-    monkeypatch.setattr(crossover_mod, "_measured", refuse)
+    monkeypatch.setattr(crossover_mod, "measured_once", refuse)
     second = auto_engine()
     assert second.crossover.cells == first.crossover.cells
     assert os.stat(file).st_mtime_ns == written and os.listdir(tmp_path) == ["crossover.json"]

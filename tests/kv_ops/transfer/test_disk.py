@@ -13,7 +13,7 @@ import torch
 
 import kv_ops
 from kv_ops.transfer import disk
-from kv_ops.transfer.disk import BlockFile, _runs
+from kv_ops.transfer.disk import BlockFile, slot_runs
 
 
 def staging(rows, stride, seed):
@@ -25,8 +25,8 @@ def staging(rows, stride, seed):
 
 
 def test_runs_merge_consecutive_slots_only_when_rows_are_consecutive_too():
-    assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
-    assert _runs([]) == []
+    assert slot_runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert slot_runs([]) == []
 
 
 @pytest.mark.parametrize("page_cache", [False, True], ids=["o_direct", "page_cache"])
@@ -80,12 +80,12 @@ def test_the_file_has_no_name_from_the_moment_it_is_open(tmp_path):
 
 
 def test_without_o_tmpfile_the_file_is_created_exclusively_and_unlinked_at_once(tmp_path, monkeypatch):
-    # A file system without O_TMPFILE (what _open_tmpfile answers there), on a real file system.
-    monkeypatch.setattr(disk, "_open_tmpfile", lambda directory: None)
+    # A file system without O_TMPFILE (what open_tmpfile answers there), on a real file system.
+    monkeypatch.setattr(disk, "open_tmpfile", lambda directory: None)
     # The first candidate name is taken by a symbolic link (planted, or a stale leftover): it is
     # neither followed, nor reused, nor removed; the next name is used and removed at once.
     names = iter(["kv_offload.rank0.planted.tmp", "kv_offload.rank0.fresh.tmp"])
-    monkeypatch.setattr(disk, "_candidate_names", lambda tag: names)
+    monkeypatch.setattr(disk, "candidate_names", lambda tag: names)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"keep")
     os.symlink(target, tmp_path / "kv_offload.rank0.planted.tmp")

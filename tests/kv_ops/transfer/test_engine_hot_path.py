@@ -318,7 +318,7 @@ def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue
         want[host_ids] = cache[gpu_ids]
     engine.flush()
     assert torch.equal(engine.mirror, want)
-    pools = engine.paths[path]._host_fed[kv_ops.transfer.paths.Direction.STORE]
+    pools = engine.paths[path].host_fed[kv_ops.transfer.paths.Direction.STORE]
     assert max(p.made for p in pools) > 2  # they grew while the calls were queued
     engine.close()
 

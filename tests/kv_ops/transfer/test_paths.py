@@ -573,13 +573,13 @@ def test_the_staged_plan_of_a_few_pairs_in_python_equals_the_numpy_plan(ring_row
         None,
         RING_SLOTS * ring_rows * 64,
     )
-    ring = staged._ring(direction)
+    ring = staged.ring(direction)
     host = sorted(host) if sort else host
     blocks = Blocks(direction, np.arange(len(host), dtype=np.int64), np.array(host, dtype=np.int64))
-    small = staged._small_plans(host, ring, first_slot, direction)
+    small = staged.small_plans(host, ring, first_slot, direction)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paths, "SMALL_PLAN", 0)
-        vectorised = staged._plans(blocks, ring, first_slot)
+        vectorised = staged.plans(blocks, ring, first_slot)
     assert [(p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) for p in small] == [
         (p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) for p in vectorised
     ]
