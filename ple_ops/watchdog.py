@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from . import reference
 from .control import WAITING, Phase, Word
 from .semaphore import RESET
-
-if TYPE_CHECKING:
-    from .runtime import OffloadRuntime
 
 POLL = 0.005  # seconds between two looks of the watchdog
 # A stream must look stuck (waiting on a reset flag that no prepared step will raise) on looks at
@@ -29,7 +25,7 @@ class Watchdog:
     ``OffloadRuntime._fail``, the one place that stops the producer, poisons and raises.
     """
 
-    def __init__(self, runtime: OffloadRuntime):
+    def __init__(self, runtime):  # its OffloadRuntime: not imported, runtime.py imports this module
         self._runtime = runtime
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ple-offload-watchdog", daemon=True)
