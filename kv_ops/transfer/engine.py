@@ -42,6 +42,7 @@ from . import ids as ids_mod
 from .disk import BlockFile, DiskJob, DiskTier, aligned
 from .paths import (
     COPY_ENGINES,
+    HOST_PLANNED,
     PATH_NAMES,
     Blocks,
     Direction,
@@ -337,22 +338,33 @@ class OffloadEngine:
         """GPU ids are never read by the host (that would wait for the caller's stream): only a
         path whose kernel reads them takes them."""
         name = path.name if path is not None else self.path
+        planned = path.host_planned if path is not None else HOST_PLANNED.get(name, frozenset())  # auto: none
         for what, ids in (("gpu_ids", gpu), ("host_ids", host)):
             if isinstance(ids, np.ndarray):
                 continue
             where = "the disk tier" if self.disk is not None else f"path={name!r}"
-            if self.disk is not None or name in ("dma", "layerwise") or (name == "staged" and what == "host_ids"):
+            if self.disk is not None or what in planned:
                 raise ValueError(
                     f"{op}: {what} is a {ids.device} tensor, but {where} plans its copies on the host, which "
                     "would have to wait for the GPU to read it; pass host ids (a list, an array or a CPU tensor)"
                 )
 
-    def _transfer(self, direction: Direction, gpu_ids, host_ids, after, path=None) -> int:
+    def _transfer(
+        self,
+        direction: Direction,
+        gpu_ids,
+        host_ids,
+        after,
+        path=None,
+        op: str | None = None,
+        instead: str = "capture kv_ops.copy_blocks instead",
+    ) -> int:
         """One store or load: ids checked, ordered after ``after``, enqueued on ``path`` (picked
-        here unless given: :class:`kv_ops.LayerwiseLoads` passes its own), tracked in its lane."""
+        here unless given), tracked in its lane. :class:`kv_ops.LayerwiseLoads` passes its own
+        path, and its own name (``op``) and advice (``instead``) for the errors."""
         kind = direction.value
         self._check_open(kind)
-        op = f"OffloadEngine.{kind}" if path is None else "LayerwiseLoads.start"
+        op = op or f"OffloadEngine.{kind}"
         load = direction is Direction.LOAD
         # Destinations must not repeat (which copy would win is undefined); sources may.
         gpu = ids_mod.take(op, "gpu_ids", gpu_ids, self.num_blocks, load, self.device)
@@ -368,7 +380,7 @@ class OffloadEngine:
             refuse_capture(
                 op,
                 "a transfer cannot be captured into a CUDA graph",
-                "capture kv_ops.copy_blocks instead" if path is None else "start it before the replay",
+                instead,
             )
         ready = self._ready(op, after, fresh=self.disk is not None)
         tid = self._next_tid

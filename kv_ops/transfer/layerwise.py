@@ -108,6 +108,7 @@ class _LayerPath:
     """The engine path of a layer-wise load: per layer, its copies and one event record."""
 
     name = "layerwise"
+    host_planned = frozenset({"gpu_ids", "host_ids"})  # either mechanism reads host arrays
 
     def __init__(self, loads: LayerwiseLoads):
         self.loads = loads
@@ -252,7 +253,15 @@ class LayerwiseLoads:
         if self.name not in _registry or _registry[self.name] is not self:
             self.engine._check_open("LayerwiseLoads.start")
             raise ValueError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
-        return self.engine._transfer(Direction.LOAD, gpu_ids, host_ids, after, path=self._path)
+        return self.engine._transfer(
+            Direction.LOAD,
+            gpu_ids,
+            host_ids,
+            after,
+            path=self._path,
+            op="LayerwiseLoads.start",
+            instead="start it before the replay",
+        )
 
     def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event | None:
         n = host.size

@@ -1,9 +1,10 @@
 """The engine's three ways to move blocks between the GPU cache and the packed host mirror.
 
 Every path moves one :class:`Blocks` (GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``)
-and has the same two members: ``enqueue(blocks, ready)``, which orders the transfer after the
-``ready`` event, launches it and returns the event that completes with it, and ``copy_engines``,
-whether it leaves the SMs to the model. :mod:`kv_ops.transfer.crossover` measures them on the engine's own
+and has the same three members: ``enqueue(blocks, ready)``, which orders the transfer after the
+``ready`` event, launches it and returns the event that completes with it; ``copy_engines``,
+whether it leaves the SMs to the model; and ``host_planned``, the id sides it plans on the host
+(which the engine therefore refuses as GPU tensors). :mod:`kv_ops.transfer.crossover` measures them on the engine's own
 shape; the engine picks one per call and launches it once.
 
 * :class:`KernelPath` -- the Triton kernel reads and writes the mirror over PCIe (zero-copy) on
@@ -206,6 +207,7 @@ class KernelPath:
 
     name = "kernel"
     copy_engines = False
+    host_planned = frozenset()  # the id sides it plans on the host: its kernel reads both sides' ids on the GPU
 
     def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
         self.regions = list(regions)
@@ -299,6 +301,9 @@ class DirectDmaPath:
 
     name = "dma"
     copy_engines = True
+    host_planned = frozenset(
+        {"gpu_ids", "host_ids"}
+    )  # the id sides it plans on the host: every descriptor is planned on the host
 
     def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
         self.regions = list(regions)
@@ -363,6 +368,9 @@ class StagedPath:
 
     name = "staged"
     copy_engines = True
+    host_planned = frozenset(
+        {"host_ids"}
+    )  # the id sides it plans on the host: the ring's descriptors follow the host ids; the gather reads GPU ids
 
     def __init__(
         self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int, events=None
@@ -590,6 +598,8 @@ PATH_CLASSES = (KernelPath, StagedPath, DirectDmaPath)
 PATH_NAMES = tuple(c.name for c in PATH_CLASSES)
 # Which paths leave the SMs to the model: auto prefers them within its tolerance.
 COPY_ENGINES = {c.name: c.copy_engines for c in PATH_CLASSES}
+# Per path, the id sides that must be host ids (GPU ids there would make the host wait for the GPU).
+HOST_PLANNED = {c.name: c.host_planned for c in PATH_CLASSES}
 
 
 def make_paths(
