@@ -4,6 +4,7 @@ Every assertion is on the bytes each layer read, on the waits that ran, or on wh
 put them; never on "it compiled".
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -25,13 +26,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 COPIES = ["kernel", "dma"]
 
 
+@contextlib.contextmanager
 def setup(device, name, num_layers=4, num_blocks=32, host_blocks=48, seed=0, copies="kernel", **caches_kw):
+    """An engine over random caches, its LayerwiseLoads and a Reader model; closed however the test ends."""
     caches = make_caches(num_layers, num_blocks, device, seed=seed, **caches_kw)
     row = sum(c[0].nbytes if caches_kw.get("blocks_first") else 2 * c[0, 0].nbytes for c in caches.values())
     engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=host_blocks * row, path="kernel")
     fill_mirror(engine, seed + 1)
     model = Reader(name, list(caches.values()), blocks_first=caches_kw.get("blocks_first", False)).eval()
-    return engine, kv_ops.LayerwiseLoads(engine, name, copies=copies), model
+    loads = kv_ops.LayerwiseLoads(engine, name, copies=copies)
+    try:
+        yield engine, loads, model
+    finally:
+        loads.close()
+        engine.close()
 
 
 def new_pairs(gen, engine, n):
@@ -46,21 +54,16 @@ def same_reads(got, want) -> bool:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_wait_layer(device):
-    engine, loads, model = setup(device, f"opcheck-{device}")
-    try:
+    with setup(device, f"opcheck-{device}") as (engine, loads, model):
         h = torch.randn(2, 32, device=device)
         torch.library.opcheck(torch.ops.kv_ops.wait_layer.default, ([model.caches()[2]], h, loads.name, 2))
-    finally:
-        loads.close()
-        engine.close()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("blocks_first", [False, True], ids=["kv-first", "blocks-first"])
 def test_a_compiled_step_waits_every_layer_and_reads_the_loaded_blocks(backend, blocks_first):
     torch._dynamo.reset()
-    engine, loads, model = setup("cpu", f"compiled-{backend}-{blocks_first}", blocks_first=blocks_first)
-    try:
+    with setup("cpu", f"compiled-{backend}-{blocks_first}", blocks_first=blocks_first) as (engine, loads, model):
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         gen = torch.Generator().manual_seed(5)
         for step in range(1, 4):
@@ -71,9 +74,6 @@ def test_a_compiled_step_waits_every_layer_and_reads_the_loaded_blocks(backend, 
             _, reads = compiled(torch.randn(2, 32), read_ids)
             assert same_reads(reads, want)
             assert np.array_equal(loads.waits, [step] * 4)  # every wait kept, once per call
-    finally:
-        loads.close()
-        engine.close()
 
 
 def test_inductor_keeps_each_wait_after_the_previous_layer_and_before_its_own_work():
@@ -84,8 +84,7 @@ def test_inductor_keeps_each_wait_after_the_previous_layer_and_before_its_own_wo
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    engine, loads, model = setup("cpu", "order")
-    try:
+    with setup("cpu", "order") as (engine, loads, model):
         loads.start([1, 2], [3, 4])
         _, (code, *_) = run_and_get_code(torch.compile(model, fullgraph=True), torch.randn(2, 32), torch.tensor([3, 5]))
         body = code.split("def call(self, args):", 1)[1]
@@ -107,9 +106,6 @@ def test_inductor_keeps_each_wait_after_the_previous_layer_and_before_its_own_wo
             ]
             assert readers and min(readers) > wait_at, code
         assert "clone" not in code, code
-    finally:
-        loads.close()
-        engine.close()
 
 
 def run_harness(*args):
@@ -167,8 +163,7 @@ def cpu_state(model):
 @pytest.mark.parametrize("copies", COPIES)
 def test_captured_step_replays_with_new_loads_each_equal_to_load_then_step(copies):
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", f"captured-{copies}", num_blocks=64, host_blocks=96, copies=copies)
-    try:
+    with setup("cuda", f"captured-{copies}", num_blocks=64, host_blocks=96, copies=copies) as (engine, loads, model):
         step = Captured(model, 12)
         gen = torch.Generator().manual_seed(11)
         for _ in range(4):
@@ -184,17 +179,13 @@ def test_captured_step_replays_with_new_loads_each_equal_to_load_then_step(copie
         waits = loads.waits.copy()
         step.replay(read_ids.cuda())
         assert np.array_equal(loads.waits, waits)  # a replay runs no host code
-    finally:
-        loads.close()
-        engine.close()
 
 
 @gpu
 @pytest.mark.parametrize("copies", COPIES)
 def test_blocks_held_back_behind_a_gpu_sleep_are_still_read_after_they_land(copies):
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", f"late-{copies}", num_blocks=256, host_blocks=256, copies=copies)
-    try:
+    with setup("cuda", f"late-{copies}", num_blocks=256, host_blocks=256, copies=copies) as (engine, loads, model):
         step = Captured(model, 64)
         gen = torch.Generator().manual_seed(12)
         side = torch.cuda.Stream()
@@ -211,9 +202,6 @@ def test_blocks_held_back_behind_a_gpu_sleep_are_still_read_after_they_land(copi
             got = step.replay(read_ids.cuda())
             torch.cuda.synchronize()
             assert same_reads(got, want), f"a layer read before its blocks landed (delay {delay} cycles)"
-    finally:
-        loads.close()
-        engine.close()
 
 
 @gpu
@@ -223,8 +211,7 @@ def test_queued_steps_never_deadlock_and_a_load_waits_for_the_previous_steps_rea
     # loading into blocks the previous replay reads: the start must wait for those readers
     # (WAR), and no replay may wait for a later start (the graph samples its events at launch).
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", f"queued-{copies}", num_blocks=64, host_blocks=96, copies=copies)
-    try:
+    with setup("cuda", f"queued-{copies}", num_blocks=64, host_blocks=96, copies=copies) as (engine, loads, model):
         step = Captured(model, 16)
         gen = torch.Generator().manual_seed(13)
         state = cpu_state(model)
@@ -244,17 +231,13 @@ def test_queued_steps_never_deadlock_and_a_load_waits_for_the_previous_steps_rea
         torch.cuda.synchronize()
         for g, w in zip(got, expected):
             assert same_reads(g, w)
-    finally:
-        loads.close()
-        engine.close()
 
 
 @gpu
 @pytest.mark.parametrize("copies", COPIES)
 def test_a_replay_without_a_new_start_does_not_hang_and_reads_the_blocks_as_they_are(copies):
     torch._dynamo.reset()
-    engine, loads, model = setup("cuda", f"no-start-{copies}", copies=copies)
-    try:
+    with setup("cuda", f"no-start-{copies}", copies=copies) as (engine, loads, model):
         step = Captured(model, 8)
         read_ids = torch.randperm(32)[:8]
         loads.start(*new_pairs(torch.Generator().manual_seed(2), engine, 8))
@@ -266,6 +249,3 @@ def test_a_replay_without_a_new_start_does_not_hang_and_reads_the_blocks_as_they
         got_empty = step.replay(read_ids.cuda())
         torch.cuda.synchronize()
         assert same_reads(got, want) and same_reads(got_empty, want)
-    finally:
-        loads.close()
-        engine.close()
