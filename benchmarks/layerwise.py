@@ -10,7 +10,7 @@ once without.
 
 Per block count, from the host call to the end of the step (``torch.cuda.synchronize``), medians:
 
-* ``compute``: the step alone, no load;
+* ``compute``: the step alone, no load (taken in turn with ``load_then_step`` and ``layerwise``);
 * ``load``: ``engine.load`` (on the path ``auto`` picks) then ``flush``: the load alone, and
   ``layerwise_copies``: ``start`` then ``flush``, the layer-wise copies alone;
 * ``load_then_step``: ``engine.load``, ``flush``, then the step: what a resume costs today (the
@@ -115,6 +115,23 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(fns: dict, reps: int) -> dict:
+    """Median microseconds of each ``fn()`` followed by a device sync, run in turn ``reps`` times
+    after one warm-up each: the long step's clock drifts by 10-20% over a run (power and heat),
+    so figures that are compared with one another are taken side by side."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[key].append((time.perf_counter() - t0) * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def graph_time(graphs: dict, reps: int) -> dict:
     """Median GPU microseconds of each captured step, replayed in turn and timed with CUDA events
     (alternating, so that clock drift treats them alike)."""
@@ -200,19 +217,29 @@ def measure(args) -> tuple[list[dict], dict]:
             load()
             waiting[first].replay()
 
-        alone = timed(compute, args.reps)  # again per row: the figures below compare with it
+        def layerwise_of(c, host_ids=host_ids, gpu_ids=gpu_ids):
+            def run():
+                loads[c].start(host_ids, gpu_ids)
+                waiting[c].replay()
+
+            return run
+
         t_load = timed(load, args.reps)
-        t_lts = timed(load_then_step, args.reps)
+        # The step alone, load-then-step and every layer-wise step, side by side: "hidden"
+        # compares them with one another.
+        t = interleaved(
+            {"compute": compute, "lts": load_then_step, **{c: layerwise_of(c) for c in mechanisms}}, args.reps
+        )
+        alone, t_lts = t["compute"], t["lts"]
+        load_then_step()
+        torch.cuda.synchronize()
         want = waiting[first].out.clone()
         for c in mechanisms:
-            lw, step = loads[c], waiting[c]
-
-            def layerwise(host_ids=host_ids, gpu_ids=gpu_ids, lw=lw, step=step):
-                lw.start(host_ids, gpu_ids)
-                step.replay()
-
+            lw, step, layerwise = loads[c], waiting[c], layerwise_of(c)
             t_copies = timed(lambda h=host_ids, g=gpu_ids, lw=lw: (lw.start(h, g), engine.flush()), args.reps)
-            t_lw = timed(layerwise, args.reps)
+            t_lw = t[c]
+            layerwise()
+            torch.cuda.synchronize()
             bitwise = torch.equal(step.out.view(torch.int16), want.view(torch.int16))  # NaNs too
             starts = []
             for _ in range(args.reps):

@@ -14,7 +14,14 @@ The mechanism, and why:
   - ``"kernel"``: the zero-copy block-copy kernel, reading the mirror through its device
     address, on at most 8 SMs. One captured kernel per layer, all reading one id block that the
     first one copies in from a page-locked twin: a start writes the twin, then launches one
-    graph and records one event per layer, whatever the number of blocks.
+    graph and records one event per layer, whatever the number of blocks. They run on a
+    **high-priority stream of their own**: the step's matmuls queue thousands of thread blocks,
+    and on the engine's low-priority load stream the copy's blocks were scheduled only in the
+    gaps between them (0.55 of the load hidden where load and step are equal, on the H200).
+    With the higher priority the block scheduler places the copy's few blocks first as SMs free
+    up, so it streams at the link while the matmuls keep the other SMs. The stream is bridged
+    to the engine's: it waits for the load stream's tail before the copies, and the engine
+    orders its next load of another path after this one's completion event.
 * **The step waits on the events.** ``wait_layer`` makes the current stream wait on layer
   ``i``'s event. Eagerly that is ``cuStreamWaitEvent``; during a capture the same call with
   ``CU_EVENT_WAIT_EXTERNAL`` becomes an event-wait node, which at every replay waits for the
@@ -204,11 +211,18 @@ class LayerwiseLoads:
         engine.path_counts.setdefault(self._path.name, 0)
         self._stream = None
         if self.device.type == "cuda":
-            self._stream = engine._streams[Direction.LOAD]
+            load_stream = engine._streams[Direction.LOAD]
+            self._load_handle = load_stream.cuda_stream
+            if copies == "kernel":
+                _, highest = torch.cuda.Stream.priority_range()  # numerically smallest = highest
+                self._stream = torch.cuda.Stream(self.device, priority=highest)
+            else:
+                self._stream = load_stream  # copy engines: priority has no say
+            self._tail = torch.cuda.Event()  # the load stream's tail, waited for at once
             self._launcher = dma.Launcher(self._stream)
             self._handle = self._stream.cuda_stream
             self.events = [torch.cuda.Event() for _ in range(self.num_layers)]
-            for event in self.events:  # recorded once, so that each exists for the raw calls
+            for event in [*self.events, self._tail]:  # recorded once, so each exists for the raw calls
                 event.record(self._stream)
             if copies == "kernel":
                 bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
@@ -294,6 +308,11 @@ class LayerwiseLoads:
         words[1 + n : 1 + 2 * n] = gpu
         with driver_context(self.device):
             wait_event(handle, ready)
+            # After every load issued before this one (same GPU blocks: the last write wins). The
+            # engine already made its load stream wait for an earlier transfer of another path,
+            # so its tail covers them all; one event serves, as a wait holds the record before it.
+            record_event(self._tail, self._load_handle)
+            wait_event(handle, self._tail)
             for graph, event in zip(copies.execs, self.events):
                 check_code(_graph_launch()(graph, handle), "cuGraphLaunch")
                 record_event(event, handle)

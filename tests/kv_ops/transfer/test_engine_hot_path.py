@@ -249,7 +249,7 @@ class Counts:
             ("replay", kernels.GraphedCopy, "replay"),
             ("copy", dma.Launcher, "copy"),
             ("batch", dma.Launcher, "__call__"),
-            ("triton", kernels.BoundCopy, "_launch"),
+            ("triton", kernels.BoundCopy, "launch_kernel"),
             ("record", torch.cuda.Event, "record"),
             ("pinned", ids_mod.IdBlock, "__init__"),
             ("graphs", kernels.GraphedCopy, "__init__"),

@@ -264,6 +264,30 @@ def test_gpu_start_loads_every_layer_and_an_eager_forward_waits_for_it(copies):
 
 @gpu
 @pytest.mark.parametrize("copies", COPIES)
+@pytest.mark.parametrize("first", ["engine", "layerwise"])
+def test_gpu_loads_into_one_block_land_in_issue_order_across_the_streams(copies, first):
+    # The kernel copies run on a stream of their own. The first load is held back behind a GPU
+    # sleep (after= a busy stream); the second is free to start at once (after= an idle stream).
+    # Only the bridge between the streams keeps the second from landing first.
+    engine, loads, _ = make("cuda", num_layers=2, name="lw-order", copies=copies)
+    try:
+        busy, idle = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(50_000_000)
+        calls = {"engine": engine.load, "layerwise": loads.start}
+        second = "layerwise" if first == "engine" else "engine"
+        calls[first]([4], [7], after=busy)
+        calls[second]([9], [7], after=idle)
+        engine.flush()
+        for name, region in engine.regions.items():
+            assert torch.equal(region[7].cpu(), engine.mirror_regions[name][9]), f"{name}: the {first} load won"
+    finally:
+        loads.close()
+        engine.close()
+
+
+@gpu
+@pytest.mark.parametrize("copies", COPIES)
 def test_gpu_ids_are_refused_because_the_copies_are_planned_on_the_host(copies):
     engine, loads, model = make("cuda", name="lw-gpu-ids", copies=copies)
     try:
