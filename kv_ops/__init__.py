@@ -21,7 +21,7 @@ The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the
 * ``transfer.ids``       -- the engine's id intake and ``Pool`` (what the GPU reads, reused after it has).
 * ``transfer.paths``     -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
 * ``transfer.crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
-* ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT).
+* ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT); its path.
 * ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
 * ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
 

@@ -6,7 +6,7 @@ Where each piece lives (each imports only the op floor, ``kv_ops/*.py``, and the
 * ``ids``       -- the engine's id intake (checked in numpy) and ``Pool`` (what the GPU reads).
 * ``paths``     -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
 * ``crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
-* ``disk``      -- ``BlockFile`` and ``DiskTier``: the disk tier's file of block slots and its I/O.
+* ``disk``      -- ``BlockFile``, ``DiskTier`` and ``DiskPath``: the disk tier's file, its I/O, its engine path.
 * ``engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
 * ``layerwise`` -- ``LayerwiseLoads`` and the op ``torch.ops.kv_ops.wait_layer`` (defined here:
                    it resolves its name to a ``LayerwiseLoads``, so it cannot live on the op floor).

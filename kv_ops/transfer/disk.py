@@ -1,4 +1,4 @@
-"""The disk tier: a private, unnamed file of block slots, and the staged, double-buffered I/O to it."""
+"""The disk tier: a private, unnamed file of block slots, the staged I/O to it, and its engine path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +19,7 @@ from .. import reference
 from ..host_memory import pinned_empty
 from ..ops import gather_blocks, scatter_blocks
 from ..validation import check_ids_meta, check_ids_values, id_checks
-from .paths import Direction
+from .paths import Blocks, Direction
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block size; 4 KiB covers every common device, and pages are 4 KiB anyway.
@@ -275,26 +274,52 @@ class BlockFile:
         self.close()
 
 
-@dataclass
+def _check_running(thread: threading.Thread) -> None:
+    if not thread.is_alive():
+        raise RuntimeError("kv_ops disk tier: the I/O thread is not running (closed, or it died)")
+
+
 class DiskJob:
-    """One store (regions -> file) or load (file -> regions) of the disk tier."""
+    """One store (regions -> file) or load (file -> regions) of the disk tier, and how it ended.
 
-    tid: int
-    direction: Direction
-    gpu_ids: torch.Tensor  # int64, on the host
-    disk_ids: torch.Tensor  # int64, on the host
-    ready: torch.cuda.Event | None  # recorded on the caller's stream at the call
+    It completes as a CUDA event does (``query``, ``synchronize``), so that the engine tracks it
+    as it tracks a path's event: once it has left the I/O thread and the last GPU work it
+    enqueued has run (the last scatter of a load, or whatever a failed job had enqueued before
+    its error). ``error`` is what ended it, None once it moved its bytes.
+    """
 
+    def __init__(
+        self,
+        direction: Direction,
+        gpu_ids: torch.Tensor,
+        disk_ids: torch.Tensor,
+        ready: torch.cuda.Event | None,
+        thread: threading.Thread,
+    ):
+        self.direction = direction
+        self.gpu_ids = gpu_ids  # int64, on the host
+        self.disk_ids = disk_ids  # int64, on the host
+        self.ready = ready  # recorded on the caller's stream at the call
+        self.error: BaseException | None = None
+        self.event: torch.cuda.Event | None = None
+        self._left = threading.Event()  # set by the I/O thread, after error and event
+        self._thread = thread
 
-@dataclass
-class DiskResult:
-    """A finished job. ``event`` (on CUDA) completes when the last GPU work the job enqueued has
-    run: the last scatter of a load, or whatever a failed job had enqueued before its error."""
+    def finish(self, error: BaseException | None, event: torch.cuda.Event | None) -> None:
+        """On the I/O thread: the job is done with, ``error`` ended it, ``event`` follows its GPU work."""
+        self.error, self.event = error, event
+        self._left.set()
 
-    tid: int
-    direction: Direction
-    error: BaseException | None
-    event: torch.cuda.Event | None
+    def query(self) -> bool:
+        return self._left.is_set() and (self.event is None or self.event.query())
+
+    def synchronize(self) -> None:
+        # Wait in slices so that a thread that died (it catches every job's errors, so only an
+        # interpreter shutdown can kill it) is an error rather than a hang.
+        while not self._left.wait(0.25):
+            _check_running(self._thread)
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class DiskTier:
@@ -330,29 +355,18 @@ class DiskTier:
         # across jobs and directions: the stores' and loads' streams are not ordered with each
         # other, and the file I/O on this thread not with either, so reuse waits for it.
         self._last_use: list[torch.cuda.Event | None] = [None] * staging_slots
-        self.jobs: queue.SimpleQueue[DiskJob | threading.Event | None] = queue.SimpleQueue()
-        self.results: queue.SimpleQueue[DiskResult] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[DiskJob | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="kv-offload-disk-io", daemon=True)
         self.thread.start()
 
-    def submit(self, job: DiskJob) -> None:
-        """Queue ``job`` behind every job submitted before it."""
-        self._check_alive()
+    def submit(
+        self, direction: Direction, gpu_ids: torch.Tensor, disk_ids: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> DiskJob:
+        """Queue a job behind every job submitted before it; it completes as :class:`DiskJob` says."""
+        _check_running(self.thread)
+        job = DiskJob(direction, gpu_ids, disk_ids, ready, self.thread)
         self.jobs.put(job)
-
-    def _check_alive(self) -> None:
-        if not self.thread.is_alive():
-            raise RuntimeError("kv_ops disk tier: the I/O thread is not running (closed, or it died)")
-
-    def barrier(self) -> None:
-        """Return once every job submitted before the call has left the I/O thread."""
-        self._check_alive()
-        reached = threading.Event()
-        self.jobs.put(reached)
-        # Wait in slices so that a thread that died (it catches every job's errors, so only an
-        # interpreter shutdown can kill it) is an error rather than a hang.
-        while not reached.wait(0.25):
-            self._check_alive()
+        return job
 
     def close(self) -> None:
         """Run every job submitted so far, stop the I/O thread, and wait until the GPU no longer
@@ -376,16 +390,14 @@ class DiskTier:
             job = self.jobs.get()
             if job is None:
                 return
-            if isinstance(job, threading.Event):
-                job.set()
-                continue
             try:
                 if setup_error is not None:
                     raise setup_error
                 event = self._store(job) if job.direction is Direction.STORE else self._load(job)
-                self.results.put(DiskResult(job.tid, job.direction, None, event))
             except BaseException as error:  # reported as a failed transfer, never as done
-                self.results.put(DiskResult(job.tid, job.direction, error, self._fence(job.direction)))
+                job.finish(error, self._fence(job.direction))
+            else:
+                job.finish(None, event)
 
     def _fence(self, direction: Direction) -> torch.cuda.Event | None:
         """An event after the GPU work enqueued so far on ``direction``'s stream: a failed job is
@@ -463,4 +475,68 @@ class DiskTier:
         return done
 
 
-__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskResult", "ALIGN", "aligned", "slot_runs"]
+def _close(tier: DiskTier) -> None:
+    """Stop a disk tier and close its file: from :meth:`DiskPath.close`, or from the finalizer
+    of a path dropped without it (so it must not need the path)."""
+    try:
+        # Runs anything still queued (only if the engine's flush was cut short), stops the
+        # thread, and waits until the GPU is done with the staging buffers.
+        tier.close()
+    finally:
+        tier.file.close()  # the last descriptor: the kernel frees the nameless file
+
+
+class DiskPath:
+    """The disk tier as one of the engine's paths (:mod:`kv_ops.transfer.paths`): a
+    :class:`BlockFile` of ``num_slots`` slots and the :class:`DiskTier` that moves blocks to it.
+
+    ``enqueue`` hands the transfer to the I/O thread and returns its :class:`DiskJob`, which the
+    engine waits on as on a path's event; :meth:`reported` gives the engine the job's error, so
+    that an I/O error fails only its own transfer. A path dropped without :meth:`close` (its
+    engine collected) stops its thread and closes its file once it is collected.
+    """
+
+    name = "disk"
+    label = "the disk tier"  # how the engine's errors name it
+    copy_engines = False  # the staging buffers are packed and unpacked by the gather and scatter kernels
+    # The id sides it plans on the host: the I/O thread cuts every job into chunks by its ids.
+    host_planned = frozenset({"gpu_ids", "host_ids"})
+    fresh_ready = True  # the I/O thread waits on ``ready`` later, so it needs an event of its own
+
+    def __init__(
+        self,
+        regions: Mapping[str, torch.Tensor],
+        directory: str,
+        tag: str,
+        slot_bytes: int,
+        num_slots: int,
+        page_cache: bool,
+        streams: Mapping[Direction, torch.cuda.Stream] | None,
+        staging_slots: int,
+        staging_blocks: int,
+    ):
+        file = BlockFile(directory, tag, slot_bytes, num_slots, page_cache)
+        try:
+            self.tier = DiskTier(regions, file, streams, staging_slots, staging_blocks)
+        except BaseException:
+            file.close()
+            raise
+        # The finalizer holds the tier, not the path, which it would keep alive.
+        self._closer = weakref.finalize(self, _close, self.tier)
+        self._closer.atexit = False  # at exit the daemon thread goes and the kernel closes the file
+
+    def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> DiskJob:
+        # Copies: the I/O thread reads the ids later, and the caller may reuse its buffer.
+        gpu_ids, disk_ids = torch.from_numpy(blocks.gpu_ids.copy()), torch.from_numpy(blocks.host_ids.copy())
+        return self.tier.submit(blocks.direction, gpu_ids, disk_ids, ready)
+
+    def reported(self, direction: Direction, job: DiskJob) -> BaseException | None:
+        return job.error
+
+    def close(self) -> None:
+        """Run every job submitted so far, stop the I/O thread and close the file; at most once
+        (not again when collected)."""
+        self._closer()
+
+
+__all__ = ["BlockFile", "DiskTier", "DiskJob", "DiskPath", "ALIGN", "aligned", "slot_runs"]

@@ -14,7 +14,9 @@ that direction too (a high-water mark).
 Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.transfer.paths`):
 the zero-copy kernel, the staged path (gather into a GPU ring, then the copy engines), or direct
 DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.transfer.crossover` measured for this
-engine's shape on this device.
+engine's shape on this device. The disk tier is one more path behind the same interface
+(:class:`kv_ops.transfer.disk.DiskPath`), the only one of a ``disk_dir`` engine: the engine
+submits, orders, collects, flushes and closes every transfer the same way, whatever its path.
 
 Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
 transfer in flight, then frees the mirror or closes the disk tier's file and stops its thread;
@@ -25,7 +27,6 @@ moment it is open, so even a process killed with SIGKILL leaves nothing in ``dis
 from __future__ import annotations
 
 import numbers
-import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,10 +40,9 @@ from ..geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_re
 from ..host_memory import pinned_empty
 from . import crossover as crossover_mod
 from . import ids as ids_mod
-from .disk import BlockFile, DiskJob, DiskTier, aligned
+from .disk import DiskPath, DiskTier, aligned
 from .paths import (
     COPY_ENGINES,
-    HOST_PLANNED,
     PATH_NAMES,
     Blocks,
     Direction,
@@ -65,17 +65,6 @@ def _check_positive_int(what: str, value) -> None:
         raise ValueError(f"OffloadEngine: {what} must be a positive integer, got {value!r}")
 
 
-def _close_disk(disk: DiskTier) -> None:
-    """Stop a disk tier and close its file: from close(), or from the finalizer of an engine
-    dropped without it (so it must not need the engine)."""
-    try:
-        # Runs anything still queued (only if the flush was cut short), stops the thread, and
-        # waits until the GPU is done with the staging buffers.
-        disk.close()
-    finally:
-        disk.file.close()  # the last descriptor: the kernel frees the nameless file
-
-
 class EngineClosedError(RuntimeError):
     """A call on an :class:`OffloadEngine` after :meth:`~OffloadEngine.close`."""
 
@@ -96,29 +85,29 @@ class Completed:
 
 
 class _Lane:
-    """One direction: transfers in issue order, each with its completion event (None: already
-    complete) or the error that ended it, and what must live until it completes (GPU ids the
-    transfer reads). The head is reported first, so nothing overtakes."""
+    """One direction: transfers in issue order, each with its path, what the path's ``enqueue``
+    returned to complete with it (an event, or the disk tier's job; None: already complete),
+    and what must live until it completes (GPU ids the transfer reads). The head is reported
+    first, so nothing overtakes."""
 
-    def __init__(self, events: Events | None = None):
-        self.pending: deque[tuple[int, torch.cuda.Event | None, BaseException | None, object]] = deque()
-        self.events = events  # where a reported transfer's event goes back, for reuse
+    def __init__(self, direction: Direction):
+        self.direction = direction
+        self.pending: deque[tuple[int, Path | DiskPath, object, object]] = deque()
 
-    def add(self, tid: int, event: torch.cuda.Event | None, error: BaseException | None = None, keep=None) -> None:
-        self.pending.append((tid, event, error, keep))
+    def add(self, tid: int, path: Path | DiskPath, done, keep=None) -> None:
+        self.pending.append((tid, path, done, keep))
 
-    def poll(self, out: Completed, done: list[int], wait: bool = False) -> None:
+    def poll(self, out: Completed, done_ids: list[int], wait: bool = False) -> None:
         while self.pending:
-            tid, event, error, _ = self.pending[0]
-            if event is not None and not event.query():
+            tid, path, done, _ = self.pending[0]
+            if done is not None and not done.query():
                 if not wait:
                     return
-                event.synchronize()
+                done.synchronize()
             self.pending.popleft()
-            if self.events is not None and event is not None:
-                self.events.give(event)
+            error = path.reported(self.direction, done)
             if error is None:
-                done.append(tid)
+                done_ids.append(tid)
             else:
                 out.failed[tid] = error
 
@@ -141,7 +130,9 @@ class OffloadEngine:
     disk_dir : str, optional
         Put the offloaded blocks in a file in this directory instead of host memory; then
         ``capacity_bytes`` sizes the file (slots of ``block_bytes`` rounded up to 4 KiB) and
-        host ids are file slots. See :class:`kv_ops.transfer.disk.BlockFile` and :class:`DiskTier`.
+        host ids are file slots. Every transfer then takes the disk tier (``path`` is not used;
+        ``self.path`` is ``"disk"``), counted in ``path_counts["disk"]``. See
+        :class:`kv_ops.transfer.disk.BlockFile`, :class:`DiskTier` and :class:`DiskPath`.
     disk_tag : str, optional
         Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default.
     page_cache : bool
@@ -228,10 +219,9 @@ class OffloadEngine:
         self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
         self.path = path
         self.crossover: crossover_mod.Crossover | None = None
-        self.path_counts = dict.fromkeys(PATH_NAMES, 0)  # transfers per path, for whoever tunes this
-        # The paths' completion events, reused once reported (none for the disk tier's own).
-        self._events = {d: Events() for d in Direction} if disk_dir is None else None
-        self._lanes = {d: _Lane(self._events[d] if self._events else None) for d in Direction}
+        # The paths' completion events, reused once reported (a path gives its own back).
+        self._events = {d: Events() for d in Direction}
+        self._lanes = {d: _Lane(d) for d in Direction}
         self._ready_event = None
         if self._streams is not None:
             # Recorded once here, so that it exists: each call then records it with one driver call.
@@ -243,9 +233,8 @@ class OffloadEngine:
         self._closed = False
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
-        self.disk: DiskTier | None = None
-        self._disk_closer: weakref.finalize | None = None
-        self.paths: dict[str, Path] = {}
+        self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
+        self.paths: dict[str, Path | DiskPath] = {}
         if disk_dir is None:
             self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
             # Each region's columns of the mirror, by the region's name.
@@ -264,16 +253,25 @@ class OffloadEngine:
             self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names, self._events)
         else:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
-            file = BlockFile(disk_dir, tag, self.block_bytes, self.num_host_blocks, page_cache)
-            try:
-                self.disk = DiskTier(self.regions, file, self._streams, int(staging_slots), int(staging_blocks))
-            except BaseException:
-                file.close()
-                raise
-            # An engine dropped without close(): once collected, its I/O thread stops and its file
-            # closes. The finalizer holds the tier, not the engine, which it would keep alive.
-            self._disk_closer = weakref.finalize(self, _close_disk, self.disk)
-            self._disk_closer.atexit = False  # at exit the daemon thread goes and the kernel closes the file
+            # Held only by this engine: once it is collected, so is the path, whose finalizer
+            # then stops the I/O thread and closes the file.
+            disk = DiskPath(
+                self.regions,
+                disk_dir,
+                tag,
+                self.block_bytes,
+                self.num_host_blocks,
+                page_cache,
+                self._streams,
+                int(staging_slots),
+                int(staging_blocks),
+            )
+            self.paths = {disk.name: disk}
+            self.path = disk.name  # every transfer takes it
+            self.disk = disk.tier
+        # Transfers per path, for whoever tunes this: every mirror path (0 where it cannot be
+        # picked), and the disk tier on a disk engine.
+        self.path_counts = dict.fromkeys((*PATH_NAMES, *self.paths), 0)
 
     # --- transfers ---------------------------------------------------------------------------
 
@@ -288,8 +286,8 @@ class OffloadEngine:
         stream) or on the caller's current stream. Nothing blocks the caller's thread.
 
         The paths wait on it before this call returns, so one event serves every call: a wait
-        holds the record before it, whatever is recorded afterwards. A disk job waits later,
-        on its I/O thread, so it gets a ``fresh`` event of its own.
+        holds the record before it, whatever is recorded afterwards. A path that waits later
+        (``fresh_ready``: the disk tier, on its I/O thread) gets a ``fresh`` event of its own.
         """
         if self._streams is None:
             if after is not None:
@@ -334,18 +332,13 @@ class OffloadEngine:
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
         return self.paths[name]
 
-    def _refuse_gpu_ids(self, op: str, gpu, host, path) -> None:
+    def _refuse_gpu_ids(self, op: str, blocks: Blocks, path: Path | DiskPath) -> None:
         """GPU ids are never read by the host (that would wait for the caller's stream): only a
         path whose kernel reads them takes them."""
-        name = path.name if path is not None else self.path
-        planned = path.host_planned if path is not None else HOST_PLANNED.get(name, frozenset())  # auto: none
-        for what, ids in (("gpu_ids", gpu), ("host_ids", host)):
-            if isinstance(ids, np.ndarray):
-                continue
-            where = "the disk tier" if self.disk is not None else f"path={name!r}"
-            if self.disk is not None or what in planned:
+        for what, ids in (("gpu_ids", blocks.gpu_ids), ("host_ids", blocks.host_ids)):
+            if what in path.host_planned and not isinstance(ids, np.ndarray):
                 raise ValueError(
-                    f"{op}: {what} is a {ids.device} tensor, but {where} plans its copies on the host, which "
+                    f"{op}: {what} is a {ids.device} tensor, but {path.label} plans its copies on the host, which "
                     "would have to wait for the GPU to read it; pass host ids (a list, an array or a CPU tensor)"
                 )
 
@@ -371,9 +364,11 @@ class OffloadEngine:
         host = ids_mod.take(op, "host_ids", host_ids, self.num_host_blocks, not load, self.device)
         if len(gpu) != len(host):
             raise ValueError(f"{op}: {len(gpu)} gpu_ids but {len(host)} host_ids")
-        on_host = isinstance(gpu, np.ndarray) and isinstance(host, np.ndarray)
+        blocks = Blocks(direction, gpu, host)
+        path = path or self._pick(blocks)
+        on_host = blocks.on_host
         if not on_host:
-            self._refuse_gpu_ids(op, gpu, host, path)
+            self._refuse_gpu_ids(op, blocks, path)
         if self._streams is not None:
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
@@ -382,21 +377,10 @@ class OffloadEngine:
                 "a transfer cannot be captured into a CUDA graph",
                 instead,
             )
-        ready = self._ready(op, after, fresh=self.disk is not None)
-        tid = self._next_tid
-        if self.disk is not None:
-            # Copies: the I/O thread reads the ids later, and the caller may reuse its buffer.
-            self.disk.submit(
-                DiskJob(tid, direction, torch.from_numpy(gpu.copy()), torch.from_numpy(host.copy()), ready)
-            )
-            self._next_tid += 1
-            return tid
-        ids_ready = None
+        ready = self._ready(op, after, fresh=path.fresh_ready)
         if not on_host:
             # The path copies the GPU ids on its own stream: after the caller's stream wrote them.
-            ids_ready = ready if after is None else self._ready(op, None, fresh=True)
-        blocks = Blocks(direction, gpu, host, ids_ready)
-        path = path or self._pick(blocks)
+            blocks.ids_ready = ready if after is None else self._ready(op, None, fresh=True)
         last = self._last.get(direction)
         if last is not None and last[0] is not path and last[1] is not None:
             # Transfers of one direction land in issue order whatever their paths: a staged load
@@ -404,10 +388,11 @@ class OffloadEngine:
             # on the copy stream) into the same blocks must not overtake it.
             self._streams[direction].wait_event(last[1])
         done = path.enqueue(blocks, ready)
+        tid = self._next_tid
         self._next_tid += 1
         self._last[direction] = (path, done)
         # GPU ids live until their transfer has read them (the caller may drop them at once).
-        self._lanes[direction].add(tid, done, keep=None if on_host else (gpu, host))
+        self._lanes[direction].add(tid, path, done, keep=None if on_host else (gpu, host))
         self.path_counts[path.name] += 1
         return tid
 
@@ -496,10 +481,6 @@ class OffloadEngine:
     # --- completion --------------------------------------------------------------------------
 
     def _collect(self, wait: bool) -> Completed:
-        if self.disk is not None:
-            while not self.disk.results.empty():
-                r = self.disk.results.get()
-                self._lanes[r.direction].add(r.tid, r.event, r.error)
         out = Completed()
         self._lanes[Direction.STORE].poll(out, out.stores, wait)
         self._lanes[Direction.LOAD].poll(out, out.loads, wait)
@@ -536,11 +517,6 @@ class OffloadEngine:
             After :meth:`close`.
         """
         self._check_open("flush")
-        return self._flush()
-
-    def _flush(self) -> Completed:
-        if self.disk is not None:
-            self.disk.barrier()  # every job has left the I/O thread; its result is queued
         return self._collect(wait=True)
 
     def close(self) -> Completed:
@@ -562,25 +538,24 @@ class OffloadEngine:
             return Completed()
         self._closed = True  # from here on every call is refused, even if the wait below fails
         try:
-            return self._flush()
+            return self._collect(wait=True)
         finally:
             self._release()
 
     def _release(self) -> None:
         self.disk = None
         try:
-            if self._disk_closer is not None:
-                self._disk_closer()  # _close_disk, at most once (not again when collected)
+            for path in self.paths.values():
+                path.close()  # the staged path's own streams; the disk tier's thread and file
             if self._streams is not None:
                 # Idle after a completed flush; after an interrupted one this keeps the copies
-                # (and the staged path's gathers and scatters) from outliving the memory they use.
-                staged = self.paths.get("staged")
-                for stream in [*self._streams.values(), *(staged.kernel_streams.values() if staged else ())]:
+                # from outliving the memory they use.
+                for stream in self._streams.values():
                     stream.synchronize()
         finally:
             self.mirror = self.mirror_regions = None
-            self.paths = {}
-            self._lanes = {d: _Lane() for d in Direction}
+            self.paths, self._last = {}, {}
+            self._lanes = {d: _Lane(d) for d in Direction}
 
     def __enter__(self) -> "OffloadEngine":
         return self

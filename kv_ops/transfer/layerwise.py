@@ -54,7 +54,7 @@ from ..host_memory import lasting_copy, pinned_empty
 from ..validation import error_counter
 from . import dma
 from .ids import Pool
-from .paths import Blocks, Direction
+from .paths import Blocks, Direction, EventPath
 
 COPIES = ("dma", "kernel")
 
@@ -111,7 +111,7 @@ def _layer_groups(engine, layers) -> list[list[str]]:
     return groups
 
 
-class _LayerPath:
+class _LayerPath(EventPath):
     """The engine path of a layer-wise load: per layer, its copies and one event record."""
 
     name = "layerwise"
@@ -120,6 +120,7 @@ class _LayerPath:
     def __init__(self, loads: LayerwiseLoads):
         self.loads = loads
         self.copy_engines = loads.copies == "dma"
+        self._events = loads.engine._events  # where its completion events come from, and go back
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready)

@@ -1,11 +1,24 @@
 """The engine's three ways to move blocks between the GPU cache and the packed host mirror.
 
 Every path moves one :class:`Blocks` (GPU block ``gpu_ids[i]`` <-> mirror row ``host_ids[i]``)
-and has the same three members: ``enqueue(blocks, ready)``, which orders the transfer after the
-``ready`` event, launches it and returns the event that completes with it; ``copy_engines``,
-whether it leaves the SMs to the model; and ``host_planned``, the id sides it plans on the host
-(which the engine therefore refuses as GPU tensors). :mod:`kv_ops.transfer.crossover` measures them on the engine's own
-shape; the engine picks one per call and launches it once.
+and has the members the engine uses, and no others:
+
+* ``enqueue(blocks, ready)`` orders the transfer after the ``ready`` event, launches it and
+  returns what completes with it: an event, or anything with an event's ``query()`` and
+  ``synchronize()`` (None: complete already);
+* ``reported(direction, done)``, once ``done`` has completed and its transfer is reported: the
+  error that ended the transfer (None: it moved its bytes); the path may reuse ``done`` after it;
+* ``close()``, after the engine's last flush: stop what the path runs and holds;
+* ``name`` (its key in ``path_counts``), ``label`` (what the engine's errors call it),
+  ``copy_engines`` (whether it leaves the SMs to the model), ``host_planned`` (the id sides it
+  plans on the host, which the engine therefore refuses as GPU tensors) and ``fresh_ready``
+  (whether it waits on ``ready`` after ``enqueue`` returns, so that it needs an event of its own).
+
+The three here answer ``reported``, ``close``, ``label`` and ``fresh_ready`` alike
+(:class:`EventPath`); the disk tier (:class:`kv_ops.transfer.disk.DiskPath`) and the layer-wise
+loads are paths too.
+:mod:`kv_ops.transfer.crossover` measures these three on the engine's own shape; the engine picks
+one per call and launches it once.
 
 * :class:`KernelPath` -- the Triton kernel reads and writes the mirror over PCIe (zero-copy) on
   a few SMs. No per-block cost: the choice for small, latency-bound transfers.
@@ -164,6 +177,27 @@ class Events:
         self._free.append(event)
 
 
+class EventPath:
+    """What the three paths (and the layer-wise loads) answer alike: each waits on ``ready``
+    before ``enqueue`` returns, and each transfer completes with an event from ``_events`` (the
+    engine's :class:`Events`, per direction), which goes back there once reported."""
+
+    fresh_ready = False  # the wait is enqueued before enqueue returns: the engine's one reused event serves
+    _events: dict[Direction, Events]
+
+    @property
+    def label(self) -> str:
+        return f"path={self.name!r}"
+
+    def reported(self, direction: Direction, done: torch.cuda.Event | None) -> None:
+        # Never an error: a launch that fails raises in enqueue, a device fault in the event's query.
+        if done is not None:
+            self._events[direction].give(done)
+
+    def close(self) -> None:
+        """Nothing to stop: the engine synchronizes its own copy streams."""
+
+
 def _host_tensor(ids) -> torch.Tensor:
     """Host ids for the CPU's reference copies (a view of the array, no copy)."""
     return torch.from_numpy(ids)
@@ -193,7 +227,7 @@ def _stage(launcher: dma.Launcher, graph: kernels.GraphedCopy, block: IdBlock, s
         launcher.copy(device + 8 * start, pinned + 8 * start, 8 * (at - start))
 
 
-class KernelPath:
+class KernelPath(EventPath):
     """The Triton block-copy kernel between the cache regions and the mirror's region views.
 
     On the GPU each direction's copy is captured into CUDA graphs that read the count and the
@@ -296,7 +330,7 @@ class KernelPath:
         return done
 
 
-class DirectDmaPath:
+class DirectDmaPath(EventPath):
     """The copy engines, region by region, straight between the cache and the mirror."""
 
     name = "dma"
@@ -333,7 +367,7 @@ class DirectDmaPath:
             return self._events[d].record(self.streams[d], launcher.handle)
 
 
-class StagedPath:
+class StagedPath(EventPath):
     """Gather into a GPU ring of packed rows, then one copy-engine descriptor per row or run.
 
     Each direction has its own ring of :data:`RING_SLOTS` slots of ``chunk`` rows and its own
@@ -432,6 +466,12 @@ class StagedPath:
             # later record is one driver call.
             self._free = {d: [_record(streams[d]) for _ in range(RING_SLOTS)] for d in Direction}
             self._handoff = {d: _record(streams[d]) for d in Direction}
+
+    def close(self) -> None:
+        """Wait for the gathers and scatters on its own kernel streams (the engine synchronizes its
+        copy streams): after an interrupted flush they must not outlive the memory they use."""
+        for stream in (self.kernel_streams or {}).values():
+            stream.synchronize()
 
     @property
     def ring_bytes(self) -> int:
@@ -598,8 +638,6 @@ PATH_CLASSES = (KernelPath, StagedPath, DirectDmaPath)
 PATH_NAMES = tuple(c.name for c in PATH_CLASSES)
 # Which paths leave the SMs to the model: auto prefers them within its tolerance.
 COPY_ENGINES = {c.name: c.copy_engines for c in PATH_CLASSES}
-# Per path, the id sides that must be host ids (GPU ids there would make the host wait for the GPU).
-HOST_PLANNED = {c.name: c.host_planned for c in PATH_CLASSES}
 
 
 def make_paths(
@@ -625,6 +663,7 @@ __all__ = [
     "Direction",
     "Blocks",
     "Events",
+    "EventPath",
     "KernelPath",
     "StagedPath",
     "DirectDmaPath",

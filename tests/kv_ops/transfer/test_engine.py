@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_ops
+from kv_ops.transfer.disk import DiskPath
 from kv_ops.transfer.paths import RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
 gpu = pytest.mark.gpu
@@ -499,9 +500,24 @@ def test_disk_tier_round_trips_through_a_real_file(tmp_path):
     assert st.st_size == 20 * 4096 and stat.S_IMODE(st.st_mode) == 0o600
     assert st.st_nlink == 0 and os.listdir(tmp_path) == []  # unnamed from the start
     disk_round_trip(engine, "cpu")
+    assert engine.path == "disk" and engine.path_counts == {"kernel": 0, "staged": 0, "dma": 0, "disk": 2}
     thread = engine.disk.thread
     engine.close()
     assert engine.disk is None and not thread.is_alive() and os.listdir(tmp_path) == []
+
+
+def test_the_disk_tier_is_a_path_of_the_same_interface(tmp_path):
+    # The engine has one way to submit, order, collect, flush and close a transfer: the disk tier
+    # answers every member a path does, and counts its transfers as one.
+    members = ("name", "label", "copy_engines", "host_planned", "fresh_ready", "enqueue", "reported", "close")
+    for cls in (KernelPath, StagedPath, DirectDmaPath, DiskPath):
+        assert all(hasattr(cls, m) for m in members), cls
+    engine = make_disk_engine(tmp_path)
+    assert list(engine.paths) == ["disk"] and isinstance(engine.paths["disk"], DiskPath)
+    tids = [engine.store([0, 1], [0, 1]), engine.load([0], [5]), engine.store([], [])]
+    assert engine.path_counts["disk"] == 3  # counted at the call, before the I/O thread ran them
+    assert engine.close() == kv_ops.Completed(stores=[tids[0], tids[2]], loads=[tids[1]])
+    assert engine.paths == {} and engine.path_counts["disk"] == 3
 
 
 def test_an_io_error_fails_the_transfer_with_the_os_error_and_never_reports_it_done(tmp_path):
@@ -519,6 +535,7 @@ def test_an_io_error_fails_the_transfer_with_the_os_error_and_never_reports_it_d
     assert done.stores == [] and list(done.failed) == [bad]
     assert isinstance(done.failed[bad], OSError) and "disk tier write of slots 2..3" in str(done.failed[bad])
     assert "Bad file descriptor" in str(done.failed[bad])
+    assert engine.path_counts["disk"] == 2  # a failed transfer was still one of the path's
     engine.close()
 
 

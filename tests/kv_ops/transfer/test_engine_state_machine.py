@@ -9,8 +9,8 @@ Invariants:
   for byte; loads read the host side back through the engine throughout;
 * every transfer id is reported exactly once, in issue order per direction, and ids are issued
   consecutively (an id used up by a refused call would show as a gap);
-* a mirror engine counts every accepted transfer on its own path (``path_counts``), a refused
-  one on none;
+* an engine counts every accepted transfer on its own path (``path_counts``; the disk tier's is
+  ``"disk"``), a refused one on none;
 * an invalid call raises ValueError naming the argument and changes nothing: no byte of the
   cache or the host side, no transfer id, no report;
 * after close every call raises EngineClosedError, and a second close does nothing.
@@ -174,9 +174,10 @@ class EngineMachine(RuleBasedStateMachine):
             )
         if everything:
             assert self.reported == self.issued
-        if not self.DISK:
-            issued = sum(len(ids) for ids in self.issued.values())
-            assert self.engine.path_counts == {p: issued * (p == self.path) for p in PATHS}, self.engine.path_counts
+        issued = sum(len(ids) for ids in self.issued.values())
+        counted = "disk" if self.DISK else self.path
+        names = (*PATHS, "disk") if self.DISK else PATHS
+        assert self.engine.path_counts == {p: issued * (p == counted) for p in names}, self.engine.path_counts
 
     # --- rules ---------------------------------------------------------------------------------
 
