@@ -36,7 +36,12 @@ def config(name: str) -> Gemma3nTextConfig:
     if name == "e2b":  # Gemma 3n E2B's text widths: hidden 2048, 30 layers, PLE 256, vocab 262144
         layers = 30
         return Gemma3nTextConfig(
-            vocab_size=262_400,
+            # The checkpoint's vocab_size is 262400: the ids above 262144 are the multimodal
+            # model's vision and audio tokens, which it masks before the per-layer table. The
+            # text-only model indexes that table with every id, so a random-weight greedy
+            # decode that picked one (or a prompt drawn from them) hits an out-of-range index in
+            # the stock model: the text vocabulary is the table's.
+            vocab_size=262_144,
             vocab_size_per_layer_input=262_144,
             hidden_size=2048,
             hidden_size_per_layer_input=256,
