@@ -184,6 +184,29 @@ def wait_event(stream: int, event: torch.cuda.Event, external: bool = False) -> 
         check_code(_event_calls()[1](stream, handle, flags), "cuStreamWaitEvent")
 
 
+@functools.cache
+def _value_calls():
+    wait = c_function("cuStreamWaitValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+    write = c_function("cuStreamWriteValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+    return wait, write
+
+
+CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0: cyclic, so a sequence may wrap
+
+
+def wait_value_geq(stream: int, address: int, value: int) -> None:
+    """Make the raw ``stream`` wait until the 32-bit word at device ``address`` has reached
+    ``value`` (compared cyclically). Unlike an event wait, the word is read when the wait runs
+    on the GPU, so whatever writes it may be enqueued later, on any stream, or be the host."""
+    check_code(_value_calls()[0](stream, address, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+def write_value(stream: int, address: int, value: int) -> None:
+    """Write the 32-bit ``value`` to device ``address`` once the work before it on the raw
+    ``stream`` has finished (with a memory barrier: that work's writes are visible first)."""
+    check_code(_value_calls()[1](stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
 def current_stream_handle(index: int) -> int:
     """The raw handle of this thread's current stream on device ``index`` (no Stream object)."""
     return torch._C._cuda_getCurrentRawStream(index)
