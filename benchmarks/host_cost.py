@@ -27,7 +27,8 @@ bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 6
 * ``store`` / ``load``: ``kv_ops.OffloadEngine`` per path (kernel, staged, dma, auto; auto's picks
   beside the path, from ``engine.path_counts``) with ids as Python lists, CPU tensors and GPU
   tensors; a call that raises ValueError is recorded as ``refused``. The engine's id checks are
-  its own, as it comes (checks ``engine``).
+  its own, as it comes (checks ``engine``). Each engine first runs untimed store/flush pairs for
+  ``SETTLE_S`` seconds (on the GPU; none with ``--quick``).
 * ``poll``: ids ``after store``: one ``poll()`` right after a store of the blocks (CPU-tensor ids),
   call-to-done from the store's call to the first ``poll()`` that reports it; ``idle``: nothing
   in flight. ``flush``: ``after store``: ``flush()`` right after such a store (its host time
@@ -79,6 +80,10 @@ PATHS = ("kernel", "staged", "dma", "auto")
 REPS, QUICK_REPS = 40, 10
 WARM, QUICK_WARM = 3, 2
 SERVE_TIMEOUT = 30.0  # seconds a poll or an offload step may take before the row fails
+# Untimed store/flush pairs after each engine is made, before its rows. On the H200 (2026-12-01)
+# the host thread ran about twice as slow for the first rows after the auto engine's crossover
+# sweep, its idle poll() too, then recovered: without this its rows charged that to the path.
+SETTLE_S, QUICK_SETTLE_S = 2.0, 0.0
 FAILURES: list[str] = []
 COLUMNS = [
     "call", "path", "dir", "ids", "checks", "blocks", "bytes", "family", "status", "picked", "reps",
@@ -99,6 +104,7 @@ class Config:
     ple_dim: int
     ple_vocab: int
     ple_tokens: int
+    settle_s: float = 0.0  # see SETTLE_S
 
     @property
     def cuda(self) -> bool:
@@ -119,7 +125,9 @@ def make_config(args) -> Config:
     reps = args.reps or (QUICK_REPS if quick else REPS)
     warm = QUICK_WARM if quick else WARM
     if torch.cuda.is_available():
-        return Config(torch.device("cuda", torch.cuda.current_device()), (16, 8, 256), 512, reps, warm, 8, 256, 8192, 8)
+        device = torch.device("cuda", torch.cuda.current_device())
+        settle = QUICK_SETTLE_S if quick else SETTLE_S
+        return Config(device, (16, 8, 256), 512, reps, warm, 8, 256, 8192, 8, settle)
     return Config(torch.device("cpu"), (4, 64), 128, reps, warm, 2, 64, 512, 4)
 
 
@@ -483,12 +491,21 @@ class Bench:
             rows.append(self.row(call=name, **base, **(stats | dict(done_p50_us=None, done_p90_us=None))))
         return rows
 
+    def settle(self, engine) -> None:
+        """Untimed 16-block store/flush pairs for ``cfg.settle_s`` seconds (see SETTLE_S)."""
+        g, h = self.draw(16)[0]
+        deadline = time.perf_counter() + self.cfg.settle_s
+        while time.perf_counter() < deadline:
+            engine.store(g, h)
+            engine.flush()
+
     def engine_rows(self, path: str) -> list[dict]:
         began = time.perf_counter()
         engine = self.engine(path)
         made = time.perf_counter() - began
         rows = []
         try:
+            self.settle(engine)
             for n in BLOCKS:
                 for direction in ("store", "load"):
                     for ids_kind in self.cfg.ids_kinds(engine=True):
