@@ -461,15 +461,21 @@ class _Gates:
         go = self._event() if self.free.empty() else self.free.get()
         loads = self.loads
         gates = loads._handle
-        with driver_context(self.device):
-            wait_event(gates, ready)
-            record_event(self.tail, self.load_handle)
-            wait_event(gates, self.tail)
-            record_event(go, gates)
-            for layer, event in enumerate(loads.events):
-                wait_value_geq(gates, self.base + 4 * layer, seq)
-                record_event(event, gates)
-            done = loads.engine._events[Direction.LOAD].record(loads._stream, gates)
+        try:
+            with driver_context(self.device):
+                wait_event(gates, ready)
+                record_event(self.tail, self.load_handle)
+                wait_event(gates, self.tail)
+                record_event(go, gates)
+                for layer, event in enumerate(loads.events):
+                    wait_value_geq(gates, self.base + 4 * layer, seq)
+                    record_event(event, gates)
+                done = loads.engine._events[Direction.LOAD].record(loads._stream, gates)
+        except BaseException:
+            # Some layer events may already sit behind this start's gates, and no copy will
+            # open them: the worker opens them all, after the jobs before this one.
+            self.jobs.put((seq, None, None, None))
+            raise
         self.jobs.put((seq, plans, go, done))
         return done
 
@@ -480,6 +486,9 @@ class _Gates:
         copy = self.launcher.handle.value
         while (job := self.jobs.get()) is not None:
             seq, plans, go, done = job
+            if plans is None:  # a start that failed while it recorded its gates
+                self._open(0, seq)
+                continue
             opened = 0
             try:
                 with driver_context(self.device):
@@ -491,11 +500,16 @@ class _Gates:
                         opened = layer + 1
             except BaseException as error:  # reported with the transfer; the step must not hang
                 self.failures[id(done)] = error
-                try:
-                    self.copy_stream.synchronize()
-                except BaseException:
-                    pass  # a sticky device error: every wait on this device fails rather than hangs
-                self.flags[opened:] = seq
+                self._open(opened, seq)
+
+    def _open(self, first: int, seq: int) -> None:
+        """Open the gates of layers ``first`` on from the host, once the copy stream has drained
+        (an earlier start's write of a word, landing after this one, would shut it again)."""
+        try:
+            self.copy_stream.synchronize()
+        except BaseException:
+            pass  # a sticky device error: every wait on this device fails rather than hangs
+        self.flags[first:] = seq
 
     def stop(self) -> None:
         """End the worker once its queue is done."""

@@ -344,6 +344,34 @@ def test_gpu_a_failed_dma_copy_is_reported_with_its_transfer_and_never_hangs_the
 
 
 @gpu
+def test_gpu_a_dma_start_that_fails_among_its_gates_raises_and_leaves_no_gate_shut(monkeypatch):
+    from kv_ops.transfer import layerwise as layerwise_mod
+
+    engine, loads, model = make("cuda", num_layers=3, name="lw-gate-submit", copies="dma")
+    try:
+        real, calls = layerwise_mod.wait_value_geq, []
+
+        def failing(*args):
+            calls.append(args)
+            if len(calls) == 2:  # layer 0's event already sits behind its gate
+                raise RuntimeError("cuStreamWaitValue32 failed: injected")
+            real(*args)
+
+        monkeypatch.setattr(layerwise_mod, "wait_value_geq", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            loads.start([1, 2], [3, 4])
+        monkeypatch.setattr(layerwise_mod, "wait_value_geq", real)
+        model(torch.randn(2, 32, device="cuda"), torch.tensor([3, 4], device="cuda"))
+        torch.cuda.synchronize()  # returns: the worker opened the gate it was left behind
+        assert engine.flush().loads == []  # the failed start was never a transfer
+        later = loads.start([5], [6])
+        assert engine.flush().loads == [later]
+    finally:
+        loads.close()
+        engine.close()
+
+
+@gpu
 @pytest.mark.parametrize("copies", COPIES)
 def test_gpu_ids_are_refused_because_the_copies_are_planned_on_the_host(copies):
     engine, loads, model = make("cuda", name="lw-gpu-ids", copies=copies)
