@@ -31,6 +31,9 @@ RUN = 16
 CALLS = 4
 MAX_CALL_BYTES = 64 << 20
 TOLERANCE = 0.05
+# Call sizes up to which :meth:`Crossover.pick` remembers whether the pick depends on the runs
+# (at most this many choices, once per size; above it the runs are counted every call).
+RUN_FREE_BLOCKS = 64
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class Crossover:
     # Per direction, the measured points: (log2 blocks, log2 mean run length, the cells there).
     # Built on the first choice: every call makes one, so it must not rescan the cells.
     _grid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (direction, blocks) -> the pick if every run count gives it, else "" (see pick()).
+    _run_free: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _points(self, direction: Direction) -> list[tuple[float, float, list[Cell]]]:
         points = self._grid.get(direction)
@@ -95,6 +100,23 @@ class Crossover:
         engines = [c for c in cells if copy_engines[c.path] and c.gbps >= (1 - TOLERANCE) * best]
         # The fastest; on an exact tie, the path named first in PATH_NAMES.
         return max(engines or cells, key=lambda c: (c.gbps, -PATH_NAMES.index(c.path))).path
+
+    def pick(self, direction: Direction, blocks: int, runs, copy_engines: dict[str, bool]) -> str | None:
+        """:meth:`choose` for a call of ``blocks`` blocks, asking ``runs()`` (its run count) only
+        where the answer depends on it. Counting the runs of a call's ids costs more host time
+        than the choice (about 7 us against 5 on the H200's host); for most call sizes every
+        run count gives one answer, found once per size (up to :data:`RUN_FREE_BLOCKS` blocks)
+        and kept. ``copy_engines`` must be the same mapping at every call (the engine's)."""
+        if blocks <= RUN_FREE_BLOCKS:
+            key = (direction, blocks)
+            name = self._run_free.get(key)
+            if name is None:
+                answers = {self.choose(direction, blocks, r, copy_engines) for r in range(1, max(blocks, 1) + 1)}
+                only = answers.pop() if len(answers) == 1 else None
+                name = self._run_free[key] = only or ""  # "": ask the runs each time
+            if name:
+                return name
+        return self.choose(direction, blocks, runs(), copy_engines)
 
     def table(self) -> str:
         """The measured cells as a markdown table, one row per (direction, blocks, runs), with the pick."""

@@ -328,7 +328,8 @@ class OffloadEngine:
             if not blocks.on_host:
                 name = "kernel"  # the one path whose kernel reads both sides' ids
             elif self.crossover is not None:
-                name = self.crossover.choose(blocks.direction, blocks.count, blocks.num_runs, COPY_ENGINES)
+                # The runs are counted only where the pick depends on them.
+                name = self.crossover.pick(blocks.direction, blocks.count, lambda: blocks.num_runs, COPY_ENGINES)
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
         return self.paths[name]
 

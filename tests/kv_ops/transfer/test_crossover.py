@@ -13,12 +13,16 @@ import os
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops.transfer import crossover as crossover_mod
 from kv_ops.transfer.crossover import COUNTS, RUN, TOLERANCE, Cell, Crossover, measure, shape_key
+from kv_ops.transfer.dma import count_runs
 from kv_ops.transfer.paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
 gpu = pytest.mark.gpu
@@ -116,6 +120,42 @@ def test_a_copy_engine_path_within_5_percent_of_the_fastest_wins(rates, engines,
     assert TOLERANCE == 0.05
     x = Crossover(dict(KEY), cells_of("store", 32, 32, **rates))
     assert x.choose(STORE, 32, 32, engines) == pick
+
+
+def test_pick_counts_the_runs_only_where_they_change_the_choice():
+    x = sample_crossover()
+
+    def never():
+        raise AssertionError("counted the runs of a call whose pick does not depend on them")
+
+    assert x.pick(STORE, 4, never, COPY_ENGINES) == "kernel"
+    assert x.pick(STORE, 4, never, COPY_ENGINES) == "kernel"  # remembered
+    # 64 stores: random ids are nearest the 256-random cell (staged), runs of 16 the runs cell (dma).
+    asked = []
+    assert x.pick(STORE, 64, lambda: asked.append(64) or 64, COPY_ENGINES) == "staged"
+    assert x.pick(STORE, 64, lambda: asked.append(4) or 4, COPY_ENGINES) == "dma"
+    assert asked == [64, 4]
+    # Beyond RUN_FREE_BLOCKS the runs are always counted.
+    assert x.pick(LOAD, crossover_mod.RUN_FREE_BLOCKS + 1, lambda: asked.append("big") or 1, COPY_ENGINES) == "dma"
+    assert asked[-1] == "big"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rates=st.lists(st.floats(1.0, 100.0), min_size=9, max_size=9),
+    direction=st.sampled_from([STORE, LOAD]),
+    ids=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), max_size=80, unique_by=lambda t: t[0]),
+)
+def test_pick_is_choose_with_the_calls_own_run_count(rates, direction, ids):
+    cells = []
+    for i, (blocks, runs) in enumerate([(4, 4), (32, 32), (64, 4)]):
+        k, s_, d = rates[3 * i : 3 * i + 3]
+        cells += cells_of(direction.value, blocks, runs, kernel=k, staged=s_, dma=d)
+    x = Crossover(dict(KEY), cells)
+    gpu = np.array([g for g, _ in ids], dtype=np.int64)
+    host = np.array([h for _, h in ids], dtype=np.int64)
+    runs = count_runs(gpu, host)
+    assert x.pick(direction, len(ids), lambda: runs, COPY_ENGINES) == x.choose(direction, len(ids), runs, COPY_ENGINES)
 
 
 def test_the_table_shows_every_cell_and_the_pick():
