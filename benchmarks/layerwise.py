@@ -102,19 +102,6 @@ class Captured:
         self.graph.replay()
 
 
-def timed(fn, reps: int) -> float:
-    """Median microseconds of ``fn()`` followed by a device sync, after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
 def interleaved(fns: dict, reps: int) -> dict:
     """Median microseconds of each ``fn()`` followed by a device sync, run in turn ``reps`` times
     after one warm-up each: the long step's clock drifts by 10-20% over a run (power and heat),
@@ -130,6 +117,11 @@ def interleaved(fns: dict, reps: int) -> dict:
             torch.cuda.synchronize()
             times[key].append((time.perf_counter() - t0) * 1e6)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def timed(fn, reps: int) -> float:
+    """Median microseconds of ``fn()`` followed by a device sync, after one warm-up."""
+    return interleaved({"fn": fn}, reps)["fn"]
 
 
 def graph_time(graphs: dict, reps: int) -> dict:

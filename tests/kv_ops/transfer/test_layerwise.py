@@ -2,6 +2,7 @@
 bookkeeping, and every refusal. Compile, capture and AOT reload are in compile_tests."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -305,7 +306,9 @@ def test_gpu_dma_start_returns_before_its_copies_are_issued_and_the_step_still_w
         host_ids, gpu_ids = [40, 3, 17, 9, 22], [30, 1, 12, 4, 7]
         read_ids = torch.tensor([30, 1, 12, 4, 7, 5], device="cuda")
         want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)
+        began = time.monotonic()
         tid = loads.start(host_ids, gpu_ids)
+        assert time.monotonic() - began < 2.5, "start waited for the worker to issue the copies"
         _, reads = model(torch.randn(2, 32, device="cuda"), read_ids)  # enqueued behind shut gates
         assert engine.poll().loads == []
         held.set()
