@@ -103,7 +103,8 @@ class driver_context:
         self._switch = torch.cuda.device(device)
         self._switch.__enter__()
         if device not in bound:  # once per thread and device
-            torch.empty(1, device=device)
+            torch.empty(1, device=device)  # torch creates the primary context (once per process)
+            _bind_primary_context(torch.cuda.current_device() if index is None else index)
             bound.add(device)
 
     def __exit__(self, *exc) -> None:
@@ -114,6 +115,31 @@ class driver_context:
 
 # Per thread: the devices whose primary context torch has created and bound here.
 _bound = threading.local()
+
+
+@functools.cache
+def _primary_context(index: int) -> int:
+    # Retained once per process and never released: torch keeps the primary context alive for
+    # the process anyway, so the reference only spares a driver call per thread.
+    drv = driver()
+    (dev,) = check_driver(drv.cuDeviceGet(index), "cuDeviceGet")
+    (ctx,) = check_driver(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    return int(ctx)
+
+
+def _bind_primary_context(index: int) -> None:
+    """Make device ``index``'s primary context current on this thread for the driver API.
+
+    On a fresh thread whose runtime device already is ``index`` (device 0, by default), torch
+    never calls ``cudaSetDevice`` and the runtime binds its context only inside runtime calls:
+    the thread's driver context stays null, and a driver call that resolves addresses through it
+    fails (``cuMemcpyBatchAsync`` returns ``CUDA_ERROR_INVALID_VALUE``). Measured on the H200.
+    """
+    drv = driver()
+    (current,) = check_driver(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    primary = _primary_context(index)
+    if int(current) != primary:
+        check_driver(drv.cuCtxSetCurrent(drv.CUcontext(primary)), "cuCtxSetCurrent")
 
 
 def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
@@ -182,29 +208,6 @@ def wait_event(stream: int, event: torch.cuda.Event, external: bool = False) -> 
     if handle:
         flags = CU_EVENT_WAIT_EXTERNAL if external else 0
         check_code(_event_calls()[1](stream, handle, flags), "cuStreamWaitEvent")
-
-
-@functools.cache
-def _value_calls():
-    wait = c_function("cuStreamWaitValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
-    write = c_function("cuStreamWriteValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
-    return wait, write
-
-
-CU_STREAM_WAIT_VALUE_GEQ = 0x0  # (int32_t)(*addr - value) >= 0: cyclic, so a sequence may wrap
-
-
-def wait_value_geq(stream: int, address: int, value: int) -> None:
-    """Make the raw ``stream`` wait until the 32-bit word at device ``address`` has reached
-    ``value`` (compared cyclically). Unlike an event wait, the word is read when the wait runs
-    on the GPU, so whatever writes it may be enqueued later, on any stream, or be the host."""
-    check_code(_value_calls()[0](stream, address, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
-
-
-def write_value(stream: int, address: int, value: int) -> None:
-    """Write the 32-bit ``value`` to device ``address`` once the work before it on the raw
-    ``stream`` has finished (with a memory barrier: that work's writes are visible first)."""
-    check_code(_value_calls()[1](stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
 
 
 def current_stream_handle(index: int) -> int:

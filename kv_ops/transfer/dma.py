@@ -251,9 +251,11 @@ class Launcher:
         self.device = stream.device
         self.handle = ctypes.c_void_p(stream.cuda_stream)
         self._batch, self._memcpy, version = _entry_points()
-        attrs, first = _stream_order_attributes(PREFER_OVERLAP_WITH_COMPUTE)
+        # Held for the launcher's life: the driver reads the attribute struct at every call, and
+        # it lives inside the cuda-bindings object (a bare getPtr() would dangle once it is freed).
+        self._attrs, self._first = _stream_order_attributes(PREFER_OVERLAP_WITH_COMPUTE)
         # The arguments after the three descriptor arrays and the count, in the driver's order.
-        self._tail = [_P(attrs.getPtr()), ctypes.cast(first, _P), 1]
+        self._tail = [_P(self._attrs.getPtr()), ctypes.cast(self._first, _P), 1]
         if version == 12080:
             self._fail_index = ctypes.c_size_t(0)
             self._tail.append(ctypes.cast(ctypes.pointer(self._fail_index), _P))

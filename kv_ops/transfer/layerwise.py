@@ -8,28 +8,21 @@ The mechanism, and why:
   ways, by ``copies=``:
 
   - ``"dma"``: the copy engines. :meth:`LayerwiseLoads.start` plans one descriptor per (block,
-    region) in one numpy broadcast; a worker thread of this object issues them, one
-    ``cuMemcpyBatchAsync`` per layer on a copy stream of its own. No SMs, but the driver costs
-    about 0.5-1 us of host time per descriptor (measured on the H200: 16 ms for 512 blocks of 32
-    layers), which must not sit between ``start`` and the replay: issued there, the step began
-    only after every descriptor and the layer-wise step took that time plus the compute. So the
-    layer events are recorded at ``start``, each behind a **gate**: a stream of this object
-    waits (``cuStreamWaitValue32``) for layer ``i``'s word in a page-locked, device-mapped array
-    to reach this start's sequence number, then records layer ``i``'s event. The worker writes
-    that word (``cuStreamWriteValue32``, after the layer's copies on its copy stream). A gate
-    reads its word when it runs on the GPU, so copies enqueued after the replay's launch still
-    open it; an event wait would not see them.
+    region) in one numpy broadcast and issues one ``cuMemcpyBatchAsync`` per layer, each
+    followed by a record of that layer's event. No SMs, but the driver costs about 0.5-1 us of
+    host time per descriptor (measured on the H200: 16 ms for 512 blocks of 32 layers), and that
+    time sits between ``start`` and the replay. Issuing from a worker thread after ``start``
+    returned, behind gates the step waited on (``cuStreamWaitValue32``), was built and measured
+    on the H200, and deadlocked: a host thread that blocks on the step (``.cpu()`` of its output)
+    while a gate is shut keeps the worker's ``cuMemcpyBatchAsync`` from returning. So the
+    descriptors are issued by ``start`` itself, on the caller's thread.
   - ``"kernel"``: the zero-copy block-copy kernel, reading the mirror through its device
     address, on at most 8 SMs. One captured kernel per layer, all reading one id block that the
     first one copies in from a page-locked twin: a start writes the twin, then launches one
-    graph and records one event per layer, whatever the number of blocks. They run on a
-    **high-priority stream of their own**: the step's matmuls queue thousands of thread blocks,
-    and on the engine's low-priority load stream the copy's blocks were scheduled only in the
-    gaps between them (0.55 of the load hidden where load and step are equal, on the H200).
-    With the higher priority the block scheduler places the copy's few blocks first as SMs free
-    up, so it streams at the link while the matmuls keep the other SMs. The stream is bridged
-    to the engine's: it waits for the load stream's tail before the copies, and the engine
-    orders its next load of another path after this one's completion event.
+    graph and records one event per layer, whatever the number of blocks. (A high-priority
+    stream of their own, for the block scheduler to place the copy's few blocks before the
+    matmuls', was measured on the H200: no more of the load hidden, 0.48 against 0.55 at 512
+    blocks.)
 * **The step waits on the events.** ``wait_layer`` makes the current stream wait on layer
   ``i``'s event. Eagerly that is ``cuStreamWaitEvent``; during a capture the same call with
   ``CU_EVENT_WAIT_EXTERNAL`` becomes an event-wait node, which at every replay waits for the
@@ -51,25 +44,13 @@ counts (:attr:`LayerwiseLoads.waits`).
 from __future__ import annotations
 
 import ctypes
-import queue
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .. import capture, kernels
-from ..driver import (
-    c_function,
-    check_code,
-    current_stream_handle,
-    device_pointer,
-    driver_context,
-    record_event,
-    wait_event,
-    wait_value_geq,
-    write_value,
-)
+from ..driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
 from ..host_memory import lasting_copy, pinned_empty
 from ..validation import error_counter
 from . import dma
@@ -145,12 +126,6 @@ class _LayerPath(EventPath):
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready)
 
-    def reported(self, direction: Direction, done: torch.cuda.Event | None):
-        gates = self.loads._gates
-        error = gates.failure(done) if gates is not None and done is not None else None
-        super().reported(direction, done)
-        return error
-
 
 class LayerwiseLoads:
     """Loads host blocks into GPU blocks layer by layer, for a compiled and captured step.
@@ -178,7 +153,7 @@ class LayerwiseLoads:
     copies : {"kernel", "dma"}
         What moves the bytes on a GPU engine: the zero-copy kernel (a few graph launches per
         start, at most 8 SMs while it runs) or the copy engines (no SMs; a driver descriptor per
-        block and region, issued by a worker thread of this object after ``start`` returns). See
+        block and region, issued by ``start``: about 0.5-1 us of host time each). See
         the module's docstring; ``benchmarks/layerwise.py`` measures both.
 
     Attributes
@@ -237,20 +212,18 @@ class LayerwiseLoads:
         self.copies = copies
         self._path = _LayerPath(self)
         engine.path_counts.setdefault(self._path.name, 0)
-        self._stream = self._gates = None
+        self._stream = None
         if self.device.type == "cuda":
             load_stream = engine._streams[Direction.LOAD]
-            # Where the layer events are recorded: the kernels' stream (the engine's load stream:
-            # in issue order with its other loads), or the gates' stream of the copy engines.
-            # (A high-priority stream of its own for the kernels was measured on the H200: no
-            # more of the load hidden, 0.48 against 0.55 at 512 blocks.)
-            self._stream = load_stream if copies == "kernel" else torch.cuda.Stream(self.device)
-            self._handle = self._stream.cuda_stream
+            # Either mechanism runs on the engine's load stream: in issue order with its other
+            # loads, so a later load of the same GPU blocks lands after this one's.
+            self._stream = load_stream
+            self._handle = load_stream.cuda_stream
             self.events = [torch.cuda.Event() for _ in range(self.num_layers)]
             for event in self.events:  # recorded once, so that each exists for the raw calls
                 event.record(self._stream)
             if copies == "dma":
-                self._gates = _Gates(self, load_stream)
+                self._launcher = dma.Launcher(load_stream)
             else:
                 bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
                 capacity = engine.num_blocks  # a load's GPU ids are distinct
@@ -287,7 +260,9 @@ class LayerwiseLoads:
         ValueError
             Bad ids, before any byte moves (the engine's checks and words).
         RuntimeError
-            During a CUDA-graph capture (start it before the replay instead).
+            During a CUDA-graph capture (start it before the replay instead); or a driver call
+            failed while issuing (``copies="dma"``): no transfer is made, and the layers that
+            it did not reach keep their last load, so do not replay a step that reads them.
         EngineClosedError
             After the engine or this object was closed.
         """
@@ -321,7 +296,13 @@ class LayerwiseLoads:
             for plan in plans:
                 dma.run_on_host(plan)
             return None
-        return self._gates.submit(plans, ready)
+        launcher, handle = self._launcher, self._handle
+        with driver_context(self.device):
+            wait_event(handle, ready)
+            for plan, event in zip(plans, self.events):
+                launcher(plan)
+                record_event(event, handle)  # layer i's copies, and every earlier layer's
+            return self.engine._events[Direction.LOAD].record(self._stream, handle)
 
     def _enqueue_kernels(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event:
         n, handle = host.size, self._handle
@@ -370,8 +351,6 @@ class LayerwiseLoads:
         it once the instance is gone."""
         if _registry.get(self.name) is self:
             del _registry[self.name]
-            if self._gates is not None:
-                self._gates.stop()  # once its queue is done: every gate has been opened
             if self._stream is not None:
                 self._stream.synchronize()  # rare, and what keeps the twins alive while read
 
@@ -412,109 +391,6 @@ class _LayerKernels:
                     graph.capture_end()
                 self.graphs.append(graph)
         self.execs = [g.raw_cuda_graph_exec() for g in self.graphs]
-
-
-class _Gates:
-    """``copies="dma"`` on a GPU: the layer events recorded at ``start`` behind gates that a
-    worker thread opens as it issues each layer's copies (see the module's docstring).
-
-    Ordering. At ``start`` the gates' stream waits for ``ready`` (the copies' readers) and for
-    the engine's load stream (every load issued before, which the engine has bridged to), then
-    records a ``go`` event; the worker's copies wait for ``go``. Waits are enqueued at once, so
-    they hold the records of this call whatever the caller records afterwards (a ``ready`` event
-    the caller records again each step, say); ``go`` is one of a free list, given back once the
-    worker's wait on it is enqueued. The completion event is recorded after the last gate: every
-    copy of the start has landed by then, so the engine orders its next load of another path
-    after it.
-
-    Never a hang. A failed copy call is reported with the transfer (``engine.poll().failed``),
-    and the gates it left shut are opened from the host once the copy stream has drained (so no
-    earlier write of the same word can land after it and shut it again).
-    """
-
-    def __init__(self, loads: LayerwiseLoads, load_stream: torch.cuda.Stream):
-        self.loads, self.device = loads, loads.device
-        self.load_handle = load_stream.cuda_stream
-        lowest, _ = torch.cuda.Stream.priority_range()
-        self.copy_stream = torch.cuda.Stream(self.device, priority=lowest)
-        self.launcher = dma.Launcher(self.copy_stream)  # the worker's alone (it keeps call state)
-        self.words = pinned_empty(loads.num_layers, dtype=torch.int32)
-        self.words.zero_()
-        self.flags = self.words.numpy().view(np.uint32)
-        self.base = device_pointer(self.words)
-        self.seq = 0  # the last start's sequence number; its gates open at that value
-        self.tail = self._event()  # the load stream's tail, waited for at once
-        self.free: queue.SimpleQueue = queue.SimpleQueue()  # go events the worker is done with
-        self.failures: dict[int, BaseException] = {}  # by id() of the completion event
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._work, name=f"kv_ops-layerwise-{loads.name}", daemon=True)
-        self.thread.start()
-
-    def _event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(self.loads._stream)  # recorded once, so that it exists for the raw calls
-        return event
-
-    def submit(self, plans: list, ready: torch.cuda.Event) -> torch.cuda.Event:
-        """Record the gated layer events and the completion event now; queue the copies."""
-        self.seq = seq = (self.seq + 1) & 0xFFFFFFFF
-        go = self._event() if self.free.empty() else self.free.get()
-        loads = self.loads
-        gates = loads._handle
-        try:
-            with driver_context(self.device):
-                wait_event(gates, ready)
-                record_event(self.tail, self.load_handle)
-                wait_event(gates, self.tail)
-                record_event(go, gates)
-                for layer, event in enumerate(loads.events):
-                    wait_value_geq(gates, self.base + 4 * layer, seq)
-                    record_event(event, gates)
-                done = loads.engine._events[Direction.LOAD].record(loads._stream, gates)
-        except BaseException:
-            # Some layer events may already sit behind this start's gates, and no copy will
-            # open them: the worker opens them all, after the jobs before this one.
-            self.jobs.put((seq, None, None, None))
-            raise
-        self.jobs.put((seq, plans, go, done))
-        return done
-
-    def failure(self, done: torch.cuda.Event) -> BaseException | None:
-        return self.failures.pop(id(done), None)
-
-    def _work(self) -> None:
-        copy = self.launcher.handle.value
-        while (job := self.jobs.get()) is not None:
-            seq, plans, go, done = job
-            if plans is None:  # a start that failed while it recorded its gates
-                self._open(0, seq)
-                continue
-            opened = 0
-            try:
-                with driver_context(self.device):
-                    wait_event(copy, go)
-                    self.free.put(go)
-                    for layer, plan in enumerate(plans):
-                        self.launcher(plan)
-                        write_value(copy, self.base + 4 * layer, seq)
-                        opened = layer + 1
-            except BaseException as error:  # reported with the transfer; the step must not hang
-                self.failures[id(done)] = error
-                self._open(opened, seq)
-
-    def _open(self, first: int, seq: int) -> None:
-        """Open the gates of layers ``first`` on from the host, once the copy stream has drained
-        (an earlier start's write of a word, landing after this one, would shut it again)."""
-        try:
-            self.copy_stream.synchronize()
-        except BaseException:
-            pass  # a sticky device error: every wait on this device fails rather than hangs
-        self.flags[first:] = seq
-
-    def stop(self) -> None:
-        """End the worker once its queue is done."""
-        self.jobs.put(None)
-        self.thread.join()
 
 
 def _graph_launch():

@@ -73,3 +73,39 @@ def test_no_module_imports_the_bindings_but_kv_ops_driver():
         if path != ROOT / "kv_ops" / "driver.py" and inline.search(path.read_text())
     ]
     assert not offenders, f"import the driver through kv_ops.driver, not directly: {offenders}"
+
+
+@pytest.mark.gpu
+def test_a_fresh_thread_issues_driver_copies_inside_driver_context():
+    # A fresh thread's runtime device already is cuda:0, so torch binds no driver context there;
+    # without driver_context binding the primary one, cuMemcpyBatchAsync failed with
+    # CUDA_ERROR_INVALID_VALUE (the gated layer-wise copies run on such a thread).
+    import threading
+
+    import numpy as np
+
+    from kv_ops.transfer import dma
+
+    torch.cuda.init()
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8).pin_memory()
+    dst = torch.full((1 << 16,), 7, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    plan = dma.Plan(*(np.array([v], dtype=np.int64) for v in (dst.data_ptr(), src.data_ptr(), src.numel())))
+    outcome = {}
+
+    def work():
+        try:
+            with driver_module.driver_context(torch.device("cuda", 0)):
+                (outcome["context"],) = driver_module.check_driver(driver_module.driver().cuCtxGetCurrent(), "get")
+            dma.launch(plan, stream)
+            stream.synchronize()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in outcome, outcome.get("error")
+    (main,) = driver_module.check_driver(driver_module.driver().cuCtxGetCurrent(), "get")
+    assert int(outcome["context"]) == int(main) != 0
+    assert torch.equal(dst.cpu(), src)
