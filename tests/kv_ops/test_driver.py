@@ -79,7 +79,7 @@ def test_no_module_imports_the_bindings_but_kv_ops_driver():
 def test_a_fresh_thread_issues_driver_copies_inside_driver_context():
     # A fresh thread's runtime device already is cuda:0, so torch binds no driver context there;
     # without driver_context binding the primary one, cuMemcpyBatchAsync failed with
-    # CUDA_ERROR_INVALID_VALUE (the gated layer-wise copies run on such a thread).
+    # CUDA_ERROR_INVALID_VALUE (measured on the H200, from a worker thread of layer-wise loads).
     import threading
 
     import numpy as np
