@@ -64,6 +64,7 @@ from decode_report import report
 from decode_scheduler import Run, Scheduler, blocks_needed, make_sequences, pressure_blocks
 
 RESUME_MODES = ("layerwise", "flush")
+WARM_REPEATS = 10  # replays of a run's stores for their back-to-back baseline (warm_stores)
 
 # --- a run --------------------------------------------------------------------------------------
 
@@ -220,11 +221,29 @@ def pressure_runs(step: Step, built: Built, cfg: Config, runs, disk: str | None,
                 label=f"{label}, KV pressure, {tier}, resume {mode}",
             )
             run.traffic.paths = {k: n - before.get(k, 0) for k, n in engine.path_counts.items()}
+            warm_stores(engine, run.traffic)
         finally:
             if engine is not built.engine:
                 engine.close()
         out.append((tier, mode, run))
     return out
+
+
+def warm_stores(engine: kv_ops.OffloadEngine, traffic, repeats: int = WARM_REPEATS) -> None:
+    """Replay the run's stores (same ids, same engine, same process) back to back, each flushed,
+    ``repeats`` times: the host time of a store when nothing runs between calls, the same-run
+    baseline for the in-loop stores (which come between steps, scheduler work and syncs). Run
+    after the decode, when every host block is free again; a store only reads the GPU blocks."""
+    for _ in range(repeats):
+        for gpu, host in traffic.stores:
+            start = time.perf_counter()
+            engine.store(gpu, host)
+            called = time.perf_counter()
+            report = engine.flush()
+            traffic.warm_store_flush_times.append(time.perf_counter() - start)
+            traffic.warm_store_call_times.append(called - start)
+            if report.failed:
+                raise RuntimeError(f"replayed store failed: {report.failed}")
 
 
 def pressure_plan(args, both: bool) -> list[tuple[str, str]]:

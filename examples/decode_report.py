@@ -73,6 +73,14 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
         if kv.start_times:
             line += f"; per layer-wise load, {_us(kv.start_times)} us inside LayerwiseLoads.start"
         print(line)
+        if kv.warm_store_call_times:
+            warm = percentile(kv.warm_store_call_times, 0.5)
+            print(
+                f"  the same {len(kv.stores)} stores replayed back to back on this engine after the run "
+                f"({len(kv.warm_store_call_times)} calls): {_us(kv.warm_store_call_times)} us inside engine.store, "
+                f"{_us(kv.warm_store_flush_times)} us call to flush; in the loop {_us(kv.store_call_times)} us inside "
+                f"engine.store, {percentile(kv.store_call_times, 0.5) / warm:.2f}x the replayed median"
+            )
         if link is not None:
             ratios = f"store {store / link.d2h_gbps:.2f}" + (
                 f", load {load / link.h2d_gbps:.2f}" if mode == "flush" else ""

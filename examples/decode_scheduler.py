@@ -54,6 +54,12 @@ class KVTraffic:
     # work), and from the call to the end of its flush.
     call_times: list[float] = field(default_factory=list)
     flush_times: list[float] = field(default_factory=list)
+    # Per store (a preemption): its (gpu_ids, host_ids), and seconds inside engine.store; and the
+    # same stores replayed back to back on the engine after the run (see decode_loop.warm_stores).
+    stores: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    store_call_times: list[float] = field(default_factory=list)
+    warm_store_call_times: list[float] = field(default_factory=list)
+    warm_store_flush_times: list[float] = field(default_factory=list)
     # Per layer-wise load: seconds inside LayerwiseLoads.start (host work; the copies go on).
     start_times: list[float] = field(default_factory=list)
     # Per step that resumed a sequence: from the call that loads its blocks (start, or load)
@@ -142,6 +148,8 @@ class Scheduler:
         self.traffic.store_seconds += self._wait_for(
             f"storing the blocks of sequence {seq.index}", lambda: self.engine.store(seq.blocks, host)
         )
+        self.traffic.stores.append((list(seq.blocks), host))
+        self.traffic.store_call_times.append(self.traffic.call_times[-1])
         self.traffic.stored_bytes += len(host) * self.engine.block_bytes
         self.traffic.preemptions += 1
         self.free += reversed(seq.blocks)

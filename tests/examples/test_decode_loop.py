@@ -56,6 +56,15 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
     for label in ["layer-wise loads, then the step", "load, flush, then the step"]:
         row = re.search(rf"^\| {label} \| (\d+) \| \d+ \| \d+ \| [\d.]+ \|$", out, re.MULTILINE)
         assert row and int(row.group(1)) >= 1, out
+    # Every pressure run's stores were replayed back to back on its engine, WARM_REPEATS times
+    # each, as the in-loop stores' same-run baseline.
+    replays = re.findall(
+        r"the same (\d+) stores replayed back to back on this engine after the run \((\d+) calls\): .* "
+        r"([\d.]+)x the replayed median",
+        out,
+    )
+    assert len(replays) == len(re.findall(r"^KV pressure, ", out, re.MULTILINE)) >= 2, out
+    assert all(int(calls) == 10 * int(n) >= 10 and float(x) > 0 for n, calls, x in replays), out
     # Both transports ran against the model that holds its table.
     assert "| offload process |" in out and "| host gather |" in out, out
     assert "MISMATCH" not in out, out

@@ -1,7 +1,6 @@
 """kv_ops.LayerwiseLoads and kv_ops.wait_layer, eagerly: the bytes each layer reads, the engine's
 bookkeeping, and every refusal. Compile, capture and AOT reload are in compile_tests."""
 
-
 import numpy as np
 import pytest
 import torch
