@@ -15,6 +15,9 @@ drawn before any timing, distinct destinations, consecutive calls on disjoint bl
   page-locked host memory (store), or one ``copy_`` to the GPU, then ``index_copy_`` per region
   (load); device ids, made before timing; no host-side scatter into mirror rows. The ratios are
   host p50 / baseline host p50 and baseline call-to-done / call-to-done (a bandwidth ratio).
+  ``copy_`` is measured again at each engine, after its settle (rows ``copy_`` with the engine's
+  path): the engine's rows are divided by that floor, so that a host whose speed drifts during
+  the run (on the H200 it ran twice as slow for a whole engine's rows) gives honest ratios.
 
 Rows (the cache: 8 layers K/V-first, ``{f"layer{i}": torch.empty(2, num_blocks, 16, 8, 256,
 bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 64 blocks):
@@ -506,6 +509,9 @@ class Bench:
         rows = []
         try:
             self.settle(engine)
+            for n in BLOCKS:  # this engine's floor, measured next to its rows (see add_baselines)
+                for direction in ("store", "load"):
+                    rows.append(self.copy_baseline(direction, n * self.width) | dict(blocks=n, path=path))
             for n in BLOCKS:
                 for direction in ("store", "load"):
                     for ids_kind in self.cfg.ids_kinds(engine=True):
@@ -642,16 +648,18 @@ def picked(before: dict, after: dict) -> str:
 
 
 def add_baselines(rows: list[dict]) -> None:
-    """Each row's same-run baselines (same family, direction and bytes) and its ratios to them."""
+    """Each row's same-run baselines (same family, direction and bytes) and its ratios to them:
+    the floor measured at the row's own engine where there is one (path), else the run's."""
     found = {}
     for r in rows:
         if r["call"] in ("copy_", "torch") and r["status"] == "ok":
-            found[r["call"], r["family"], r["dir"], r["bytes"]] = r
+            found[r["call"], r["family"], r["dir"], r["bytes"], r["path"]] = r
     for r in rows:
         if r["status"] != "ok" or not r.get("bytes"):
             continue
         for name, call in (("copy", "copy_"), ("torch", "torch")):
-            b = found.get((call, r["family"], r["dir"], r["bytes"]))
+            key = (call, r["family"], r["dir"], r["bytes"])
+            b = found.get((*key, r["path"])) or found.get((*key, "-"))
             if b is None:
                 continue
             r[f"{name}_host_p50_us"] = b["host_p50_us"]
@@ -692,7 +700,8 @@ def markdown(rows: list[dict], cfg: Config, note: str) -> str:
         "idle poll/flush: nothing in flight). host: perf_counter_ns around the call alone, idle device",
         "and engine before it. call-to-done: to the end of torch.cuda.synchronize() (ops, baselines,",
         "PLE), engine.flush() (store/load), the first poll() that reports the store (poll after store);",
-        "flush's is its own duration. copy_: one bare non_blocking copy_ of the same bytes (the floor);",
+        "flush's is its own duration. copy_: one bare non_blocking copy_ of the same bytes (the floor;",
+        "measured again at each engine, path column, and that engine's rows are divided by it);",
         "torch: index_select per region into one packed GPU buffer + one copy_ (store), one copy_ +",
         "index_copy_ per region (load); PLE torch: index_select per host table + one copy_. Ratios:",
         "host p50 / baseline host p50, baseline call-to-done / call-to-done (bandwidth). ids gpu:",

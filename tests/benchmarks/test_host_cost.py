@@ -45,3 +45,36 @@ def test_host_cost_quick_on_the_cpu_writes_every_call(tmp_path):
     assert table.startswith("# Host cost per call"), table[:200]
     assert "| call | path | dir | ids | checks | blocks | host p50 us | host p90 us | call-to-done us |" in table
     assert "# Host cost per call" in out  # printed too
+
+
+def test_an_engine_row_is_divided_by_the_floor_measured_at_its_engine():
+    # The host's speed can drift within a run (on the H200 a whole engine's rows ran twice as
+    # slow): an engine's rows take the copy_ floor measured next to them, the others the run's.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import host_cost
+
+    def row(call, path, host, done=None):
+        return dict(
+            call=call,
+            path=path,
+            family="kv",
+            dir="store",
+            bytes=1 << 20,
+            status="ok",
+            host_p50_us=host,
+            done_p50_us=done,
+        )
+
+    rows = [
+        row("copy_", "-", 7.0, 30.0),
+        row("copy_", "kernel", 14.0, 31.0),
+        row("store", "kernel", 42.0, 62.0),
+        row("store", "staged", 70.0, 60.0),  # no floor at its engine: the run's
+        row("copy_blocks", "-", 49.0, 70.0),
+    ]
+    host_cost.add_baselines(rows)
+    kernel, staged, op = rows[2], rows[3], rows[4]
+    assert kernel["copy_host_p50_us"] == 14.0 and kernel["host_vs_copy"] == 3.0
+    assert kernel["bw_vs_copy"] == 31.0 / 62.0
+    assert staged["copy_host_p50_us"] == 7.0 and staged["host_vs_copy"] == 10.0
+    assert op["copy_host_p50_us"] == 7.0 and op["host_vs_copy"] == 7.0
