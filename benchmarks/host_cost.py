@@ -32,6 +32,14 @@ bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 6
   tensors; a call that raises ValueError is recorded as ``refused``. The engine's id checks are
   its own, as it comes (checks ``engine``). Each engine first runs untimed store/flush pairs for
   ``SETTLE_S`` seconds (on the GPU; none with ``--quick``).
+* regimes: the ``store`` / ``load`` rows with list ids again, each call preceded (after the
+  flush and sync) by what a serving loop does between its calls: ``list, after GPU work`` -- a
+  ``torch.cuda._sleep`` of about 1.5 ms on the caller's stream, then ``torch.cuda.synchronize()``
+  (a step and the sync on its tokens; CUDA only); ``list, after a host sweep`` -- ``SWEEP_BYTES``
+  of host memory read and written by numpy (the host work of a step, which evicts the engine's
+  code and data from the caches). Each regime has its own ``copy_`` floor at that engine, timed
+  after the same disturbance. The decode loop's stores cost 3.3-3.7x inside the loop what they
+  cost replayed back to back on the H200 (2026-12-01); these rows take that apart.
 * ``poll``: ids ``after store``: one ``poll()`` right after a store of the blocks (CPU-tensor ids),
   call-to-done from the store's call to the first ``poll()`` that reports it; ``idle``: nothing
   in flight. ``flush``: ``after store``: ``flush()`` right after such a store (its host time
@@ -69,6 +77,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,9 +96,15 @@ SERVE_TIMEOUT = 30.0  # seconds a poll or an offload step may take before the ro
 # the host thread ran about twice as slow for the first rows after the auto engine's crossover
 # sweep, its idle poll() too, then recovered: without this its rows charged that to the path.
 SETTLE_S, QUICK_SETTLE_S = 2.0, 0.0
+# The regimes' disturbances (see the docstring): GPU clock cycles of the busy kernel (about
+# 1.5 ms at the H200's 1.98 GHz), and the host bytes swept (larger than a host CPU's L2 and its
+# share of L3; the CPU smoke configuration sweeps less).
+BUSY_CYCLES = 3_000_000
+SWEEP_BYTES, QUICK_SWEEP_BYTES = 32 << 20, 1 << 20
+AFTER_GPU, AFTER_SWEEP = "list, after GPU work", "list, after a host sweep"
 FAILURES: list[str] = []
 COLUMNS = [
-    "call", "path", "dir", "ids", "checks", "blocks", "bytes", "family", "status", "picked", "reps",
+    "call", "path", "dir", "ids", "checks", "blocks", "bytes", "family", "regime", "status", "picked", "reps",
     "host_p50_us", "host_p90_us", "done_p50_us", "done_p90_us",
     "copy_host_p50_us", "copy_done_p50_us", "torch_host_p50_us", "torch_done_p50_us",
     "host_vs_copy", "host_vs_torch", "bw_vs_copy", "bw_vs_torch", "note",
@@ -108,10 +123,15 @@ class Config:
     ple_vocab: int
     ple_tokens: int
     settle_s: float = 0.0  # see SETTLE_S
+    sweep_bytes: int = QUICK_SWEEP_BYTES
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def regimes(self) -> tuple[str, ...]:
+        return (AFTER_GPU, AFTER_SWEEP) if self.cuda else (AFTER_SWEEP,)
 
     def ids_kinds(self, engine: bool) -> tuple[str, ...]:
         if engine:
@@ -130,7 +150,8 @@ def make_config(args) -> Config:
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         settle = QUICK_SETTLE_S if quick else SETTLE_S
-        return Config(device, (16, 8, 256), 512, reps, warm, 8, 256, 8192, 8, settle)
+        sweep = QUICK_SWEEP_BYTES if quick else SWEEP_BYTES
+        return Config(device, (16, 8, 256), 512, reps, warm, 8, 256, 8192, 8, settle, sweep)
     return Config(torch.device("cpu"), (4, 64), 128, reps, warm, 2, 64, 512, 4)
 
 
@@ -259,10 +280,19 @@ class Bench:
         self.host_flat = quiet_pinned(flat)
         self.host_flat.zero_()
         self.gen = torch.Generator().manual_seed(0)
+        self.swept = np.ones(cfg.sweep_bytes // 8)  # float64: the host sweep's memory
 
     def sync(self) -> None:
         if self.cfg.cuda:
             torch.cuda.synchronize(self.cfg.device)
+
+    def disturb(self, regime: str) -> None:
+        """What comes before a call in ``regime`` (see the module docstring), after the idle wait."""
+        if regime == AFTER_GPU:
+            torch.cuda._sleep(BUSY_CYCLES)
+            self.sync()
+        elif regime == AFTER_SWEEP:
+            self.swept += 1.0  # one read and one write of every byte, on this thread
 
     def draw(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(GPU ids, host ids) of warm + reps calls of ``n`` blocks: int64 CPU tensors, distinct
@@ -291,16 +321,22 @@ class Bench:
 
     # --- baselines -----------------------------------------------------------------------
 
-    def copy_baseline(self, direction: str, nbytes: int, family: str = "kv") -> dict:
+    def copy_baseline(self, direction: str, nbytes: int, family: str = "kv", regime: str = "") -> dict:
         dev, host = self.dev_flat[:nbytes], self.host_flat[:nbytes]
         if direction == "store":
             call = lambda i: host.copy_(dev, non_blocking=True)  # noqa: E731
         else:
             call = lambda i: dev.copy_(host, non_blocking=True)  # noqa: E731
-        stats = measure(call, self.sync, self.sync, self.cfg.reps, self.cfg.warm)
+
+        def idle():
+            self.sync()
+            self.disturb(regime)
+
+        stats = measure(call, self.sync, idle, self.cfg.reps, self.cfg.warm)
         return self.row(
-            call="copy_", path="-", dir=direction, ids="-", checks="-", bytes=nbytes, family=family, **stats
-        )
+            call="copy_", path="-", dir=direction, ids=regime or "-", checks="-", bytes=nbytes, family=family,
+            regime=regime, **stats,
+        )  # fmt: skip
 
     def torch_baseline(self, direction: str, n: int) -> dict:
         regions = list(self.regions.values())
@@ -415,7 +451,7 @@ class Bench:
                 self.caches, self.cfg.num_blocks, capacity_bytes=self.cfg.num_blocks * self.width, path=path
             )
 
-    def transfer_row(self, engine, path: str, direction: str, ids_kind: str, n: int) -> dict:
+    def transfer_row(self, engine, path: str, direction: str, ids_kind: str, n: int, regime: str = "") -> dict:
         calls = [(self.form(g, ids_kind), self.form(h, ids_kind)) for g, h in self.draw(n)]
         if direction == "store":
             call = lambda i: engine.store(calls[i][0], calls[i][1])  # noqa: E731
@@ -425,10 +461,13 @@ class Bench:
         def idle():
             engine.flush()
             self.sync()
+            self.disturb(regime)
 
+        ids = regime or ids_kind  # a regime's rows take list ids
         base = dict(
-            call=direction, path=path, dir=direction, ids=ids_kind, checks="engine", blocks=n, bytes=n * self.width
-        )
+            call=direction, path=path, dir=direction, ids=ids, checks="engine", blocks=n, bytes=n * self.width,
+            regime=regime,
+        )  # fmt: skip
         before = dict(engine.path_counts)
         try:
             stats = measure(call, engine.flush, idle, self.cfg.reps, self.cfg.warm)
@@ -517,6 +556,12 @@ class Bench:
                     for ids_kind in self.cfg.ids_kinds(engine=True):
                         rows.append(self.transfer_row(engine, path, direction, ids_kind, n))
                 rows += self.poll_flush_rows(engine, path, n)
+            for regime in self.cfg.regimes:  # each after the same disturbance as its own floor
+                for n in BLOCKS:
+                    for direction in ("store", "load"):
+                        floor = self.copy_baseline(direction, n * self.width, regime=regime)
+                        rows.append(floor | dict(blocks=n, path=path))
+                        rows.append(self.transfer_row(engine, path, direction, "list", n, regime))
             rows += self.idle_rows(engine, path)
         finally:
             engine.close()
@@ -648,17 +693,18 @@ def picked(before: dict, after: dict) -> str:
 
 
 def add_baselines(rows: list[dict]) -> None:
-    """Each row's same-run baselines (same family, direction and bytes) and its ratios to them:
-    the floor measured at the row's own engine where there is one (path), else the run's."""
+    """Each row's same-run baselines (same family, direction, bytes and regime) and its ratios to
+    them: the floor measured at the row's own engine where there is one (path), else the run's.
+    A regime's rows have no torch baseline: that is timed idle only."""
     found = {}
     for r in rows:
         if r["call"] in ("copy_", "torch") and r["status"] == "ok":
-            found[r["call"], r["family"], r["dir"], r["bytes"], r["path"]] = r
+            found[r["call"], r["family"], r["dir"], r["bytes"], r.get("regime", ""), r["path"]] = r
     for r in rows:
         if r["status"] != "ok" or not r.get("bytes"):
             continue
         for name, call in (("copy", "copy_"), ("torch", "torch")):
-            key = (call, r["family"], r["dir"], r["bytes"])
+            key = (call, r["family"], r["dir"], r["bytes"], r.get("regime", ""))
             b = found.get((*key, r["path"])) or found.get((*key, "-"))
             if b is None:
                 continue

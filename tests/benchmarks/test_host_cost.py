@@ -37,9 +37,22 @@ def test_host_cost_quick_on_the_cpu_writes_every_call(tmp_path):
     # Every engine path ran, and each transfer row sits beside its same-run baselines.
     assert {r["path"] for r in rows if r["call"] == "store"} == {"kernel", "staged", "dma", "auto"}
     for r in rows:
-        if r["call"] in ("store", "load", "copy_blocks") and r["status"] == "ok":
+        if r["call"] in ("store", "load", "copy_blocks") and r["status"] == "ok" and not r["regime"]:
             assert float(r["copy_host_p50_us"]) > 0 and float(r["torch_host_p50_us"]) > 0, r
             assert float(r["bw_vs_copy"]) > 0, r
+
+    # The regime rows (on the CPU: after a host sweep), each engine's with its own floor.
+    for path in ("kernel", "staged", "dma", "auto"):
+        for direction in ("store", "load"):
+            regime = [
+                r for r in rows if (r["call"], r["path"], r["ids"]) == (direction, path, "list, after a host sweep")
+            ]
+            assert len(regime) == 4 and all(r["status"] == "ok" for r in regime), (path, direction, regime)
+            for r in regime:
+                assert r["regime"] == "list, after a host sweep", r
+                assert float(r["host_vs_copy"]) > 0 and not r["torch_host_p50_us"], r
+            floors = [r for r in rows if (r["call"], r["path"], r["ids"]) == ("copy_", path, r["regime"])]
+            assert {int(f["blocks"]) for f in floors if f["dir"] == direction} == {1, 4, 16, 64}, floors
 
     table = (tmp_path / "host_cost.md").read_text()
     assert table.startswith("# Host cost per call"), table[:200]
@@ -71,9 +84,12 @@ def test_an_engine_row_is_divided_by_the_floor_measured_at_its_engine():
         row("store", "kernel", 42.0, 62.0),
         row("store", "staged", 70.0, 60.0),  # no floor at its engine: the run's
         row("copy_blocks", "-", 49.0, 70.0),
+        row("copy_", "kernel", 20.0, 40.0) | dict(regime="cold"),  # a regime's floor, at its engine
+        row("store", "kernel", 100.0, 80.0) | dict(regime="cold"),
     ]
     host_cost.add_baselines(rows)
-    kernel, staged, op = rows[2], rows[3], rows[4]
+    kernel, staged, op, cold = rows[2], rows[3], rows[4], rows[6]
+    assert cold["copy_host_p50_us"] == 20.0 and cold["host_vs_copy"] == 5.0 and cold["bw_vs_copy"] == 0.5
     assert kernel["copy_host_p50_us"] == 14.0 and kernel["host_vs_copy"] == 3.0
     assert kernel["bw_vs_copy"] == 31.0 / 62.0
     assert staged["copy_host_p50_us"] == 7.0 and staged["host_vs_copy"] == 10.0
