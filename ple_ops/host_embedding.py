@@ -93,6 +93,10 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
         out-of-range id is skipped and counted (``kv_ops.error_count``), its row left
         unwritten. No gradient reaches the table. Convert after the model is on its device: a
         later ``.to("cuda")`` of a module converted on the CPU copies the rows onto the GPU.
+        The table is not in its ``state_dict`` (for Gemma 3n it holds pre-scaled rows, which are
+        not the checkpoint's weights): save the model before converting it, or convert it after
+        loading; a checkpoint saved after the conversion lacks the table, and a strict
+        ``load_state_dict`` of the original weights into it raises for the unexpected ``weight``.
 
     Raises
     ------

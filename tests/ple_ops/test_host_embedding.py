@@ -79,6 +79,16 @@ def test_the_original_module_is_left_unchanged():
     assert torch.equal(emb.weight, before)
 
 
+def test_the_table_is_not_in_the_state_dict_and_a_strict_load_of_the_original_names_it():
+    # Documented: save before converting. A strict load must not pass silently either.
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 8)
+    host = ple_ops.host_embedding(emb)
+    assert list(host.state_dict()) == []
+    with pytest.raises(RuntimeError, match="Unexpected key.*weight"):
+        host.load_state_dict(emb.state_dict())
+
+
 class Shifted(nn.Embedding):
     def forward(self, ids):
         return super().forward(ids) + 1
