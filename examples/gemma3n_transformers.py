@@ -146,21 +146,46 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
+def at_least(low: int):
+    """An argparse type: an integer of at least ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", choices=["tiny", "e2b"], default=None, help="default: e2b on CUDA, tiny on the CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=None, help="default: 8 (e2b) or 2 (tiny)")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=None, help="default: 64 (e2b) or 12 (tiny)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs, best taken; default 4 (e2b) or 2")
+    parser.add_argument("--batch", type=at_least(1), default=None, help="default: 8 (e2b) or 2 (tiny)")
+    parser.add_argument("--prompt-len", type=at_least(1), default=16)
+    # Two at least: the decode rate is (new tokens - 1) per sequence over the time beyond a
+    # one-token generate.
+    parser.add_argument("--new-tokens", type=at_least(2), default=None, help="default: 64 (e2b) or 12 (tiny)")
+    parser.add_argument(
+        "--repeats", type=at_least(1), default=None, help="timed runs of each, best taken; default 4 (e2b) or 2"
+    )
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (CompileConfig.backend)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device: {e}")
     name = args.config or ("e2b" if device.type == "cuda" else "tiny")
-    args.batch = args.batch or (8 if name == "e2b" else 2)
-    args.new_tokens = args.new_tokens or (64 if name == "e2b" else 12)
-    args.repeats = args.repeats or (4 if name == "e2b" else 2)
+    if args.batch is None:
+        args.batch = 8 if name == "e2b" else 2
+    if args.new_tokens is None:
+        args.new_tokens = 64 if name == "e2b" else 12
+    if args.repeats is None:
+        args.repeats = 4 if name == "e2b" else 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = config(name)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
