@@ -241,7 +241,8 @@ class KernelPath(EventPath):
 
     name = "kernel"
     copy_engines = False
-    host_planned = frozenset()  # the id sides it plans on the host: its kernel reads both sides' ids on the GPU
+    # The id sides it plans on the host: none, its kernel reads both sides' ids on the GPU.
+    host_planned = frozenset()
 
     def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
         self.regions = list(regions)
@@ -335,9 +336,8 @@ class DirectDmaPath(EventPath):
 
     name = "dma"
     copy_engines = True
-    host_planned = frozenset(
-        {"gpu_ids", "host_ids"}
-    )  # the id sides it plans on the host: every descriptor is planned on the host
+    # The id sides it plans on the host: both, every descriptor is planned there.
+    host_planned = frozenset({"gpu_ids", "host_ids"})
 
     def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
         self.regions = list(regions)
@@ -402,9 +402,9 @@ class StagedPath(EventPath):
 
     name = "staged"
     copy_engines = True
-    host_planned = frozenset(
-        {"host_ids"}
-    )  # the id sides it plans on the host: the ring's descriptors follow the host ids; the gather reads GPU ids
+    # The id sides it plans on the host: the ring's descriptors follow the host ids; the gather
+    # reads the GPU ids on the GPU.
+    host_planned = frozenset({"host_ids"})
 
     def __init__(
         self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int, events=None
