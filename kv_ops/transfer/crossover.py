@@ -1,15 +1,26 @@
-"""What ``path="auto"`` measured: each path's sustained rate on the engine's own shape, and its pick.
+"""What ``path="auto"`` measured: each path's rates on the engine's own shape, and its pick.
 
 The measurement copies scratch blocks shaped like the engine's (the same regions' widths, so the
 same descriptors and the same gather), never the user's cache. For each path, direction, call
 size (:data:`COUNTS` blocks, capped at :data:`MAX_CALL_BYTES`) and id pattern (random ids, or
-runs of :data:`RUN` consecutive ids), :data:`CALLS` calls are issued back to back, as a serving
-engine issues them, and the clock stops when the last copy has finished. The whole sweep takes
-about a second on the H200 (plus the kernels' first compile in a fresh cache). It is done once
-per device, shape and process, and can be kept in a JSON file that the user names.
+runs of :data:`RUN` consecutive ids) it takes two rates:
 
-The pick: the fastest path in the nearest measured cell, except that a copy-engine path within
-:data:`TOLERANCE` of it wins, because it leaves every SM to the model.
+* **sustained**: :data:`CALLS` calls issued back to back, as a serving engine issues a burst,
+  the clock stopped when the last copy has finished. A call's host time hides behind the
+  copies still in flight;
+* **single**: one call from an idle device, from before the call until its copy has finished.
+  The call's host time is on the critical path: on the H200 the staged path costs about twice
+  the kernel path's host time, so a single flushed call of 16-64 blocks of 1 MiB finishes
+  sooner on the kernel path even where a burst moves faster staged.
+
+The whole sweep takes about a second on the H200 (plus the kernels' first compile in a fresh
+cache). It is done once per device, shape and process, and can be kept in a JSON file that the
+user names.
+
+The pick: in the nearest measured cell, the fastest path by the single rate when the call has
+the engine to itself (nothing in flight) and by the sustained rate otherwise, except that a
+copy-engine path within :data:`TOLERANCE` of the fastest wins, because it leaves every SM to
+the model.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import torch
 from ..host_memory import pinned_empty
 from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, low_priority_streams, make_paths
 
+# Bumped when what is measured changes, so that a kept file of an older measurement is not used.
+MEASUREMENT = 2
 COUNTS = (4, 32, 256)
 RUN = 16
 CALLS = 4
@@ -39,13 +52,19 @@ RUN_FREE_BLOCKS = 64
 @dataclass(frozen=True)
 class Cell:
     """One measurement: ``path`` moved ``blocks`` blocks in ``runs`` runs per call, ``direction``,
-    at ``gbps`` (sustained over back-to-back calls)."""
+    at ``gbps`` (sustained over back-to-back calls) and ``single_gbps`` (one call from an idle
+    device, its host time included; None: not measured, the sustained rate stands in)."""
 
     path: str
     direction: str
     blocks: int
     runs: int
     gbps: float
+    single_gbps: float | None = None
+
+    def rate(self, alone: bool) -> float:
+        """The rate that decides a call that has the engine to itself (``alone``) or not."""
+        return self.single_gbps if alone and self.single_gbps is not None else self.gbps
 
 
 @dataclass
@@ -62,7 +81,7 @@ class Crossover:
     # Per direction, the measured points: (log2 blocks, log2 mean run length, the cells there).
     # Built on the first choice: every call makes one, so it must not rescan the cells.
     _grid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # (direction, blocks) -> the pick if every run count gives it, else "" (see pick()).
+    # (direction, blocks, alone) -> the pick if every run count gives it, else "" (see pick()).
     _run_free: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _points(self, direction: Direction) -> list[tuple[float, float, list[Cell]]]:
@@ -90,50 +109,62 @@ class Crossover:
                 nearest += cells
         return nearest
 
-    def choose(self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool]) -> str | None:
+    def choose(
+        self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool], alone: bool = False
+    ) -> str | None:
         """The path name for a call: the fastest in the nearest cell, or a copy-engine path
-        within :data:`TOLERANCE` of it (the fastest of those). None where nothing was measured."""
+        within :data:`TOLERANCE` of it (the fastest of those), by the single-call rate if the
+        call is ``alone`` (nothing else in flight) and by the sustained rate otherwise. None
+        where nothing was measured."""
         cells = [c for c in self._nearest(direction, blocks, runs) if c.path in copy_engines]
         if not cells:
             return None
-        best = max(c.gbps for c in cells)
-        engines = [c for c in cells if copy_engines[c.path] and c.gbps >= (1 - TOLERANCE) * best]
+        best = max(c.rate(alone) for c in cells)
+        engines = [c for c in cells if copy_engines[c.path] and c.rate(alone) >= (1 - TOLERANCE) * best]
         # The fastest; on an exact tie, the path named first in PATH_NAMES.
-        return max(engines or cells, key=lambda c: (c.gbps, -PATH_NAMES.index(c.path))).path
+        return max(engines or cells, key=lambda c: (c.rate(alone), -PATH_NAMES.index(c.path))).path
 
-    def pick(self, direction: Direction, blocks: int, runs, copy_engines: dict[str, bool]) -> str | None:
+    def pick(
+        self, direction: Direction, blocks: int, runs, copy_engines: dict[str, bool], alone: bool = False
+    ) -> str | None:
         """:meth:`choose` for a call of ``blocks`` blocks, asking ``runs()`` (its run count) only
         where the answer depends on it. Counting the runs of a call's ids costs more host time
         than the choice (about 7 us against 5 on the H200's host); for most call sizes every
         run count gives one answer, found once per size (up to :data:`RUN_FREE_BLOCKS` blocks)
         and kept. ``copy_engines`` must be the same mapping at every call (the engine's)."""
         if blocks <= RUN_FREE_BLOCKS:
-            key = (direction, blocks)
+            key = (direction, blocks, alone)
             name = self._run_free.get(key)
             if name is None:
-                answers = {self.choose(direction, blocks, r, copy_engines) for r in range(1, max(blocks, 1) + 1)}
+                answers = {self.choose(direction, blocks, r, copy_engines, alone) for r in range(1, max(blocks, 1) + 1)}
                 only = answers.pop() if len(answers) == 1 else None
                 name = self._run_free[key] = only or ""  # "": ask the runs each time
             if name:
                 return name
-        return self.choose(direction, blocks, runs(), copy_engines)
+        return self.choose(direction, blocks, runs(), copy_engines, alone)
 
     def table(self) -> str:
-        """The measured cells as a markdown table, one row per (direction, blocks, runs), with the pick."""
+        """The measured cells as a markdown table, one row per (direction, blocks, runs), with the
+        pick. Where single-call rates were measured, each path shows "sustained / single", and
+        the pick of a call behind others in flight and of a call alone."""
         paths = [p for p in PATH_NAMES if any(c.path == p for c in self.cells)]
+        singles = any(c.single_gbps is not None for c in self.cells)
+        rate_head = "GB/s, sustained / single" if singles else "GB/s"
+        pick_head = "auto picks, in flight / alone" if singles else "auto picks"
         lines = [
-            "| direction | blocks | runs | " + " | ".join(f"{p} GB/s" for p in paths) + " | auto picks |",
+            "| direction | blocks | runs | " + " | ".join(f"{p} {rate_head}" for p in paths) + f" | {pick_head} |",
             "| --- | ---: | ---: | " + " | ".join("---:" for _ in paths) + " | --- |",
         ]
         keys = dict.fromkeys((c.direction, c.blocks, c.runs) for c in self.cells)
         for direction, blocks, runs in keys:
-            rate = {c.path: c.gbps for c in self.cells if (c.direction, c.blocks, c.runs) == (direction, blocks, runs)}
-            pick = self.choose(Direction(direction), blocks, runs, {p: COPY_ENGINES[p] for p in rate})
-            lines.append(
-                f"| {direction} | {blocks} | {runs} | "
-                + " | ".join(f"{rate.get(p, 0):.1f}" for p in paths)
-                + f" | {pick} |"
-            )
+            at = {c.path: c for c in self.cells if (c.direction, c.blocks, c.runs) == (direction, blocks, runs)}
+            engines = {p: COPY_ENGINES[p] for p in at}
+
+            shown = [_shown(at.get(p), singles) for p in paths]
+            pick = self.choose(Direction(direction), blocks, runs, engines)
+            if singles:
+                pick = f"{pick} / {self.choose(Direction(direction), blocks, runs, engines, alone=True)}"
+            lines.append(f"| {direction} | {blocks} | {runs} | " + " | ".join(shown) + f" | {pick} |")
         return "\n".join(lines)
 
     def save(self, path: str) -> None:
@@ -160,14 +191,23 @@ class Crossover:
             counts = [v for v in (c.blocks, c.runs) if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
             if c.path not in PATH_NAMES or c.direction not in directions or len(counts) != 2:
                 return None
-            if not (isinstance(c.gbps, (int, float)) and math.isfinite(c.gbps) and c.gbps > 0):
+            rates = [c.gbps] if c.single_gbps is None else [c.gbps, c.single_gbps]
+            if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
                 return None
         return cls(key, cells) if cells else None
 
 
+def _shown(cell: Cell | None, singles: bool) -> str:
+    if cell is None:
+        return "0.0"
+    return f"{cell.gbps:.1f} / {cell.rate(True):.1f}" if singles else f"{cell.gbps:.1f}"
+
+
 def shape_key(device: torch.device, widths: list[int], ring_bytes: int) -> dict:
-    """What a measurement depends on: the device model, the region widths, the ring size, torch."""
+    """What a measurement depends on: what is measured, the device model, the region widths, the
+    ring size, torch."""
     return {
+        "measurement": MEASUREMENT,
         "device": torch.cuda.get_device_name(device),
         "widths": list(widths),
         "ring_bytes": int(ring_bytes),
@@ -204,8 +244,10 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
                 for runs in sorted({blocks, max(1, blocks // RUN)}):
                     calls = [Blocks.of(direction, *_call_ids(gen, blocks, rows, runs)) for _ in range(CALLS)]
                     seconds = _sustained(path, calls, device)
+                    single = _single(path, calls, device)
                     moved = calls[0].count  # runs x (blocks // runs): what was really copied
-                    cells.append(Cell(name, direction.value, moved, runs, moved * row_bytes / seconds / 1e9))
+                    rate, single_rate = (moved * row_bytes / t / 1e9 for t in (seconds, single))
+                    cells.append(Cell(name, direction.value, moved, runs, rate, single_rate))
     return Crossover(shape_key(device, widths, ring_bytes), cells)
 
 
@@ -223,6 +265,22 @@ def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = 2) -
         torch.cuda.synchronize(device)
         if rep:
             best = min(best, (time.perf_counter() - start) / len(calls))
+    return best
+
+
+def _single(path, calls: list[Blocks], device: torch.device) -> float:
+    """Seconds of one call from an idle device until its copy has finished (its host time
+    included), the best over ``calls`` after a warm-up call."""
+    best = math.inf
+    ready = torch.cuda.Event()
+    for i, blocks in enumerate([calls[0], *calls]):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        ready.record(torch.cuda.current_stream(device))
+        path.enqueue(blocks, ready)
+        torch.cuda.synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -247,4 +305,4 @@ def crossover(device: torch.device, widths: list[int], ring_bytes: int, cache_fi
     return found
 
 
-__all__ = ["Cell", "Crossover", "measure", "crossover", "shape_key", "COUNTS", "RUN", "TOLERANCE"]
+__all__ = ["Cell", "Crossover", "measure", "crossover", "shape_key", "COUNTS", "RUN", "TOLERANCE", "MEASUREMENT"]

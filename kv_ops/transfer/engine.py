@@ -14,7 +14,8 @@ that direction too (a high-water mark).
 Each call checks its ids once, picks one path once and launches it once (:mod:`kv_ops.transfer.paths`):
 the zero-copy kernel, the staged path (gather into a GPU ring, then the copy engines), or direct
 DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.transfer.crossover` measured for this
-engine's shape on this device. The disk tier is one more path behind the same interface
+engine's shape on this device: one call's rate, host time included, for a call that has the engine
+to itself; the sustained rate of back-to-back calls for one issued behind others in flight. The disk tier is one more path behind the same interface
 (:class:`kv_ops.transfer.disk.DiskPath`), the only one of a ``disk_dir`` engine: the engine
 submits, orders, collects, flushes and closes every transfer the same way, whatever its path.
 
@@ -329,9 +330,21 @@ class OffloadEngine:
                 name = "kernel"  # the one path whose kernel reads both sides' ids
             elif self.crossover is not None:
                 # The runs are counted only where the pick depends on them.
-                name = self.crossover.pick(blocks.direction, blocks.count, lambda: blocks.num_runs, COPY_ENGINES)
+                name = self.crossover.pick(
+                    blocks.direction, blocks.count, lambda: blocks.num_runs, COPY_ENGINES, self._alone()
+                )
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
         return self.paths[name]
+
+    def _alone(self) -> bool:
+        """Whether no transfer of this engine is in flight, in either direction: a call's host time
+        is then all on its critical path, and auto picks by the single-call rates
+        (:mod:`kv_ops.transfer.crossover`). Transfers of a direction complete in issue order, so
+        its last one tells; a query only where some transfer is still unreported."""
+        for direction, (_, done) in self._last.items():
+            if done is not None and self._lanes[direction].pending and not done.query():
+                return False
+        return True
 
     def _refuse_gpu_ids(self, op: str, blocks: Blocks, path: Path | DiskPath) -> None:
         """GPU ids are never read by the host (that would wait for the caller's stream): only a

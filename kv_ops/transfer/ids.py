@@ -90,19 +90,30 @@ class Pool:
 
     A call takes one, writes it, enqueues the work that reads it, and gives it back with an event
     that completes after that work. They come back in issue order, so the oldest is the first
-    that can be free: :meth:`take` reuses it if its event has fired and otherwise makes one more
-    (the pool grows to the number of calls in flight, and no further). No host wait, ever.
+    that can be free: :meth:`take` reuses it once its event has fired, and otherwise makes one
+    more. The pool grows to the number of calls in flight, once, and no further.
+
+    Growing is not free: making a page-locked block (``cuMemHostRegister``) or capturing a graph
+    waits for the device's default stream, whose queue may be the model's whole forward (25-45
+    ms on the H200 behind a long kernel, measured). So a pool must not grow spuriously, and the
+    events it is handed are often the engine's recycled completion events
+    (:class:`kv_ops.transfer.paths.Events`), recorded again for a later transfer once reported.
+    Such an event would look busy until that later transfer ends, and the pool would grow under
+    every sustained stream of calls (measured: one 22-25 ms stall per 31 ms of matmuls). Hence
+    the count: an event's ``records`` (set by ``Events``) changes only when it is recorded again,
+    which happens only after its transfer was reported complete, so a changed count means the
+    record this item waited for has run.
     """
 
     def __init__(self, make, initial: int = 2):
         self._make = make
         self.made = initial  # made so far: the pool's size
         self._free: deque = deque(make() for _ in range(initial))
-        self._busy: deque[tuple[object, torch.cuda.Event]] = deque()
+        self._busy: deque[tuple[object, torch.cuda.Event, int]] = deque()
 
     def take(self):
         busy = self._busy
-        while busy and busy[0][1].query():
+        while busy and _has_run(busy[0]):
             self._free.append(busy.popleft()[0])
         if self._free:
             return self._free.popleft()
@@ -111,7 +122,12 @@ class Pool:
 
     def give(self, item, read: torch.cuda.Event) -> None:
         """``item`` may be rewritten once ``read`` has completed."""
-        self._busy.append((item, read))
+        self._busy.append((item, read, getattr(read, "records", 0)))
+
+
+def _has_run(entry) -> bool:
+    _, event, records = entry
+    return getattr(event, "records", 0) != records or event.query()
 
 
 __all__ = ["take", "IdBlock", "Pool"]

@@ -158,20 +158,27 @@ class Events:
 
     The engine gives an event back when :meth:`OffloadEngine.poll` has seen it fire; a path then
     records it again with one driver call instead of making a new one. Whoever still holds an
-    old reference (the engine's last transfer, an id block's reuse check) can only over-wait on
-    a later record, never under-wait, and every wait points at work issued before it.
+    old reference (the engine's last transfer) can only over-wait on a later record, never
+    under-wait, and every wait points at work issued before it. An id pool's reuse check must
+    not over-wait (it would grow the pool, which synchronizes): it reads the event's
+    ``records``.
     """
 
     def __init__(self):
         self._free: deque[torch.cuda.Event] = deque()
 
     def record(self, stream: torch.cuda.Stream, handle) -> torch.cuda.Event:
-        """An event recorded now on ``stream`` (``handle``: its raw handle)."""
+        """An event recorded now on ``stream`` (``handle``: its raw handle). Its ``records`` counts
+        its records, so that a :class:`kv_ops.transfer.ids.Pool` holding it can tell that the
+        record it waited for has run (see there)."""
         if self._free:
             event = self._free.pop()
             record_event(event, handle)
+            event.records += 1
             return event
-        return _record(stream)
+        event = _record(stream)
+        event.records = 1
+        return event
 
     def give(self, event: torch.cuda.Event) -> None:
         self._free.append(event)

@@ -122,6 +122,30 @@ def test_a_copy_engine_path_within_5_percent_of_the_fastest_wins(rates, engines,
     assert x.choose(STORE, 32, 32, engines) == pick
 
 
+def test_a_call_alone_is_picked_by_the_single_call_rate_and_one_behind_others_by_the_sustained_rate():
+    # The H200's shape of it: back to back the staged path moves more, but one flushed call
+    # finishes sooner on the kernel path, whose host time is half the staged path's.
+    cells = [
+        Cell("kernel", "store", 16, 16, 50.0, 46.0),
+        Cell("staged", "store", 16, 16, 53.0, 40.0),
+        Cell("dma", "store", 16, 16, 30.0, 25.0),
+    ]
+    x = Crossover(dict(KEY), cells)
+    assert x.choose(STORE, 16, 16, COPY_ENGINES) == "staged"
+    assert x.choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "kernel"
+    assert x.pick(STORE, 16, lambda: 16, COPY_ENGINES, alone=True) == "kernel"
+    assert x.pick(STORE, 16, lambda: 16, COPY_ENGINES) == "staged"  # each remembered apart
+    assert x.pick(STORE, 16, lambda: 16, COPY_ENGINES, alone=True) == "kernel"
+    # The copy-engine tolerance holds for the single rate too: staged within 5% of the kernel.
+    near = Crossover(
+        dict(KEY), [Cell("kernel", "store", 16, 16, 50.0, 42.0), Cell("staged", "store", 16, 16, 53.0, 40.0)]
+    )
+    assert near.choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "staged"
+    # A cell without a single rate (a hand-made one) decides by its sustained rate either way.
+    old = Crossover(dict(KEY), cells_of("store", 16, 16, kernel=50.0, staged=53.0))
+    assert old.choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "staged"
+
+
 def test_pick_counts_the_runs_only_where_they_change_the_choice():
     x = sample_crossover()
 
@@ -170,6 +194,14 @@ def test_the_table_shows_every_cell_and_the_pick():
         "| load | 32 | 32 | 30.0 | 5.0 | 2.0 | kernel |",
         "| load | 256 | 16 | 20.0 | 10.0 | 50.0 | dma |",
     ]
+    # With single-call rates: both rates per path, and both picks.
+    both = Crossover(dict(KEY), [Cell("kernel", "load", 32, 2, 45.0, 41.5), Cell("staged", "load", 32, 2, 48.0, 30.25)])
+    assert both.table().splitlines() == [
+        "| direction | blocks | runs | kernel GB/s, sustained / single | staged GB/s, sustained / single "
+        "| auto picks, in flight / alone |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| load | 32 | 2 | 45.0 / 41.5 | 48.0 / 30.2 | staged / kernel |",
+    ]
     # A path never measured has no column.
     only_two = Crossover(dict(KEY), cells_of("load", 8, 1, kernel=10.0, dma=9.6))
     assert only_two.table().splitlines()[2:] == ["| load | 8 | 1 | 10.0 | 9.6 | dma |"]
@@ -181,7 +213,7 @@ def test_the_table_shows_every_cell_and_the_pick():
 
 def test_save_and_load_round_trip_the_cells_exactly(tmp_path):
     x = sample_crossover()
-    x.cells.append(Cell("dma", "load", 32, 2, 1 / 3))  # a rate that needs every digit
+    x.cells.append(Cell("dma", "load", 32, 2, 1 / 3, 2 / 7))  # rates that need every digit
     file = str(tmp_path / "crossover.json")
     x.save(file)
     assert os.listdir(tmp_path) == ["crossover.json"]  # written through a temporary, renamed
@@ -242,6 +274,9 @@ CORRUPT = [
             ("unknown-direction", {"direction": "sideways"}),
             ("negative-rate", {"gbps": -1.0}),
             ("text-rate", {"gbps": "fast"}),
+            ("zero-single-rate", {"single_gbps": 0.0}),
+            ("text-single-rate", {"single_gbps": "fast"}),
+            ("infinite-single-rate", {"single_gbps": float("inf")}),
         ]
     ],
 ]
@@ -365,7 +400,10 @@ def test_a_measurement_covers_every_cell_with_plausible_rates_in_under_3_seconds
     )
     assert sorted((c.path, c.direction, c.blocks, c.runs) for c in x.cells) == want  # each cell once
     for c in x.cells:
-        assert 0.01 < c.gbps < 200, c
+        assert 0.01 < c.gbps < 200 and 0.01 < c.single_gbps < 200, c
+        # One call includes its host time and its launch latency: it is never faster than a
+        # stream of them by more than the noise of a few calls.
+        assert c.single_gbps < 1.5 * c.gbps, c
     picks = {x.choose(Direction(c.direction), c.blocks, c.runs, COPY_ENGINES) for c in x.cells}
     assert picks <= set(COPY_ENGINES)
     print(x.table())
@@ -409,3 +447,36 @@ def test_an_auto_engine_keeps_its_crossover_in_a_file_that_a_second_engine_reads
     assert torch.equal(third.mirror[7:10], want)
     for engine in (first, second, third):
         engine.close()
+
+
+@gpu
+def test_an_auto_engine_picks_by_the_single_rate_when_alone_and_by_the_sustained_rate_behind_others():
+    gen = torch.Generator().manual_seed(8)
+    kv = {"l0": torch.randint(0, 256, (2, 32, 4, 2, 32), dtype=torch.uint8, generator=gen).cuda().view(torch.bfloat16)}
+    engine = kv_ops.OffloadEngine(kv, 32, 40 * 1024, path="auto")
+    # Made-up cells for this shape: back to back staged is faster, alone the kernel.
+    engine.crossover = Crossover(
+        engine.crossover.key,
+        [
+            Cell(p, d, 4, 4, sustained, single)
+            for d in ("store", "load")
+            for p, sustained, single in [("kernel", 10.0, 9.0), ("staged", 12.0, 5.0), ("dma", 1.0, 1.0)]
+        ],
+    )
+    cache = torch.cat([r.cpu() for r in engine.regions.values()], dim=1)
+    engine.store([1, 2], [3, 4])
+    engine.flush()
+    assert engine.path_counts == {"kernel": 1, "staged": 0, "dma": 0}  # alone
+    torch.cuda._sleep(200_000_000)  # the next store waits behind it: in flight
+    engine.store([5, 6], [7, 8])
+    engine.store([9, 10], [11, 12])  # behind the one in flight
+    assert engine.path_counts == {"kernel": 2, "staged": 1, "dma": 0}
+    engine.flush()
+    engine.load([3, 4], [20, 21])  # alone again
+    engine.flush()
+    assert engine.path_counts == {"kernel": 3, "staged": 1, "dma": 0}
+    for host, gpu_ids in (([3, 4], [1, 2]), ([7, 8], [5, 6]), ([11, 12], [9, 10])):
+        assert torch.equal(engine.mirror[host], cache[gpu_ids])
+    got = torch.cat([r.cpu() for r in engine.regions.values()], dim=1)
+    assert torch.equal(got[[20, 21]], cache[[1, 2]])
+    engine.close()

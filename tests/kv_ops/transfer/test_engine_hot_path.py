@@ -137,6 +137,21 @@ def test_an_id_block_is_reused_only_after_its_event_fired_and_the_pool_grows_mea
     assert pool.made == 2
 
 
+@pytest.mark.filterwarnings("ignore:kv_ops.pinned_empty")
+def test_a_recycled_completion_event_frees_its_block_and_does_not_grow_the_pool():
+    # The engine records a reported event again for a later transfer (Events): it then looks
+    # busy, but the record the block waited for has run. Growing there synchronizes the device.
+    pool = ids_mod.Pool(functools.partial(ids_mod.IdBlock, 8), initial=1)
+    first = pool.take()
+    event = FakeEvent()
+    event.records = 1
+    pool.give(first, event)
+    event.records = 2  # reported, then recorded again for a transfer still in flight
+    assert pool.take() is first and pool.made == 1
+    pool.give(first, event)  # given with count 2, and that record is pending
+    assert pool.take() is not first and pool.made == 2
+
+
 def test_back_to_back_cpu_transfers_land_byte_for_byte_on_every_path():
     for path in ("kernel", "staged", "dma"):
         engine, _ = make_engine("cpu", path)
@@ -320,6 +335,53 @@ def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue
     assert torch.equal(engine.mirror, want)
     pools = engine.paths[path].host_fed[kv_ops.transfer.paths.Direction.STORE]
     assert max(p.made for p in pools) > 2  # they grew while the calls were queued
+    engine.close()
+
+
+def pool_sizes(engine, path):
+    return [p.made for d in paths.Direction for p in engine.paths[path].host_fed[d]]
+
+
+@gpu
+@pytest.mark.parametrize("path", ["kernel", "staged"])
+def test_a_sustained_stream_of_calls_beside_a_busy_model_never_grows_a_pool_nor_waits(path):
+    # A serving loop: the model's work queued on the default stream, the transfers ordered after
+    # an event recorded before it, a few calls in flight, polled as they land. Each completion
+    # event goes back to the engine and is recorded again for a later call; a pool that took that
+    # for "still busy" grew, and growing (a graph capture, page-locked memory) waited for the
+    # whole queue: 22-25 ms per stall beside 20 matmuls on the H200.
+    engine, _ = make_engine("cuda", path, num_blocks=64, host_blocks=96)
+    gen = torch.Generator().manual_seed(11)
+    calls = [(torch.randperm(64, generator=gen)[:16].tolist(), torch.randperm(96, generator=gen)[:16].tolist())]
+    calls += [(torch.randperm(64, generator=gen)[:16].tolist(), torch.randperm(96, generator=gen)[:16].tolist())]
+
+    def stream_of_calls(total, after=None):
+        issued = reported = 0
+        worst = 0.0
+        while reported < total:
+            if issued < total and issued - reported < 3:
+                g, h = calls[issued % 2]
+                start = time.perf_counter()
+                engine.store(g, h, after=after)
+                worst = max(worst, time.perf_counter() - start)
+                issued += 1
+            else:
+                reported += len(engine.poll().stores)
+        return worst
+
+    torch.cuda._sleep(SLEEP_CYCLES // 10)
+    stream_of_calls(40)  # warm: the first three calls wait behind the sleep, so the pools reach that depth
+    grown = pool_sizes(engine, path)
+    cache = rows(engine)
+    go = torch.cuda.Event()
+    go.record()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the model's queue: half a second
+    worst = stream_of_calls(60, after=go)
+    assert pool_sizes(engine, path) == grown, "a pool grew under a steady stream of calls"
+    assert worst < 0.05, f"a call took {worst * 1e3:.1f} ms beside the busy default stream: it waited for it"
+    engine.flush()
+    g, h = calls[1]
+    assert torch.equal(engine.mirror[h], cache[g])
     engine.close()
 
 
