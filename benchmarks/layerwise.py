@@ -50,6 +50,7 @@ BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Llama-3-8B's KV per layer and b
 READS = 16  # blocks each layer reads (the stand-in for attention's read of the loaded blocks)
 COLUMNS = [
     "blocks",
+    "hosts",
     "copies",
     "mib",
     "compute_us",
@@ -194,9 +195,13 @@ def measure(args) -> tuple[list[dict], dict]:
     once.update(wait_node_cost(engine, layers, loads[first]))
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for n in counts:
-        host_ids = torch.randperm(most, generator=gen)[:n].tolist()
-        gpu_ids = torch.randperm(gpu_blocks, generator=gen)[:n].tolist()
+    for hosts, n in [(p, n) for p in args.hosts.split(",") for n in counts]:
+        if hosts == "run":  # a sequence stored to consecutive host blocks
+            offset = int(torch.randint(0, most - n + 1, (1,), generator=gen))
+            host_ids = list(range(offset, offset + n))
+        else:
+            host_ids = torch.randperm(most, generator=gen)[:n].tolist()
+        gpu_ids = torch.randperm(gpu_blocks, generator=gen)[:n].tolist()  # always scattered
         read_ids.copy_(torch.tensor((gpu_ids * READS)[:READS]))
 
         def load(host_ids=host_ids, gpu_ids=gpu_ids):
@@ -253,6 +258,7 @@ def measure(args) -> tuple[list[dict], dict]:
             rows.append(
                 dict(
                     blocks=n,
+                    hosts=hosts,
                     copies=c,
                     mib=n * block_bytes / 2**20,
                     compute_us=alone,
@@ -288,14 +294,14 @@ def markdown(rows: list[dict], once: dict, args) -> str:
         f"layer after a zero-block start adds {once['per_wait_us']:.1f} us per layer "
         f"({once['short_step_us']:.0f} us without, {once['short_step_waits_us']:.0f} us with).",
         "",
-        "| blocks (2 MiB) | copies | step alone (us) | load alone, GB/s | layer-wise copies alone, GB/s "
+        "| blocks (2 MiB) | host ids | copies | step alone (us) | load alone, GB/s | layer-wise copies alone, GB/s "
         "| load, flush, step (us) | layer-wise step (us) | load hidden | at most | back-to-back step (us) "
         "| host time in start (us) | bitwise |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['blocks']} | {r['copies']} | {r['compute_us']:.0f} | {r['load_us']:.0f}, {r['load_gbps']:.1f} "
+            f"| {r['blocks']} | {r['hosts']} | {r['copies']} | {r['compute_us']:.0f} | {r['load_us']:.0f}, {r['load_gbps']:.1f} "
             f"| {r['layerwise_copies_us']:.0f}, {r['layerwise_gbps']:.1f} "
             f"| {r['load_then_step_us']:.0f} | {r['layerwise_us']:.0f} "
             f"| {r['hidden']:.2f} | {r['hideable']:.2f} | {r['pipelined_us']:.0f} | {r['start_us']:.0f} "
@@ -306,17 +312,17 @@ def markdown(rows: list[dict], once: dict, args) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     fig, (a, b) = figure(2, (12, 4.5))
-    first = rows[0]["copies"]
-    base = [r for r in rows if r["copies"] == first]
+    first = rows[0]["copies"], rows[0]["hosts"]
+    base = [r for r in rows if (r["copies"], r["hosts"]) == first]
     blocks = [r["blocks"] for r in base]
     for key, label in (("compute_us", "compute alone"), ("load_then_step_us", "load, flush, step")):
         a.plot(blocks, [r[key] / 1e3 for r in base], "k-" if key == "compute_us" else "k--", label=label)
-    for c in sorted({r["copies"] for r in rows}):
-        mine = [r for r in rows if r["copies"] == c]
+    for c, hosts in sorted({(r["copies"], r["hosts"]) for r in rows}):
+        mine = [r for r in rows if (r["copies"], r["hosts"]) == (c, hosts)]
         xs = [r["blocks"] for r in mine]
-        a.plot(xs, [r["layerwise_us"] / 1e3 for r in mine], "-o", label=f"layer-wise ({c})")
-        a.plot(xs, [r["pipelined_us"] / 1e3 for r in mine], ":s", label=f"layer-wise back to back ({c})")
-        b.plot(xs, [r["hidden"] for r in mine], "-o", label=f"load hidden ({c})")
+        style = "-o" if hosts == "random" else "-^"
+        a.plot(xs, [r["layerwise_us"] / 1e3 for r in mine], style, label=f"layer-wise ({c}, {hosts} host ids)")
+        b.plot(xs, [r["hidden"] for r in mine], style, label=f"load hidden ({c}, {hosts} host ids)")
     a.set_ylabel("step time, ms")
     b.plot(blocks, [r["hideable"] for r in base], "k--", label="at most (compute / load)")
     b.axhline(0.8, color="tab:red", lw=0.8, label="target 0.80")
@@ -339,7 +345,10 @@ def main() -> int:
     parser.add_argument("--mlp", type=int, default=14336)
     parser.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--copies", default="kernel,dma", help="LayerwiseLoads mechanisms to measure")
+    parser.add_argument("--copies", default="kernel,dma,staged", help="LayerwiseLoads mechanisms to measure")
+    parser.add_argument(
+        "--hosts", default="random,run", help="host id patterns: random, and run (consecutive host blocks)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("layerwise.py: no CUDA device; nothing measured", flush=True)

@@ -1,4 +1,4 @@
-"""Copy plans for the copy engines (pure, vectorised) and their launch: one batched driver call.
+"""Copy plans for the copy engines (pure, vectorised) and their launch: batched and 2-D driver calls.
 
 A copy is planned on the host, vectorised: runs of ids that are consecutive on both sides merge
 into one copy where both regions keep their blocks back to back, and every copy becomes a
@@ -223,6 +223,54 @@ def _stream_order_attributes(prefer_overlap: bool):
     return attrs, first
 
 
+class _Memcpy2D(ctypes.Structure):
+    """The driver's ``CUDA_MEMCPY2D``; with ``CU_MEMORYTYPE_UNIFIED`` on both sides only the
+    device addresses, pitches and the extent are read."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+_CU_MEMORYTYPE_UNIFIED = 4
+
+
+@dataclass(frozen=True)
+class Copy2D:
+    """``height`` rows of ``width`` bytes: row ``j`` from ``src + j * src_pitch`` to ``dst + j *
+    dst_pitch``. One copy-engine operation however many rows: strided pieces of consecutive
+    blocks (a region's columns of a run of mirror rows) move as one (measured on the H200: 3.5-4
+    us of host time per copy, at 1.00 of memcpy for 32 KiB rows)."""
+
+    dst: int
+    dst_pitch: int
+    src: int
+    src_pitch: int
+    width: int
+    height: int
+
+
+def run_2d_on_host(copy: Copy2D) -> None:
+    """Execute one :class:`Copy2D` row by row with ``memmove`` (host memory on both sides)."""
+    for j in range(copy.height):
+        ctypes.memmove(copy.dst + j * copy.dst_pitch, copy.src + j * copy.src_pitch, copy.width)
+
+
 def batched_copy_abi() -> int:
     """The CUDA version whose ``cuMemcpyBatchAsync`` signature the driver gave us (13000 or
     12080), or 0 where it has none (then :func:`launch` loops one ``cuMemcpyAsync`` per copy)."""
@@ -260,6 +308,7 @@ class Launcher:
             self._fail_index = ctypes.c_size_t(0)
             self._tail.append(ctypes.cast(ctypes.pointer(self._fail_index), _P))
         self._tail.append(self.handle)
+        self._2d = None  # the 2-D descriptor and entry point, made on the first 2-D copy
 
     def __call__(self, plan: Plan) -> None:
         count = plan.count
@@ -280,6 +329,18 @@ class Launcher:
         """One ``cuMemcpyAsync`` of ``nbytes`` between two addresses (unified addressing: GPU or
         page-locked host memory on either side), e.g. a transfer's ids into the GPU."""
         check_code(self._memcpy(dst, src, nbytes, self.handle), "cuMemcpyAsync")
+
+    def copy_2d(self, copy: Copy2D) -> None:
+        """One ``cuMemcpy2DAsync``: the driver reads the descriptor during the call, so one
+        struct, bound once, serves every copy."""
+        m = self._2d
+        if m is None:
+            self._2d = m = _Memcpy2D()
+            m.srcMemoryType = m.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
+            self._memcpy_2d = c_function("cuMemcpy2DAsync", 12000, _P, _P)
+        m.srcDevice, m.srcPitch, m.dstDevice, m.dstPitch = copy.src, copy.src_pitch, copy.dst, copy.dst_pitch
+        m.WidthInBytes, m.Height = copy.width, copy.height
+        check_code(self._memcpy_2d(ctypes.byref(m), self.handle), "cuMemcpy2DAsync")
 
 
 def launch(plan: Plan, stream: torch.cuda.Stream) -> None:
@@ -327,6 +388,8 @@ def enqueue_copies(
 
 __all__ = [
     "Plan",
+    "Copy2D",
+    "run_2d_on_host",
     "Planner",
     "Launcher",
     "plan_copies",

@@ -44,6 +44,7 @@ counts (:attr:`LayerwiseLoads.waits`).
 from __future__ import annotations
 
 import ctypes
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,11 +54,11 @@ from .. import capture, kernels
 from ..driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
 from ..host_memory import lasting_copy, pinned_empty
 from ..validation import error_counter
-from . import dma
+from . import dma, layerwise_ring
 from .ids import Pool
 from .paths import Blocks, Direction, EventPath
 
-COPIES = ("dma", "kernel")
+COPIES = ("dma", "kernel", "staged")
 
 # name -> LayerwiseLoads: what the op resolves its name through (a loaded AOT step carries only
 # the name). Strong references: a captured graph waits on the object's events, which must live
@@ -120,7 +121,7 @@ class _LayerPath(EventPath):
 
     def __init__(self, loads: LayerwiseLoads):
         self.loads = loads
-        self.copy_engines = loads.copies == "dma"
+        self.copy_engines = loads.copies != "kernel"
         self._events = loads.engine._events  # where its completion events come from, and go back
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
@@ -180,9 +181,18 @@ class LayerwiseLoads:
     >>> graph.replay()        # each layer: h = kv_ops.wait_layer(h, "resume", i, [k_i, v_i])
     """
 
-    def __init__(self, engine, name: str, layers: Sequence[Sequence[str]] | None = None, copies: str = "kernel"):
+    def __init__(
+        self,
+        engine,
+        name: str,
+        layers: Sequence[Sequence[str]] | None = None,
+        copies: str = "staged",
+        ring_bytes: int = layerwise_ring.RING_BYTES,
+    ):
         if copies not in COPIES:
             raise ValueError(f"LayerwiseLoads: copies must be one of {', '.join(map(repr, COPIES))}, got {copies!r}")
+        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, numbers.Integral) or ring_bytes < 1:
+            raise ValueError(f"LayerwiseLoads: ring_bytes must be a positive integer, got {ring_bytes!r}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"LayerwiseLoads: name must be a non-empty string, got {name!r}")
         if name in _registry:
@@ -212,6 +222,9 @@ class LayerwiseLoads:
         self.copies = copies
         self._path = _LayerPath(self)
         engine.path_counts.setdefault(self._path.name, 0)
+        self._staged = None
+        if copies == "staged":
+            self._staged = layerwise_ring.StagedLayers(self, ring_bytes)
         self._stream = None
         if self.device.type == "cuda":
             load_stream = engine._streams[Direction.LOAD]
@@ -283,6 +296,11 @@ class LayerwiseLoads:
         n = host.size
         if n == 0:
             return None  # nothing to wait for: the events keep their last (completed) records
+        if self._staged is not None:
+            if self._stream is None:
+                self._staged.run_on_host(host, gpu)
+                return None
+            return self._staged.enqueue(host, gpu, ready, self.events, self.engine._events[Direction.LOAD])
         if self._stream is not None and self.copies == "kernel":
             return self._enqueue_kernels(host, gpu, ready)
         # [rows, n] in one broadcast each; row-major, so a layer's copies are one slice.
@@ -353,6 +371,8 @@ class LayerwiseLoads:
             del _registry[self.name]
             if self._stream is not None:
                 self._stream.synchronize()  # rare, and what keeps the twins alive while read
+            if self._staged is not None:
+                self._staged.close()
 
     def __enter__(self) -> LayerwiseLoads:
         return self

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
-COPIES = ["kernel", "dma"]
+COPIES = ["kernel", "dma", "staged"]
 
 
 @contextlib.contextmanager

@@ -13,15 +13,15 @@ import kv_ops
 gpu = pytest.mark.gpu
 
 
-COPIES = ["kernel", "dma"]
+COPIES = ["kernel", "dma", "staged"]
 
 
-def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", seed=0, copies="kernel"):
+def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", seed=0, copies="kernel", **kw):
     caches = make_caches(num_layers, num_blocks, device, seed=seed)
     row = sum(c[0, 0].nbytes * 2 for c in caches.values())
     engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=capacity_blocks * row, path="kernel")
     fill_mirror(engine, seed + 1)
-    return engine, kv_ops.LayerwiseLoads(engine, name, copies=copies), Reader(name, list(caches.values()))
+    return engine, kv_ops.LayerwiseLoads(engine, name, copies=copies, **kw), Reader(name, list(caches.values()))
 
 
 @pytest.fixture
@@ -122,11 +122,19 @@ def test_a_name_is_taken_until_close_and_a_closed_instance_refuses_to_start(cpu_
     again.close()
 
 
-@pytest.mark.parametrize("copies", ["DMA", None, "staged"])
+@pytest.mark.parametrize("copies", ["DMA", None, "ring"])
 def test_an_unknown_copy_mechanism_is_refused(cpu_setup, copies):
     engine, _, _ = cpu_setup
-    with pytest.raises(ValueError, match=r"copies must be one of 'dma', 'kernel', got"):
+    with pytest.raises(ValueError, match=r"copies must be one of 'dma', 'kernel', 'staged', got"):
         kv_ops.LayerwiseLoads(engine, "copies", copies=copies)
+
+
+@pytest.mark.parametrize("ring_bytes", [0, -1, 2.5, True, "big", None])
+def test_a_bad_ring_size_is_refused_by_name(cpu_setup, ring_bytes):
+    engine, _, _ = cpu_setup
+    with pytest.raises(ValueError, match=rf"ring_bytes must be a positive integer, got {ring_bytes!r}"):
+        kv_ops.LayerwiseLoads(engine, "ring", copies="staged", ring_bytes=ring_bytes)
+    kv_ops.LayerwiseLoads(engine, "ring", copies="staged", ring_bytes=1).close()  # the name was not taken
 
 
 @pytest.mark.parametrize("name", ["", None, 3])
@@ -201,17 +209,19 @@ def test_start_on_a_closed_engine_raises_engine_closed(cpu_setup):
         loads.start([0], [0])
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     num_layers=st.integers(1, 5),
     num_blocks=st.integers(3, 12),  # 2 blocks would make a K/V axis ambiguous to infer_regions
     tokens=st.integers(1, 3),
     width=st.sampled_from([1, 3, 8]),
     blocks_first=st.booleans(),
+    copies=st.sampled_from(COPIES),
+    slot_rows=st.integers(1, 13),  # staged: a ring slot of this many rows (chunks of that many pairs)
     data=st.data(),
 )
 def test_any_layer_count_block_count_and_layout_reads_the_mirrors_rows(
-    num_layers, num_blocks, tokens, width, blocks_first, data
+    num_layers, num_blocks, tokens, width, blocks_first, copies, slot_rows, data
 ):
     seed = data.draw(st.integers(0, 2**16))
     caches = make_caches(
@@ -222,11 +232,17 @@ def test_any_layer_count_block_count_and_layout_reads_the_mirrors_rows(
     engine = kv_ops.OffloadEngine(caches, num_blocks, capacity_bytes=host_blocks * row)
     fill_mirror(engine, seed + 1)
     name = f"prop{seed}"
+    ring = 4 * slot_rows * 2 * tokens * width * 4  # SLOTS slots of slot_rows rows of one layer
     try:
-        with kv_ops.LayerwiseLoads(engine, name) as loads:
+        with kv_ops.LayerwiseLoads(engine, name, copies=copies, ring_bytes=ring) as loads:
             n = data.draw(st.integers(0, min(num_blocks, host_blocks)))
             gpu_ids = data.draw(st.permutations(range(num_blocks)))[:n]
-            host_ids = data.draw(st.lists(st.integers(0, host_blocks - 1), min_size=n, max_size=n))
+            if data.draw(st.booleans()):  # host ids in runs, which the staged copies move 2-D
+                first = data.draw(st.integers(0, host_blocks - n))
+                cut = data.draw(st.integers(0, n))
+                host_ids = list(range(first + cut, first + n)) + list(range(first, first + cut))
+            else:
+                host_ids = data.draw(st.lists(st.integers(0, host_blocks - 1), min_size=n, max_size=n))
             model = Reader(name, list(caches.values()), hidden=4, blocks_first=blocks_first)
             read_ids = torch.arange(num_blocks)
             want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)

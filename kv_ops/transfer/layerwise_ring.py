@@ -1,0 +1,280 @@
+"""LayerwiseLoads' ``copies="staged"``: per layer, the copy engines fill a GPU ring slot, then a short kernel scatters it.
+
+Why this shape (measured on the H200, docs in :mod:`kv_ops.transfer.layerwise`):
+
+* The step's big matmuls are persistent kernels (cuBLAS's, one CTA per SM, all SMs for their
+  whole duration), so a copy kernel beside them runs only in the gaps between kernels. The
+  zero-copy kernel needs SMs for the whole load; a device-to-device scatter needs them for about
+  5% of the link time, which the gaps can give.
+* The copy engines need no SMs but cost about 0.5 us of host time per descriptor, and
+  ``start`` issues them all before the replay it feeds: one descriptor per block and region
+  (``copies="dma"``) is 32,768 descriptors, 17 ms, for 512 blocks of a 32-layer model. Into a
+  slot of packed layer rows, a layer's regions that sit side by side in the mirror row move as
+  one piece, and a run of consecutive host ids moves as one 2-D copy (3.5-4 us, at the link's
+  rate), whatever the GPU ids: a sequence stored to consecutive host blocks comes back in one
+  copy per layer.
+
+Per layer and chunk of :attr:`StagedLayers.chunk` pairs, round-robin over :data:`SLOTS` slots of
+one ring (``ring_bytes`` of GPU memory): the engine's load stream waits until the slot's last
+scatter has read it, copies the chunk's pieces of the mirror into the slot and hands over with
+an event; a kernel stream of its own waits for that, (once per start) for ``ready``, fills the
+slot's scatter graph's id block from the start's ids, replays it, and records the slot free.
+Layer ``i``'s event follows its last scatter. The ids of a start go in with one copy into a
+pooled device block, on the kernel stream before the first scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import host_memory, kernels, reference
+from ..driver import driver_context, record_event, wait_event
+from ..validation import error_counter
+from . import dma
+from .ids import Pool
+from .paths import STAGE_PROGRAMS, Direction
+
+SLOTS = 4
+RING_BYTES = 128 << 20
+# A run of consecutive host ids at least this long moves as one 2-D copy per piece (about 4 us of
+# host time on the H200) instead of one descriptor per block (about 0.5 us each).
+RUN_2D = 8
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Columns ``[mirror, +width)`` of a mirror row land at ``[slot, +width)`` of a slot row."""
+
+    mirror: int
+    slot: int
+    width: int
+
+
+def pieces(mirror_columns: list[int], widths: list[int]) -> list[Piece]:
+    """A layer's regions, in the layer's order, as pieces: neighbours in the mirror row merge."""
+    out: list[Piece] = []
+    at = 0
+    for column, width in zip(mirror_columns, widths):
+        if out and out[-1].mirror + out[-1].width == column:
+            last = out[-1]
+            out[-1] = Piece(last.mirror, last.slot, last.width + width)
+        else:
+            out.append(Piece(column, at, width))
+        at += width
+    return out
+
+
+@dataclass
+class ChunkPlan:
+    """One (layer, chunk): pairs ``[start, stop)`` of the start go through ``slot``; ``copies``
+    are the 1-D descriptors, ``strided`` the 2-D copies."""
+
+    layer: int
+    start: int
+    stop: int
+    slot: int
+    copies: dma.Plan
+    strided: list[dma.Copy2D]
+
+
+def plan(
+    host: np.ndarray,
+    layer_pieces: list[list[Piece]],
+    layer_bytes: list[int],
+    chunk: int,
+    mirror: int,
+    row: int,
+    ring: int,
+    slot_bytes: int,
+    first_slot: int,
+) -> list[ChunkPlan]:
+    """Every (layer, chunk) of a start of ``host`` ids, in issue order (layer by layer).
+
+    Pair ``i`` sits in row ``i % chunk`` of its chunk's slot; slot ``(first_slot + k) % SLOTS``
+    takes the ``k``-th (layer, chunk). Runs of consecutive host ids within a chunk of at least
+    :data:`RUN_2D` pairs become one 2-D copy per piece (mirror rows ``row`` apart, slot rows
+    ``layer_bytes`` apart); the other pairs one descriptor per piece. Pure: addresses in, plans out.
+    """
+    n = host.size
+    if n == 0:
+        return []
+    begins = np.ones(n + 1, dtype=bool)
+    np.not_equal(np.diff(host), 1, out=begins[1:n])
+    begins[:n:chunk] = True  # a run never crosses into the next chunk
+    edges = np.flatnonzero(begins)
+    starts, lengths = edges[:-1], np.diff(edges)
+    long = lengths >= RUN_2D
+    short = np.ones(n, dtype=bool)
+    for s, length in zip(starts[long].tolist(), lengths[long].tolist()):
+        short[s : s + length] = False
+    runs = list(zip(starts[long].tolist(), lengths[long].tolist()))
+    source = host * row + mirror  # each pair's mirror row
+    # What does not depend on the layer, once per chunk: the pairs that go one by one (their
+    # rows in the slot and their mirror rows), and the runs (row in the slot, length, mirror row).
+    chunks = []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        rows = np.flatnonzero(short[lo:hi])
+        mine = [(s - lo, length, int(source[s])) for s, length in runs if lo <= s < hi]
+        chunks.append((lo, hi, rows, source[rows + lo], mine))
+    out = []
+    k = first_slot
+    for layer, (layer_p, width) in enumerate(zip(layer_pieces, layer_bytes)):
+        for lo, hi, rows, sources, mine in chunks:
+            slot = k % SLOTS
+            k += 1
+            base = ring + slot * slot_bytes
+            if rows.size == 0:
+                copies = _NO_COPIES
+            else:
+                parts = [
+                    (rows * width + (base + p.slot), sources + p.mirror, np.full(rows.size, p.width, dtype=np.int64))
+                    for p in layer_p
+                ]
+                copies = dma.Plan(*(np.concatenate(a) if len(parts) > 1 else a[0] for a in zip(*parts)))
+            strided = [
+                dma.Copy2D(base + p.slot + r * width, width, s + p.mirror, row, p.width, length)
+                for r, length, s in mine
+                for p in layer_p
+            ]
+            out.append(ChunkPlan(layer, lo, hi, slot, copies, strided))
+    return out
+
+
+_NO_COPIES = dma.Plan(*(np.empty(0, dtype=np.int64) for _ in range(3)))
+
+
+class StagedLayers:
+    """The ring, its scatter graphs and its streams for one :class:`LayerwiseLoads`."""
+
+    def __init__(self, loads, ring_bytes: int):
+        engine = loads.engine
+        self.device = engine.device
+        gpu, mirror = engine.regions, engine.mirror_regions
+        base = engine.mirror.data_ptr()
+        self.regions = [[gpu[n] for n in group] for group in loads.layers]
+        widths = [[gpu[n].shape[1] for n in group] for group in loads.layers]
+        self.layer_bytes = [sum(w) for w in widths]
+        self.pieces = [
+            pieces([mirror[n].data_ptr() - base for n in group], w) for group, w in zip(loads.layers, widths)
+        ]
+        most = max(self.layer_bytes)
+        self.chunk = max(1, min(ring_bytes // (SLOTS * most), engine.num_blocks))
+        self.slot_bytes = self.chunk * most
+        self.ring = torch.empty(SLOTS * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.row = engine.block_bytes
+        self._mirror = base
+        self._next_slot = 0
+        self.words_per_chunk = 1 + self.chunk  # a scatter's id block: [n, GPU ids]
+        self.max_chunks = -(-engine.num_blocks // self.chunk)
+        self.copy_stream = None
+        if self.device.type != "cuda":
+            return
+        self.copy_stream = engine._streams[Direction.LOAD]
+        lowest, _ = torch.cuda.Stream.priority_range()
+        self.kernel_stream = torch.cuda.Stream(self.device, priority=lowest)  # as the engine's own streams
+        self._copy = dma.Launcher(self.copy_stream)
+        self._kernel = dma.Launcher(self.kernel_stream)
+        errors = error_counter(self.device)
+        # Per layer and slot, the scatter from that slot into the layer's regions, captured once.
+        self.graphs = []
+        for regions, lb in zip(self.regions, self.layer_bytes):
+            bound = kernels.BoundCopy(self.device, None, regions, num_programs=STAGE_PROGRAMS)
+            self.graphs.append(
+                [kernels.GraphedCopy(bound, self.chunk, errors, self.slot_view(s, lb)) for s in range(SLOTS)]
+            )
+        words = self.max_chunks * self.words_per_chunk
+        self._ids = Pool(lambda: _StartIds(words, self.device), initial=2)
+        # Recorded once now, so that each exists and every later record is one driver call.
+        self._free = [_recorded(self.copy_stream) for _ in range(SLOTS)]
+        self._handoff = _recorded(self.copy_stream)
+
+    def slot_view(self, slot: int, layer_bytes: int) -> torch.Tensor:
+        """Slot ``slot`` as ``[chunk, layer_bytes]`` packed rows of one layer."""
+        at = slot * self.slot_bytes
+        return self.ring[at : at + self.chunk * layer_bytes].view(self.chunk, layer_bytes)
+
+    def plan(self, host: np.ndarray) -> list[ChunkPlan]:
+        plans = plan(
+            host,
+            self.pieces,
+            self.layer_bytes,
+            self.chunk,
+            self._mirror,
+            self.row,
+            self.ring.data_ptr(),
+            self.slot_bytes,
+            self._next_slot,
+        )
+        self._next_slot = (self._next_slot + len(plans)) % SLOTS
+        return plans
+
+    def run_on_host(self, host: np.ndarray, gpu: np.ndarray) -> None:
+        """The same plans, executed at once on the CPU (an engine over CPU tensors)."""
+        ids = torch.from_numpy(gpu)
+        for p in self.plan(host):
+            dma.run_on_host(p.copies)
+            for copy in p.strided:
+                dma.run_2d_on_host(copy)
+            rows = self.slot_view(p.slot, self.layer_bytes[p.layer])[: p.stop - p.start]
+            reference.scatter_blocks(rows, ids[p.start : p.stop], self.regions[p.layer])
+
+    def enqueue(self, host: np.ndarray, gpu: np.ndarray, ready, events, done_events) -> torch.cuda.Event:
+        plans = self.plan(host)
+        n, chunk, per = host.size, self.chunk, self.words_per_chunk
+        chunks = -(-n // chunk)
+        ids = self._ids.take()
+        words = ids.words[: chunks * per].reshape(chunks, per)
+        padded = np.zeros(chunks * chunk, dtype=np.int64)
+        padded[:n] = gpu
+        words[:, 1:] = padded.reshape(chunks, chunk)
+        words[:, 0] = chunk
+        words[-1, 0] = n - (chunks - 1) * chunk
+        c, k = self._copy.handle, self._kernel.handle
+        with driver_context(self.device):
+            wait_event(k, ready)  # every scatter overwrites GPU blocks: after their readers
+            self._kernel.copy(ids.address, ids.twin_address, 8 * chunks * per)
+            for i, p in enumerate(plans):
+                wait_event(c, self._free[p.slot])  # the slot's last scatter has read it
+                self._copy(p.copies)
+                for copy in p.strided:
+                    self._copy.copy_2d(copy)
+                record_event(self._handoff, c)
+                wait_event(k, self._handoff)
+                graph = self.graphs[p.layer][p.slot]
+                block = ids.address + 8 * per * (p.start // chunk)
+                self._kernel.copy(graph.address, block, 8 * (1 + p.stop - p.start))
+                graph.replay(k)
+                record_event(self._free[p.slot], k)
+                if i + 1 == len(plans) or plans[i + 1].layer != p.layer:
+                    record_event(events[p.layer], k)  # the layer's last scatter: its blocks are in
+            done = done_events.record(self.kernel_stream, k)
+        self._ids.give(ids, done)
+        return done
+
+    def close(self) -> None:
+        if self.copy_stream is not None:
+            self.kernel_stream.synchronize()
+
+
+class _StartIds:
+    """A start's scatter id blocks, ``[chunks, 1 + chunk]`` int64: page-locked, and on the GPU."""
+
+    def __init__(self, words: int, device: torch.device):
+        self.twin = host_memory.pinned_empty(words, dtype=torch.int64)
+        self.words = self.twin.numpy()
+        self.twin_address = self.twin.data_ptr()
+        self.block = host_memory.lasting_copy(torch.zeros(words, dtype=torch.int64), device)
+        self.address = self.block.data_ptr()
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+__all__ = ["StagedLayers", "Piece", "ChunkPlan", "pieces", "plan", "SLOTS", "RING_BYTES", "RUN_2D"]
