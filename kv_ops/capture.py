@@ -1,6 +1,9 @@
-"""Whether a CUDA graph is being captured, and the one refusal of work that must not be captured."""
+"""Whether a CUDA graph is being captured, the one refusal of work that must not be captured, and the ops' own captures."""
 
 from __future__ import annotations
+
+import contextlib
+import gc
 
 import torch
 
@@ -40,4 +43,29 @@ def refuse_capture(
         raise error(f"{who}: {what}; {instead}")
 
 
-__all__ = ["capturing", "refuse_capture"]
+@contextlib.contextmanager
+def captured_into(graph: torch.cuda.CUDAGraph):
+    """Capture the work enqueued on the current stream inside the block into ``graph``: the ops'
+    own graphs, made once at set-up.
+
+    ``capture_begin``/``capture_end`` rather than ``torch.cuda.graph``, which collects garbage
+    and empties torch's cache first (tens of milliseconds per graph, and an engine makes
+    hundreds). Thread-local, so other threads' CUDA calls stay legal meanwhile. With the
+    garbage collector off: a collection inside the capture can destroy an old ``CUDAGraph``,
+    whose teardown frees memory, which the driver refuses during a capture, and the capture is
+    then invalidated (seen on the H200 once a test run had left hundreds of graphs behind).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            yield graph
+        finally:
+            graph.capture_end()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+__all__ = ["capturing", "refuse_capture", "captured_into"]

@@ -67,14 +67,35 @@ class _Pinned:
             self.release()
             raise
 
-    def release(self) -> None:
+    def release(self) -> bool:
+        """Unregister every piece; False if the driver refused one (then this stays alive)."""
         drv = driver() if self.registered else None
         while self.registered:
-            # A failure here cannot be raised from a finalizer; the mapping is freed regardless.
-            drv.cuMemHostUnregister(self.registered.pop())
+            (err,) = drv.cuMemHostUnregister(self.registered[-1])
+            if err != drv.CUresult.CUDA_SUCCESS:
+                # Refused, e.g. in a finalizer that ran while a thread captured a CUDA graph in
+                # global mode. Unmapping now would let a new mapping take these addresses, and its
+                # registration would fail ("already registered"), so the mapping is kept, mapped
+                # and registered, until a later pinned_empty releases it.
+                if self not in _unreleased:
+                    _unreleased.append(self)
+                return False
+            self.registered.pop()
+        return True
 
     def __del__(self):
         self.release()
+
+
+# Mappings whose unregistration the driver refused (see _Pinned.release), released again by the
+# next pinned_empty: a finalizer cannot raise, and it may run at any moment, a capture included.
+_unreleased: list[_Pinned] = []
+
+
+def _release_refused() -> None:
+    for owner in list(_unreleased):
+        if owner.release():
+            _unreleased.remove(owner)
 
 
 def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -119,6 +140,8 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
             RuntimeWarning,
             stacklevel=2,
         )
+    if _unreleased:
+        _release_refused()
     flat = pin_mapping(mmap.mmap(-1, nbytes), nbytes, register=torch.cuda.is_available())
     return flat.view(dtype).view(shape)
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import driver, host_memory
-from .capture import refuse_capture
+from .capture import captured_into, refuse_capture
 
 # At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
 # and eight SMs already saturate a PCIe Gen5 x16 link (docs/design.md: 0.91-0.95 of memcpy).
@@ -356,15 +356,10 @@ class GraphedCopy:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             bound.launch_from_block(packed, self.block, capacity, errors)  # compiles outside the capture
             stream.synchronize()
-            # capture_begin/end rather than torch.cuda.graph, which collects garbage and empties
-            # torch's cache first; thread-local, so other threads' CUDA calls stay legal meanwhile.
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
+            with captured_into(self.graph):
                 if from_host:
                     self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
                 bound.launch_from_block(packed, self.block, capacity, errors)
-            finally:
-                self.graph.capture_end()
         self._exec = self.graph.raw_cuda_graph_exec()
         self._graph_launch = driver.c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
         self._memset = driver.c_function(

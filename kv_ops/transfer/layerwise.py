@@ -402,13 +402,10 @@ class _LayerKernels:
             stream.synchronize()
             for i, bound in enumerate(bounds):
                 graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(capture_error_mode="thread_local")  # as kernels.GraphedCopy
-                try:
+                with capture.captured_into(graph):
                     if i == 0:
                         self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
                     bound.launch_from_block(None, self.block, capacity, errors)
-                finally:
-                    graph.capture_end()
                 self.graphs.append(graph)
         self.execs = [g.raw_cuda_graph_exec() for g in self.graphs]
 

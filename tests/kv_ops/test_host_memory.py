@@ -94,3 +94,31 @@ def test_registration_in_chunks_serves_copies_across_chunk_boundaries(monkeypatc
     kv_ops.copy_blocks([gpu_region], [host], ids, ids.flip(0))
     torch.cuda.synchronize()
     assert torch.equal(host, gpu_region.flip(0).cpu())
+
+
+@gpu
+def test_memory_freed_while_a_graph_is_captured_is_released_later_never_left_registered():
+    # A finalizer may run at any moment, a global-mode capture included, where the driver may
+    # refuse the unregistration. The mapping must then stay (an unmapped, still registered range
+    # makes the next allocation at that address fail "already registered") and be released by
+    # a later pinned_empty.
+    kv_ops.pinned_empty(16)  # warm
+    doomed = kv_ops.pinned_empty(1 << 20)
+    doomed.fill_(7)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph.capture_begin()  # global mode: unsafe calls from any thread are refused
+        try:
+            del doomed  # the last view: the finalizer unregisters, inside the capture
+        finally:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the refused call invalidated the (empty) capture
+    torch.cuda.synchronize()
+    fresh = [kv_ops.pinned_empty(1 << 20) for _ in range(16)]  # would reuse the freed addresses
+    assert host_memory._unreleased == []
+    for t in fresh:
+        t.fill_(3)
+        assert t.is_pinned()
+        assert torch.equal(t.cuda().cpu(), t)
