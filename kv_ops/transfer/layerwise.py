@@ -373,6 +373,10 @@ class LayerwiseLoads:
                 self._stream.synchronize()  # rare, and what keeps the twins alive while read
             if self._staged is not None:
                 self._staged.close()
+            # Its graphs go now, not at some later garbage collection (the instance is in a
+            # reference cycle with its engine path): a CUDAGraph torn down inside another
+            # capture, the user's next one say, frees memory there and invalidates it.
+            self._staged = self._kernel_copies = self._launcher = None
 
     def __enter__(self) -> LayerwiseLoads:
         return self
