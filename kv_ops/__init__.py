@@ -6,7 +6,8 @@ The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and noth
 
 * ``driver``      -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
                      ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
-* ``capture``     -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture.
+* ``capture``     -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture;
+                     ``captured_into``: the ops' own captures.
 * ``host_memory`` -- ``pinned_empty`` (exact-size page-locked memory), ``device_view``.
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 * ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
@@ -17,13 +18,14 @@ The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and noth
 
 The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the ops.
 
-* ``transfer.dma``       -- copy plans for the copy engines and their launch (one batched driver call).
+* ``transfer.dma``       -- copy plans for the copy engines and their launch (batched and 2-D driver calls).
 * ``transfer.ids``       -- the engine's id intake and ``Pool`` (what the GPU reads, reused after it has).
 * ``transfer.paths``     -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
 * ``transfer.crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
 * ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT); its path.
 * ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
 * ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
+* ``transfer.layerwise_ring`` -- their ``copies="staged"``: copy engines into a GPU ring, a scatter per layer.
 
 Tools (``kv_ops/tools/``), imported only when asked for:
 

@@ -4,9 +4,21 @@ captured step waits for layer by layer, so that layer i computes while layer i+1
 The mechanism, and why:
 
 * **The copies run outside the step's graph**, on the engine's load stream, each layer's followed
-  by a record of that layer's event; the ids change every step, so they cannot live in it. Two
-  ways, by ``copies=``:
+  by a record of that layer's event; the ids change every step, so they cannot live in it. Three
+  ways, by ``copies=``, shaped by two facts measured on the H200: the step's big matmuls are
+  persistent cuBLAS kernels (a grid of one CTA per SM, 132, each holding an SM for the whole
+  matmul), so a copy kernel beside them gets SMs only in the gaps between kernels; and the copy
+  engines need no SMs but cost 0.5-1.1 us of host time per descriptor, all of it inside
+  ``start``, before the replay.
 
+  - ``"staged"`` (the default, :mod:`kv_ops.transfer.layerwise_ring`): per layer, the copy
+    engines copy the layer's pieces of the mirror rows into a slot of a GPU ring (a layer's
+    regions side by side in the row as one piece; a run of consecutive host ids as one 2-D copy),
+    then a short device-to-device kernel scatters the slot into the cache blocks, on a stream
+    of its own, and the layer's event follows it. The scatter needs the SMs for about 5% of the
+    link time, which the gaps give. With a sequence's blocks stored to consecutive host ids it
+    hid 0.86-0.87 of a 1 GiB load in a 32-layer prefill step (at most 0.91-0.93), with 1.3-1.5 ms
+    of host time in ``start``; with scattered host ids one descriptor per (block, layer), 0.45.
   - ``"dma"``: the copy engines. :meth:`LayerwiseLoads.start` plans one descriptor per (block,
     region) in one numpy broadcast and issues one ``cuMemcpyBatchAsync`` per layer, each
     followed by a record of that layer's event. No SMs, but the driver costs about 0.5-1 us of
@@ -151,11 +163,20 @@ class LayerwiseLoads:
         The engine's region names of each layer, in the order the model visits them. By
         default one layer per cache tensor given to the engine (its one region, or its K and
         V regions).
-    copies : {"kernel", "dma"}
-        What moves the bytes on a GPU engine: the zero-copy kernel (a few graph launches per
-        start, at most 8 SMs while it runs) or the copy engines (no SMs; a driver descriptor per
-        block and region, issued by ``start``: about 0.5-1 us of host time each). See
-        the module's docstring; ``benchmarks/layerwise.py`` measures both.
+    copies : {"staged", "kernel", "dma"}
+        What moves the bytes on a GPU engine: the copy engines into a GPU ring, then a short
+        scatter kernel per layer (``"staged"``: a 2-D copy per layer for a run of consecutive
+        host ids, otherwise a descriptor per block and layer); the zero-copy kernel (a few
+        graph launches per start, at most 8 SMs while it runs); or the copy engines straight
+        into the cache (a descriptor per block and region, issued by ``start``: about 0.5-1 us
+        of host time each). See the module's docstring; ``benchmarks/layerwise.py`` measures
+        all three. For loads of a few tens of blocks the kernel hides the most; for large
+        ones, with host ids in runs, ``"staged"``.
+    ring_bytes : int
+        With ``copies="staged"``: GPU memory of the ring (128 MiB by default; no larger than
+        :data:`~kv_ops.transfer.layerwise_ring.SLOTS` slots of one layer's pieces of
+        ``num_blocks`` blocks). A layer whose pieces of a start do not fit in one slot moves in
+        chunks.
 
     Attributes
     ----------
@@ -168,7 +189,9 @@ class LayerwiseLoads:
     Notes
     -----
     With ``copies="dma"`` one descriptor per (block, region) goes to the copy engines: a region's
-    blocks are strided in the packed mirror, so runs of ids never merge. A start with no blocks
+    blocks are strided in the packed mirror, so runs of ids never merge. ``copies="staged"``
+    makes its ring and a scatter graph per layer and slot at construction (4 x num_layers
+    graphs). A start with no blocks
     enqueues nothing and records nothing: the step's waits then find completed events. Several
     starts before one replay are all waited for (one stream: each layer's last record follows
     every earlier start's copies of that layer). Call :meth:`close` (or leave a ``with`` block)

@@ -1,6 +1,8 @@
 """kv_ops.LayerwiseLoads and kv_ops.wait_layer, eagerly: the bytes each layer reads, the engine's
 bookkeeping, and every refusal. Compile, capture and AOT reload are in compile_tests."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -354,6 +356,9 @@ def test_start_during_a_capture_is_refused():
     try:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
+        # As torch.cuda.graph does before a capture: a CUDAGraph that earlier tests left to the
+        # collector, torn down inside this global-mode capture, would invalidate it.
+        gc.collect()
         with torch.cuda.stream(side):
             graph.capture_begin()
             try:
