@@ -80,7 +80,7 @@ def test_block_copy_table_from_fake_rows():
 
 def test_layerwise_table_from_fake_rows():
     layerwise = importlib.import_module("layerwise")
-    row = dict.fromkeys(layerwise.COLUMNS, 1.0) | {"blocks": 16, "copies": "kernel", "bitwise": True}
+    row = dict.fromkeys(layerwise.COLUMNS, 1.0) | {"blocks": 16, "hosts": "run", "copies": "kernel", "bitwise": True}
     once = dict.fromkeys(
         ["compute_us", "zero_block_us", "zero_block_ratio", "per_wait_us", "short_step_us", "short_step_waits_us"],
         2.0,
@@ -88,7 +88,7 @@ def test_layerwise_table_from_fake_rows():
     args = SimpleNamespace(layers=4, tokens=8, hidden=16, mlp=32)
     lines = layerwise.markdown([row], once, args).splitlines()
     assert lines[0].startswith("Step: 4 layers, 8 tokens, MLP 16x32 bf16")
-    assert lines[-1] == "| 16 | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 | yes |"
+    assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 | yes |"
 
 
 @pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "ple_latency"])
