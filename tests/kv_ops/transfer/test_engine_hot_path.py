@@ -344,7 +344,7 @@ def pool_sizes(engine, path):
 
 @gpu
 @pytest.mark.parametrize("path", ["kernel", "staged"])
-def test_a_sustained_stream_of_calls_beside_a_busy_model_never_grows_a_pool_nor_waits(path):
+def test_a_sustained_stream_of_calls_beside_a_busy_model_grows_no_pool_and_each_returns_at_once(path):
     # A serving loop: the model's work queued on the default stream, the transfers ordered after
     # an event recorded before it, a few calls in flight, polled as they land. Each completion
     # event goes back to the engine and is recorded again for a later call; a pool that took that
