@@ -1,4 +1,4 @@
-"""LayerwiseLoads' ``copies="staged"``: per layer, the copy engines fill a GPU ring slot, then a short kernel scatters it.
+"""The staged layer-wise copies: per layer, copy engines into a GPU ring slot, then a short scatter kernel.
 
 Why this shape (measured on the H200, docs in :mod:`kv_ops.transfer.layerwise`):
 
@@ -37,8 +37,10 @@ from . import dma
 from .ids import Pool
 from .paths import STAGE_PROGRAMS, Direction
 
+# Slots of the ring: the copy engines may run this many (layer, chunk) copies ahead of the
+# scatters, which wait for gaps between the model's kernels.
 SLOTS = 4
-RING_BYTES = 128 << 20
+RING_BYTES = 128 << 20  # the default ring; a slot holds one layer's pieces of a chunk of pairs
 # A run of consecutive host ids at least this long moves as one 2-D copy per piece (about 4 us of
 # host time on the H200) instead of one descriptor per block (about 0.5 us each).
 RUN_2D = 8
@@ -223,6 +225,9 @@ class StagedLayers:
             reference.scatter_blocks(rows, ids[p.start : p.stop], self.regions[p.layer])
 
     def enqueue(self, host: np.ndarray, gpu: np.ndarray, ready, events, done_events) -> torch.cuda.Event:
+        """Issue a start: every (layer, chunk)'s copies and scatter, each layer's event recorded
+        after its last scatter; returns the start's completion event (from ``done_events``, the
+        engine's load-direction :class:`~kv_ops.transfer.paths.Events`)."""
         plans = self.plan(host)
         n, chunk, per = host.size, self.chunk, self.words_per_chunk
         chunks = -(-n // chunk)
@@ -236,6 +241,8 @@ class StagedLayers:
         c, k = self._copy.handle, self._kernel.handle
         with driver_context(self.device):
             wait_event(k, ready)  # every scatter overwrites GPU blocks: after their readers
+            # The ids in, on the kernel stream: after the scatters of the start that last used
+            # this pooled block (same stream), before this start's first scatter.
             self._kernel.copy(ids.address, ids.twin_address, 8 * chunks * per)
             for i, p in enumerate(plans):
                 wait_event(c, self._free[p.slot])  # the slot's last scatter has read it
@@ -244,6 +251,8 @@ class StagedLayers:
                     self._copy.copy_2d(copy)
                 record_event(self._handoff, c)
                 wait_event(k, self._handoff)
+                # The chunk's [n, GPU ids] into the graph's block: its last replay, on this
+                # stream, has read the block already.
                 graph = self.graphs[p.layer][p.slot]
                 block = ids.address + 8 * per * (p.start // chunk)
                 self._kernel.copy(graph.address, block, 8 * (1 + p.stop - p.start))
