@@ -159,7 +159,6 @@ class Crossover:
         for direction, blocks, runs in keys:
             at = {c.path: c for c in self.cells if (c.direction, c.blocks, c.runs) == (direction, blocks, runs)}
             engines = {p: COPY_ENGINES[p] for p in at}
-
             shown = [_shown(at.get(p), singles) for p in paths]
             pick = self.choose(Direction(direction), blocks, runs, engines)
             if singles:

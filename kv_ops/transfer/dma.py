@@ -308,7 +308,10 @@ class Launcher:
             self._fail_index = ctypes.c_size_t(0)
             self._tail.append(ctypes.cast(ctypes.pointer(self._fail_index), _P))
         self._tail.append(self.handle)
-        self._2d = None  # the 2-D descriptor and entry point, made on the first 2-D copy
+        # One 2-D descriptor for every 2-D copy: the driver reads it during the call.
+        self._2d = _Memcpy2D()
+        self._2d.srcMemoryType = self._2d.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
+        self._memcpy_2d = c_function("cuMemcpy2DAsync", 12000, _P, _P)
 
     def __call__(self, plan: Plan) -> None:
         count = plan.count
@@ -331,13 +334,8 @@ class Launcher:
         check_code(self._memcpy(dst, src, nbytes, self.handle), "cuMemcpyAsync")
 
     def copy_2d(self, copy: Copy2D) -> None:
-        """One ``cuMemcpy2DAsync``: the driver reads the descriptor during the call, so one
-        struct, bound once, serves every copy."""
+        """One ``cuMemcpy2DAsync`` of ``copy``, through the launcher's one descriptor."""
         m = self._2d
-        if m is None:
-            self._2d = m = _Memcpy2D()
-            m.srcMemoryType = m.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
-            self._memcpy_2d = c_function("cuMemcpy2DAsync", 12000, _P, _P)
         m.srcDevice, m.srcPitch, m.dstDevice, m.dstPitch = copy.src, copy.src_pitch, copy.dst, copy.dst_pitch
         m.WidthInBytes, m.Height = copy.width, copy.height
         check_code(self._memcpy_2d(ctypes.byref(m), self.handle), "cuMemcpy2DAsync")

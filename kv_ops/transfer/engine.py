@@ -15,9 +15,10 @@ Each call checks its ids once, picks one path once and launches it once (:mod:`k
 the zero-copy kernel, the staged path (gather into a GPU ring, then the copy engines), or direct
 DMA. With ``path="auto"`` the pick follows what :mod:`kv_ops.transfer.crossover` measured for this
 engine's shape on this device: one call's rate, host time included, for a call that has the engine
-to itself; the sustained rate of back-to-back calls for one issued behind others in flight. The disk tier is one more path behind the same interface
-(:class:`kv_ops.transfer.disk.DiskPath`), the only one of a ``disk_dir`` engine: the engine
-submits, orders, collects, flushes and closes every transfer the same way, whatever its path.
+to itself; the sustained rate of back-to-back calls for one issued behind others in flight. The
+disk tier is one more path behind the same interface (:class:`kv_ops.transfer.disk.DiskPath`),
+the only one of a ``disk_dir`` engine: the engine submits, orders, collects, flushes and closes
+every transfer the same way, whatever its path.
 
 Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
 transfer in flight, then frees the mirror or closes the disk tier's file and stops its thread;

@@ -191,8 +191,7 @@ class LayerwiseLoads:
     With ``copies="dma"`` one descriptor per (block, region) goes to the copy engines: a region's
     blocks are strided in the packed mirror, so runs of ids never merge. ``copies="staged"``
     makes its ring and a scatter graph per layer and slot at construction (4 x num_layers
-    graphs). A start with no blocks
-    enqueues nothing and records nothing: the step's waits then find completed events. Several
+    graphs). A start with no blocks enqueues nothing and records nothing: the step's waits then find completed events. Several
     starts before one replay are all waited for (one stream: each layer's last record follows
     every earlier start's copies of that layer). Call :meth:`close` (or leave a ``with`` block)
     once no graph that waits on these events will be replayed again.
@@ -251,8 +250,10 @@ class LayerwiseLoads:
         self._stream = None
         if self.device.type == "cuda":
             load_stream = engine._streams[Direction.LOAD]
-            # Either mechanism runs on the engine's load stream: in issue order with its other
-            # loads, so a later load of the same GPU blocks lands after this one's.
+            # Every mechanism's copies run on the engine's load stream: in issue order with its
+            # other loads, so a later load of the same GPU blocks lands after this one's (the
+            # staged scatters follow on a stream of their own, and the engine orders its next
+            # load of another path after their completion event).
             self._stream = load_stream
             self._handle = load_stream.cuda_stream
             self.events = [torch.cuda.Event() for _ in range(self.num_layers)]
@@ -260,7 +261,7 @@ class LayerwiseLoads:
                 event.record(self._stream)
             if copies == "dma":
                 self._launcher = dma.Launcher(load_stream)
-            else:
+            elif copies == "kernel":
                 bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
                 capacity = engine.num_blocks  # a load's GPU ids are distinct
                 errors = error_counter(self.device)

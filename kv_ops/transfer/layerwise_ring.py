@@ -34,8 +34,8 @@ from .. import host_memory, kernels, reference
 from ..driver import driver_context, record_event, wait_event
 from ..validation import error_counter
 from . import dma
-from .ids import Pool
-from .paths import STAGE_PROGRAMS, Direction
+from .ids import IdBlock, Pool
+from .paths import STAGE_PROGRAMS, Direction, recorded
 
 # Slots of the ring: the copy engines may run this many (layer, chunk) copies ahead of the
 # scatters, which wait for gaps between the model's kernels.
@@ -191,8 +191,8 @@ class StagedLayers:
         words = self.max_chunks * self.words_per_chunk
         self._ids = Pool(lambda: _StartIds(words, self.device), initial=2)
         # Recorded once now, so that each exists and every later record is one driver call.
-        self._free = [_recorded(self.copy_stream) for _ in range(SLOTS)]
-        self._handoff = _recorded(self.copy_stream)
+        self._free = [recorded(self.copy_stream) for _ in range(SLOTS)]
+        self._handoff = recorded(self.copy_stream)
 
     def slot_view(self, slot: int, layer_bytes: int) -> torch.Tensor:
         """Slot ``slot`` as ``[chunk, layer_bytes]`` packed rows of one layer."""
@@ -229,21 +229,15 @@ class StagedLayers:
         after its last scatter; returns the start's completion event (from ``done_events``, the
         engine's load-direction :class:`~kv_ops.transfer.paths.Events`)."""
         plans = self.plan(host)
-        n, chunk, per = host.size, self.chunk, self.words_per_chunk
-        chunks = -(-n // chunk)
+        chunk, per = self.chunk, self.words_per_chunk
         ids = self._ids.take()
-        words = ids.words[: chunks * per].reshape(chunks, per)
-        padded = np.zeros(chunks * chunk, dtype=np.int64)
-        padded[:n] = gpu
-        words[:, 1:] = padded.reshape(chunks, chunk)
-        words[:, 0] = chunk
-        words[-1, 0] = n - (chunks - 1) * chunk
+        chunks = id_blocks(ids.host.words, gpu, chunk)
         c, k = self._copy.handle, self._kernel.handle
         with driver_context(self.device):
             wait_event(k, ready)  # every scatter overwrites GPU blocks: after their readers
             # The ids in, on the kernel stream: after the scatters of the start that last used
             # this pooled block (same stream), before this start's first scatter.
-            self._kernel.copy(ids.address, ids.twin_address, 8 * chunks * per)
+            self._kernel.copy(ids.address, ids.host.address, 8 * chunks * per)
             for i, p in enumerate(plans):
                 wait_event(c, self._free[p.slot])  # the slot's last scatter has read it
                 self._copy(p.copies)
@@ -269,21 +263,29 @@ class StagedLayers:
             self.kernel_stream.synchronize()
 
 
+def id_blocks(words: np.ndarray, gpu: np.ndarray, chunk: int) -> int:
+    """Write the scatters' id blocks of a start into ``words``: block ``c`` (``1 + chunk`` words
+    from ``c * (1 + chunk)``) holds chunk ``c``'s pair count, then its GPU ids. Returns the number
+    of chunks. In place, no allocation: it runs once per start."""
+    per = 1 + chunk
+    full, rest = divmod(gpu.size, chunk)
+    blocks = words[: full * per].reshape(full, per)
+    blocks[:, 0] = chunk
+    blocks[:, 1:] = gpu[: full * chunk].reshape(full, chunk)
+    if rest:
+        last = words[full * per : (full + 1) * per]
+        last[0] = rest
+        last[1 : 1 + rest] = gpu[full * chunk :]
+    return full + (rest > 0)
+
+
 class _StartIds:
-    """A start's scatter id blocks, ``[chunks, 1 + chunk]`` int64: page-locked, and on the GPU."""
+    """A start's scatter id blocks (:func:`id_blocks`): page-locked, and their copy on the GPU."""
 
     def __init__(self, words: int, device: torch.device):
-        self.twin = host_memory.pinned_empty(words, dtype=torch.int64)
-        self.words = self.twin.numpy()
-        self.twin_address = self.twin.data_ptr()
+        self.host = IdBlock(words)
         self.block = host_memory.lasting_copy(torch.zeros(words, dtype=torch.int64), device)
         self.address = self.block.data_ptr()
 
 
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-__all__ = ["StagedLayers", "Piece", "ChunkPlan", "pieces", "plan", "SLOTS", "RING_BYTES", "RUN_2D"]
+__all__ = ["StagedLayers", "Piece", "ChunkPlan", "pieces", "plan", "id_blocks", "SLOTS", "RING_BYTES", "RUN_2D"]

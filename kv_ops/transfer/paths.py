@@ -147,7 +147,7 @@ def low_priority_streams(device: torch.device) -> dict[Direction, torch.cuda.Str
     return {d: torch.cuda.Stream(device, priority=lowest) for d in Direction}
 
 
-def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(stream)
     return event
@@ -176,7 +176,7 @@ class Events:
             record_event(event, handle)
             event.records += 1
             return event
-        event = _record(stream)
+        event = recorded(stream)
         event.records = 1
         return event
 
@@ -471,8 +471,8 @@ class StagedPath(EventPath):
             # direction: the hand-off from one stream to the other, waited on right after each
             # record. Each recorded once now (on an idle stream), so that it exists and every
             # later record is one driver call.
-            self._free = {d: [_record(streams[d]) for _ in range(RING_SLOTS)] for d in Direction}
-            self._handoff = {d: _record(streams[d]) for d in Direction}
+            self._free = {d: [recorded(streams[d]) for _ in range(RING_SLOTS)] for d in Direction}
+            self._handoff = {d: recorded(streams[d]) for d in Direction}
 
     def close(self) -> None:
         """Wait for the gathers and scatters on its own kernel streams (the engine synchronizes its
@@ -497,7 +497,7 @@ class StagedPath(EventPath):
             # that the engine's issue order across paths still holds after an empty call.
             stream = self.kernel_streams[d] if d is Direction.LOAD else self.streams[d]
             stream.wait_event(ready)
-            return _record(stream)
+            return recorded(stream)
         ring = self.ring(d)
         # Slots for every chunk up front, so that the whole transfer is planned in one pass.
         slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]
@@ -680,6 +680,7 @@ __all__ = [
     "make_paths",
     "low_priority_streams",
     "mirror_views",
+    "recorded",
     "RING_SLOTS",
     "STAGE_PROGRAMS",
     "REPLAY_PAIRS",

@@ -26,9 +26,10 @@ def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", see
     return engine, kv_ops.LayerwiseLoads(engine, name, copies=copies, **kw), Reader(name, list(caches.values()))
 
 
-@pytest.fixture
-def cpu_setup():
-    engine, loads, model = make("cpu")
+@pytest.fixture(params=COPIES)
+def cpu_setup(request):
+    # Every mechanism, so that each refusal and each lifecycle rule holds for all three.
+    engine, loads, model = make("cpu", copies=request.param)
     yield engine, loads, model
     loads.close()
     engine.close()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_ops.transfer import dma
-from kv_ops.transfer.layerwise_ring import RUN_2D, SLOTS, Piece, pieces, plan
+from kv_ops.transfer.layerwise_ring import RUN_2D, SLOTS, Piece, id_blocks, pieces, plan
 
 
 def test_neighbouring_regions_of_a_layer_merge_into_one_piece_and_others_do_not():
@@ -106,3 +106,18 @@ def test_a_run_never_crosses_a_chunk(chunk):
     _, plans, _, _, _ = run_plan(list(range(n)), [[4]], [[0]], chunk=chunk, first_slot=0, rows=n)
     assert [sum(c.height for c in p.strided) for p in plans] == [chunk, chunk, chunk, RUN_2D]
     assert all(p.copies.count == 0 for p in plans)
+
+
+@pytest.mark.parametrize("n, chunk", [(1, 4), (4, 4), (9, 4), (12, 5), (3, 1)])
+def test_a_starts_id_blocks_hold_each_chunks_count_and_gpu_ids(n, chunk):
+    per = 1 + chunk
+    words = np.full(-(-n // chunk) * per + 3, -7, dtype=np.int64)  # poisoned, and longer than needed
+    gpu = np.random.default_rng(n).permutation(100)[:n].astype(np.int64)
+    chunks = id_blocks(words, gpu, chunk)
+    assert chunks == -(-n // chunk)
+    for c in range(chunks):
+        count = min(chunk, n - c * chunk)
+        block = words[c * per : (c + 1) * per]
+        assert block[0] == count
+        assert block[1 : 1 + count].tolist() == gpu[c * chunk : c * chunk + count].tolist()
+    assert (words[chunks * per :] == -7).all()  # nothing written past the last block
