@@ -84,23 +84,28 @@ class _Guard:
 
 
 def _capture_replays_at_once() -> bool:
-    """Whether the capture on the current stream is a recording of inductor's CUDA-graph trees.
+    """Whether the capture under way is a recording of inductor's CUDA-graph trees.
 
     ``mode="reduce-overhead"`` records a graph and replays it before the call returns, so the
     prepared step is consumed by that replay: not the stale-rows case that a plain
-    ``torch.cuda.graph`` capture with a prepared step is. Recognised by the stream: the trees
-    record on their manager's own stream.
+    ``torch.cuda.graph`` capture with a prepared step is. Recognised by the trees' recording
+    frame on this thread's stack, not by the capture stream: ``torch.cuda.Stream()`` hands out
+    a pool of streams round-robin, so the trees' stream and ``torch.cuda.graph``'s default
+    capture stream can be the same CUDA stream (the GPU suite met that, and a user's capture
+    was let through). Only asked during a capture, never per call.
     """
     # Never import Inductor here: a first import during a capture makes CUDA calls that
     # invalidate it. Trees that were never imported are not recording.
     cudagraph_trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if cudagraph_trees is None:
         return False
-    try:
-        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    except Exception:
-        return False
-    return manager is not None and torch.cuda.current_stream() == manager.stream
+    record = cudagraph_trees.CUDAGraphNode._record.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is record:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class OffloadRuntime:

@@ -141,6 +141,17 @@ def test_decode_step_under_reduce_overhead():
         manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
         assert manager is not None and sum(len(v) for v in manager.roots.values()) >= 1
 
+        # A plain capture with a step prepared is still refused when it runs on the trees' own
+        # stream (torch.cuda.Stream() pools streams, so the two can be one CUDA stream by chance).
+        ids = torch.randint(0, VOCAB, (4,))
+        hidden, device_ids = torch.randn(4, 64, device="cuda"), ids.cuda()
+        rt.prepare(ids)
+        with pytest.raises(ple_ops.OffloadError, match="Capture with no step prepared"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=manager.stream):
+                rt.model(hidden, device_ids)
+        rt.model(hidden, device_ids)  # the prepared step, served eagerly
+        rt.release()
+
 
 def test_killing_the_offload_process_unblocks_the_gpu_within_a_second():
     with ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cuda") as rt:

@@ -494,10 +494,14 @@ class StagedPath(EventPath):
             if self.streams is None:
                 return None
             # On the stream where this direction's staged work ends (a load's last scatter), so
-            # that the engine's issue order across paths still holds after an empty call.
-            stream = self.kernel_streams[d] if d is Direction.LOAD else self.streams[d]
-            stream.wait_event(ready)
-            return recorded(stream)
+            # that the engine's issue order across paths still holds after an empty call. From the
+            # direction's Events like every other completion: the engine gives it back there.
+            stream, launch = (
+                (self.kernel_streams[d], self._kernel[d]) if d is Direction.LOAD else (self.streams[d], self._copy[d])
+            )
+            with driver_context(self.device):
+                wait_event(launch.handle, ready)
+                return self._events[d].record(stream, launch.handle)
         ring = self.ring(d)
         # Slots for every chunk up front, so that the whole transfer is planned in one pass.
         slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]

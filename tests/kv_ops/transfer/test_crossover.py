@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops.transfer import crossover as crossover_mod
-from kv_ops.transfer.crossover import COUNTS, RUN, TOLERANCE, Cell, Crossover, measure, shape_key
+from kv_ops.transfer.crossover import CALLS, COUNTS, RUN, TOLERANCE, Cell, Crossover, measure, shape_key
 from kv_ops.transfer.dma import count_runs
 from kv_ops.transfer.paths import Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
 
@@ -401,9 +401,13 @@ def test_a_measurement_covers_every_cell_with_plausible_rates_in_under_3_seconds
     assert sorted((c.path, c.direction, c.blocks, c.runs) for c in x.cells) == want  # each cell once
     for c in x.cells:
         assert 0.01 < c.gbps < 200 and 0.01 < c.single_gbps < 200, c
-        # One call includes its host time and its launch latency: it is never faster than a
-        # stream of them by more than the noise of a few calls.
-        assert c.single_gbps < 1.5 * c.gbps, c
+        # One call includes its host time and its launch latency: with few descriptors it is never
+        # faster than a stream of them by more than the noise of a few calls. With many it can be
+        # (the H200 once measured a staged store of 256 scattered 9 KiB rows at 6.1 GB/s alone and
+        # 4.1 GB/s in a stream of 4): a stream queues 1024 copies behind each other, a single call
+        # 256 on idle engines.
+        if c.runs * CALLS <= 128:
+            assert c.single_gbps < 1.5 * c.gbps, c
     picks = {x.choose(Direction(c.direction), c.blocks, c.runs, COPY_ENGINES) for c in x.cells}
     assert picks <= set(COPY_ENGINES)
     print(x.table())
