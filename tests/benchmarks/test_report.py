@@ -82,7 +82,8 @@ def test_layerwise_table_from_fake_rows():
     layerwise = importlib.import_module("layerwise")
     row = dict.fromkeys(layerwise.COLUMNS, 1.0) | {"blocks": 16, "hosts": "run", "copies": "kernel", "bitwise": True}
     once = dict.fromkeys(
-        ["compute_us", "zero_block_us", "zero_block_ratio", "per_wait_us", "short_step_us", "short_step_waits_us"],
+        ["compute_us", "zero_block_us", "zero_block_ratio", "zero_block_gpu_ratio", "per_wait_us"]
+        + ["short_step_us", "short_step_waits_us"],
         2.0,
     )
     args = SimpleNamespace(layers=4, tokens=8, hidden=16, mlp=32)
