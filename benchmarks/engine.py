@@ -80,7 +80,7 @@ COLUMNS = [
     "staged_ratio", "gather_us", "sm_us_per_gb", "link_fraction", "dma_only_gbps", "dma_only_ratio",
     "chunk_rows", "ring_bytes", "issue_us_per_call", "issue_fraction", "limit",
     "run", "matmul_ms", "baseline_ms", "slowdown", "duplex_ratio",
-    "blocks", "runs", "single_gbps",
+    "blocks", "runs", "single_gbps", "host_us",
 ]  # fmt: skip
 FAILURES: list[str] = []
 
@@ -591,6 +591,7 @@ def build_rows(state: State) -> list[dict]:
                     runs=cell.runs,
                     gbps=cell.gbps,
                     single_gbps=cell.single_gbps,
+                    host_us=cell.host_us,
                 )
             )
     return rows

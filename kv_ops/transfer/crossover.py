@@ -11,16 +11,23 @@ runs of :data:`RUN` consecutive ids) it takes two rates:
 * **single**: one call from an idle device, from before the call until its copy has finished.
   The call's host time is on the critical path: on the H200 the staged path costs about twice
   the kernel path's host time, so a single flushed call of 16-64 blocks of 1 MiB finishes
-  sooner on the kernel path even where a burst moves faster staged.
+  sooner on the kernel path even where a burst moves faster staged. With it, **host**: the
+  microseconds that call spent in ``enqueue``.
 
 The whole sweep takes about a second on the H200 (plus the kernels' first compile in a fresh
 cache). It is done once per device, shape and process, and can be kept in a JSON file that the
 user names.
 
-The pick: in the nearest measured cell, the fastest path by the single rate when the call has
-the engine to itself (nothing in flight) and by the sustained rate otherwise, except that a
-copy-engine path within :data:`TOLERANCE` of the fastest wins, because it leaves every SM to
-the model.
+The pick, in the nearest measured cell:
+
+* a call behind others in flight: the fastest path by the sustained rate, except that a
+  copy-engine path within :data:`TOLERANCE` of the fastest wins, because it leaves every SM to
+  the model;
+* a call that has the engine to itself (nothing in flight): of the paths within
+  :data:`TOLERANCE` of the fastest single rate, the one with the least host time. The host is
+  then the scarce part: its time is the serving loop's, and nothing hides it. (On the H200 the
+  staged path came within 5% of the kernel path's single rate at 16-64 blocks of 1 MiB while
+  costing 2-3 times its host time; the copy-engine rule picked it, at 150-300 us a call.)
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from ..host_memory import pinned_empty
 from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, low_priority_streams, make_paths
 
 # Bumped when what is measured changes, so that a kept file of an older measurement is not used.
-MEASUREMENT = 2
+MEASUREMENT = 3
 COUNTS = (4, 32, 256)
 RUN = 16
 CALLS = 4
@@ -53,7 +60,8 @@ RUN_FREE_BLOCKS = 64
 class Cell:
     """One measurement: ``path`` moved ``blocks`` blocks in ``runs`` runs per call, ``direction``,
     at ``gbps`` (sustained over back-to-back calls) and ``single_gbps`` (one call from an idle
-    device, its host time included; None: not measured, the sustained rate stands in)."""
+    device, its host time included; None: not measured, the sustained rate stands in), and
+    ``host_us``, the host microseconds of that one call (None: not measured)."""
 
     path: str
     direction: str
@@ -61,6 +69,7 @@ class Cell:
     runs: int
     gbps: float
     single_gbps: float | None = None
+    host_us: float | None = None
 
     def rate(self, alone: bool) -> float:
         """The rate that decides a call that has the engine to itself (``alone``) or not."""
@@ -112,17 +121,21 @@ class Crossover:
     def choose(
         self, direction: Direction, blocks: int, runs: int, copy_engines: dict[str, bool], alone: bool = False
     ) -> str | None:
-        """The path name for a call: the fastest in the nearest cell, or a copy-engine path
-        within :data:`TOLERANCE` of it (the fastest of those), by the single-call rate if the
-        call is ``alone`` (nothing else in flight) and by the sustained rate otherwise. None
-        where nothing was measured."""
+        """The path name for a call, from the nearest cell (the module docstring says why):
+        ``alone`` (nothing else in flight), the least host time among the paths within
+        :data:`TOLERANCE` of the fastest single-call rate; otherwise the fastest sustained
+        rate, or a copy-engine path within :data:`TOLERANCE` of it (the fastest of those).
+        Cells without host times (hand-made, or kept from an older measurement) decide alone
+        as behind others, by the single rate. None where nothing was measured."""
         cells = [c for c in self._nearest(direction, blocks, runs) if c.path in copy_engines]
         if not cells:
             return None
         best = max(c.rate(alone) for c in cells)
-        engines = [c for c in cells if copy_engines[c.path] and c.rate(alone) >= (1 - TOLERANCE) * best]
-        # The fastest; on an exact tie, the path named first in PATH_NAMES.
-        return max(engines or cells, key=lambda c: (c.rate(alone), -PATH_NAMES.index(c.path))).path
+        near = [c for c in cells if c.rate(alone) >= (1 - TOLERANCE) * best]
+        if alone and all(c.host_us is not None for c in near):
+            return max(near, key=lambda c: (-c.host_us, _first(c))).path
+        engines = [c for c in near if copy_engines[c.path]]
+        return max(engines or cells, key=lambda c: (c.rate(alone), _first(c))).path
 
     def pick(
         self, direction: Direction, blocks: int, runs, copy_engines: dict[str, bool], alone: bool = False
@@ -149,7 +162,8 @@ class Crossover:
         the pick of a call behind others in flight and of a call alone."""
         paths = [p for p in PATH_NAMES if any(c.path == p for c in self.cells)]
         singles = any(c.single_gbps is not None for c in self.cells)
-        rate_head = "GB/s, sustained / single" if singles else "GB/s"
+        hosts = any(c.host_us is not None for c in self.cells)
+        rate_head = ("GB/s, sustained / single" + (", host" if hosts else "")) if singles else "GB/s"
         pick_head = "auto picks, in flight / alone" if singles else "auto picks"
         lines = [
             "| direction | blocks | runs | " + " | ".join(f"{p} {rate_head}" for p in paths) + f" | {pick_head} |",
@@ -193,13 +207,24 @@ class Crossover:
             rates = [c.gbps] if c.single_gbps is None else [c.gbps, c.single_gbps]
             if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
                 return None
+            host = c.host_us
+            if host is not None and not (isinstance(host, (int, float)) and math.isfinite(host) and host >= 0):
+                return None
         return cls(key, cells) if cells else None
+
+
+def _first(cell: Cell) -> int:
+    """The tie-break of a choice: the path named first in PATH_NAMES."""
+    return -PATH_NAMES.index(cell.path)
 
 
 def _shown(cell: Cell | None, singles: bool) -> str:
     if cell is None:
         return "0.0"
-    return f"{cell.gbps:.1f} / {cell.rate(True):.1f}" if singles else f"{cell.gbps:.1f}"
+    if not singles:
+        return f"{cell.gbps:.1f}"
+    host = "" if cell.host_us is None else f", {cell.host_us:.0f} us"
+    return f"{cell.gbps:.1f} / {cell.rate(True):.1f}{host}"
 
 
 def shape_key(device: torch.device, widths: list[int], ring_bytes: int) -> dict:
@@ -243,10 +268,10 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
                 for runs in sorted({blocks, max(1, blocks // RUN)}):
                     calls = [Blocks.of(direction, *_call_ids(gen, blocks, rows, runs)) for _ in range(CALLS)]
                     seconds = _sustained(path, calls, device)
-                    single = _single(path, calls, device)
+                    single, host = _single(path, calls, device)
                     moved = calls[0].count  # runs x (blocks // runs): what was really copied
                     rate, single_rate = (moved * row_bytes / t / 1e9 for t in (seconds, single))
-                    cells.append(Cell(name, direction.value, moved, runs, rate, single_rate))
+                    cells.append(Cell(name, direction.value, moved, runs, rate, single_rate, host * 1e6))
     return Crossover(shape_key(device, widths, ring_bytes), cells)
 
 
@@ -267,20 +292,23 @@ def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = 2) -
     return best
 
 
-def _single(path, calls: list[Blocks], device: torch.device) -> float:
+def _single(path, calls: list[Blocks], device: torch.device) -> tuple[float, float]:
     """Seconds of one call from an idle device until its copy has finished (its host time
-    included), the best over ``calls`` after a warm-up call."""
-    best = math.inf
+    included), and seconds of host time inside ``enqueue``: each the best over ``calls`` after
+    a warm-up call."""
+    best = host = math.inf
     ready = torch.cuda.Event()
     for i, blocks in enumerate([calls[0], *calls]):
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         ready.record(torch.cuda.current_stream(device))
         path.enqueue(blocks, ready)
+        issued = time.perf_counter()
         torch.cuda.synchronize(device)
         if i:
             best = min(best, time.perf_counter() - start)
-    return best
+            host = min(host, issued - start)
+    return best, host
 
 
 @functools.cache

@@ -146,6 +146,39 @@ def test_a_call_alone_is_picked_by_the_single_call_rate_and_one_behind_others_by
     assert old.choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "staged"
 
 
+def test_a_call_alone_takes_the_least_host_time_among_the_paths_near_the_fastest_single_rate():
+    # The H200's shape of it: staged within 5% of the kernel's single rate, at 2-3x its host time.
+    cells = [
+        Cell("kernel", "store", 16, 16, 50.0, 50.2, 76.0),
+        Cell("staged", "store", 16, 16, 52.6, 47.9, 217.0),
+        Cell("dma", "store", 16, 16, 49.4, 38.5, 170.0),
+    ]
+    x = Crossover(dict(KEY), cells)
+    assert x.choose(STORE, 16, 16, COPY_ENGINES) == "staged"  # behind others: the copy engines
+    assert x.choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "kernel"
+    # Near the fastest, the least host time wins even where it is a little slower...
+    slower = [Cell("kernel", "store", 16, 16, 50.0, 48.0, 30.0), Cell("staged", "store", 16, 16, 52.0, 50.0, 150.0)]
+    assert Crossover(dict(KEY), slower).choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "kernel"
+    # ... but not beyond TOLERANCE: then the fastest single call wins, whatever its host time.
+    beyond = [Cell("kernel", "store", 16, 16, 50.0, 46.0, 30.0), Cell("staged", "store", 16, 16, 52.0, 50.0, 150.0)]
+    assert Crossover(dict(KEY), beyond).choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "staged"
+    # Equal host times: the path named first.
+    tie = [Cell("staged", "store", 16, 16, 50.0, 50.0, 40.0), Cell("kernel", "store", 16, 16, 50.0, 50.0, 40.0)]
+    assert Crossover(dict(KEY), tie).choose(STORE, 16, 16, COPY_ENGINES, alone=True) == "kernel"
+    # The host time survives a save and a load, and the table shows it.
+    assert "| store | 16 | 16 | 50.0 / 50.2, 76 us | 52.6 / 47.9, 217 us | 49.4 / 38.5, 170 us | staged / kernel |" in (
+        x.table().splitlines()
+    )
+    assert "kernel GB/s, sustained / single, host" in x.table().splitlines()[0]
+
+
+def test_a_kept_host_time_round_trips(tmp_path):
+    file = tmp_path / "crossover.json"
+    x = Crossover(dict(KEY), [Cell("kernel", "load", 4, 4, 9.0, 8.0, 12.5)])
+    x.save(str(file))
+    assert Crossover.load(str(file), dict(KEY)).cells == x.cells
+
+
 def test_pick_counts_the_runs_only_where_they_change_the_choice():
     x = sample_crossover()
 
@@ -277,6 +310,9 @@ CORRUPT = [
             ("zero-single-rate", {"single_gbps": 0.0}),
             ("text-single-rate", {"single_gbps": "fast"}),
             ("infinite-single-rate", {"single_gbps": float("inf")}),
+            ("negative-host-time", {"single_gbps": 1.0, "host_us": -3.0}),
+            ("text-host-time", {"single_gbps": 1.0, "host_us": "quick"}),
+            ("nan-host-time", {"single_gbps": 1.0, "host_us": float("nan")}),
         ]
     ],
 ]
@@ -399,8 +435,11 @@ def test_a_measurement_covers_every_cell_with_plausible_rates_in_under_3_seconds
         for runs in {blocks, max(1, blocks // RUN)}
     )
     assert sorted((c.path, c.direction, c.blocks, c.runs) for c in x.cells) == want  # each cell once
+    row_bytes = sum(widths)
     for c in x.cells:
         assert 0.01 < c.gbps < 200 and 0.01 < c.single_gbps < 200, c
+        # The host time is a part of the single call: positive, and at most the call's duration.
+        assert 0 < c.host_us * 1e3 <= c.blocks * row_bytes / c.single_gbps, c
         # One call includes its host time and its launch latency: with few descriptors it is never
         # faster than a stream of them by more than the noise of a few calls. With many it can be
         # (the H200 once measured a staged store of 256 scattered 9 KiB rows at 6.1 GB/s alone and
