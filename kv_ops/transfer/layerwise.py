@@ -11,7 +11,7 @@ The mechanism, and why:
   engines need no SMs but cost 0.5-1.1 us of host time per descriptor, all of it inside
   ``start``, before the replay.
 
-  - ``"staged"`` (the default, :mod:`kv_ops.transfer.layerwise_ring`): per layer, the copy
+  - ``"staged"`` (:mod:`kv_ops.transfer.layerwise_ring`): per layer, the copy
     engines copy the layer's pieces of the mirror rows into a slot of a GPU ring (a layer's
     regions side by side in the row as one piece; a run of consecutive host ids as one 2-D copy),
     then a short device-to-device kernel scatters the slot into the cache blocks, on a stream
@@ -19,6 +19,9 @@ The mechanism, and why:
     link time, which the gaps give. With a sequence's blocks stored to consecutive host ids it
     hid 0.86-0.87 of a 1 GiB load in a 32-layer prefill step (at most 0.91-0.93), with 1.3-1.5 ms
     of host time in ``start``; with scattered host ids one descriptor per (block, layer), 0.45.
+    But ``start`` costs about 70-100 us of host time per layer whatever the load (a plan and
+    8-9 driver calls per layer), before the replay can launch: a small load loses (a 10 MiB
+    resume of 8 layers took 1.24x load-flush-step in the decode loop).
   - ``"dma"``: the copy engines. :meth:`LayerwiseLoads.start` plans one descriptor per (block,
     region) in one numpy broadcast and issues one ``cuMemcpyBatchAsync`` per layer, each
     followed by a record of that layer's event. No SMs, but the driver costs about 0.5-1 us of
@@ -28,13 +31,15 @@ The mechanism, and why:
     on the H200, and deadlocked: a host thread that blocks on the step (``.cpu()`` of its output)
     while a gate is shut keeps the worker's ``cuMemcpyBatchAsync`` from returning. So the
     descriptors are issued by ``start`` itself, on the caller's thread.
-  - ``"kernel"``: the zero-copy block-copy kernel, reading the mirror through its device
+  - ``"kernel"`` (the default): the zero-copy block-copy kernel, reading the mirror through its device
     address, on at most 8 SMs. One captured kernel per layer, all reading one id block that the
     first one copies in from a page-locked twin: a start writes the twin, then launches one
     graph and records one event per layer, whatever the number of blocks. (A high-priority
     stream of their own, for the block scheduler to place the copy's few blocks before the
     matmuls', was measured on the H200: no more of the load hidden, 0.48 against 0.55 at 512
-    blocks.)
+    blocks.) The default: its ``start`` costs 18-28 us per layer, and it hid as much as
+    ``"staged"`` or more in every measured case but one, a large load with host ids in runs
+    (0.48 against 0.87 at 512 blocks; at 1024 blocks both reach the 0.42 that can hide).
 * **The step waits on the events.** ``wait_layer`` makes the current stream wait on layer
   ``i``'s event. Eagerly that is ``cuStreamWaitEvent``; during a capture the same call with
   ``CU_EVENT_WAIT_EXTERNAL`` becomes an event-wait node, which at every replay waits for the
@@ -163,15 +168,16 @@ class LayerwiseLoads:
         The engine's region names of each layer, in the order the model visits them. By
         default one layer per cache tensor given to the engine (its one region, or its K and
         V regions).
-    copies : {"staged", "kernel", "dma"}
-        What moves the bytes on a GPU engine: the copy engines into a GPU ring, then a short
-        scatter kernel per layer (``"staged"``: a 2-D copy per layer for a run of consecutive
-        host ids, otherwise a descriptor per block and layer); the zero-copy kernel (a few
-        graph launches per start, at most 8 SMs while it runs); or the copy engines straight
-        into the cache (a descriptor per block and region, issued by ``start``: about 0.5-1 us
-        of host time each). See the module's docstring; ``benchmarks/layerwise.py`` measures
-        all three. For loads of a few tens of blocks the kernel hides the most; for large
-        ones, with host ids in runs, ``"staged"``.
+    copies : {"kernel", "staged", "dma"}
+        What moves the bytes on a GPU engine: the zero-copy kernel (``"kernel"``, the default:
+        one graph launch and one event record per layer and start, at most 8 SMs while it
+        runs); the copy engines into a GPU ring, then a short scatter kernel per layer
+        (``"staged"``: a 2-D copy per layer for a run of consecutive host ids, otherwise a
+        descriptor per block and layer); or the copy engines straight into the cache (a
+        descriptor per block and region, issued by ``start``: about 0.5-1 us of host time
+        each). See the module's docstring; ``benchmarks/layerwise.py`` measures all three.
+        Choose ``"staged"`` for large loads (hundreds of blocks) whose host ids are in runs, as
+        a sequence stored in one piece: it hid 0.87 where the kernel hid 0.48.
     ring_bytes : int
         With ``copies="staged"``: GPU memory of the ring (128 MiB by default; no larger than
         :data:`~kv_ops.transfer.layerwise_ring.SLOTS` slots of one layer's pieces of
@@ -208,7 +214,7 @@ class LayerwiseLoads:
         engine,
         name: str,
         layers: Sequence[Sequence[str]] | None = None,
-        copies: str = "staged",
+        copies: str = "kernel",
         ring_bytes: int = layerwise_ring.RING_BYTES,
     ):
         if copies not in COPIES:
