@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -250,12 +251,13 @@ class _Memcpy2D(ctypes.Structure):
 _CU_MEMORYTYPE_UNIFIED = 4
 
 
-@dataclass(frozen=True)
-class Copy2D:
+class Copy2D(NamedTuple):
     """``height`` rows of ``width`` bytes: row ``j`` from ``src + j * src_pitch`` to ``dst + j *
     dst_pitch``. One copy-engine operation however many rows: strided pieces of consecutive
     blocks (a region's columns of a run of mirror rows) move as one (measured on the H200: 3.5-4
-    us of host time per copy, at 1.00 of memcpy for 32 KiB rows)."""
+    us of host time per copy, at 1.00 of memcpy for 32 KiB rows). A named tuple: a start of a
+    32-layer model makes one per layer and piece, and a frozen dataclass costs three times as
+    much to make (1.3 against 0.45 us on a CPU host)."""
 
     dst: int
     dst_pitch: int

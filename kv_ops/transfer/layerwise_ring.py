@@ -69,6 +69,43 @@ def pieces(mirror_columns: list[int], widths: list[int]) -> list[Piece]:
     return out
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Every layer's pieces, flattened once per :class:`StagedLayers` for :func:`plan`: piece
+    ``j`` of the table belongs to layer ``layer[j]``, lands at column ``slot[j]`` of that layer's
+    slot rows (``stride[j]`` bytes each) and comes from column ``mirror[j]`` of a mirror row,
+    ``width[j]`` bytes; layer ``l``'s pieces are ``[first[l], first[l + 1])``, in its order."""
+
+    pieces: list[list[Piece]]
+    layer_bytes: list[int]
+    layer: np.ndarray
+    slot: np.ndarray
+    mirror: np.ndarray
+    width: np.ndarray
+    stride: np.ndarray
+    first: list[int]
+
+
+def layout(layer_pieces: list[list[Piece]], layer_bytes: list[int]) -> Layout:
+    """The :class:`Layout` of these layers' pieces and slot-row widths."""
+    flat = [(layer, p) for layer, ps in enumerate(layer_pieces) for p in ps]
+
+    def column(value) -> np.ndarray:
+        return np.array([value(layer, p) for layer, p in flat], dtype=np.int64)
+
+    first = np.cumsum([0] + [len(ps) for ps in layer_pieces]).tolist()
+    return Layout(
+        layer_pieces,
+        list(layer_bytes),
+        column(lambda layer, p: layer),
+        column(lambda layer, p: p.slot),
+        column(lambda layer, p: p.mirror),
+        column(lambda layer, p: p.width),
+        column(lambda layer, p: layer_bytes[layer]),
+        first,
+    )
+
+
 @dataclass
 class ChunkPlan:
     """One (layer, chunk): pairs ``[start, stop)`` of the start go through ``slot``; ``copies``
@@ -84,8 +121,7 @@ class ChunkPlan:
 
 def plan(
     host: np.ndarray,
-    layer_pieces: list[list[Piece]],
-    layer_bytes: list[int],
+    table: Layout,
     chunk: int,
     mirror: int,
     row: int,
@@ -98,7 +134,9 @@ def plan(
     Pair ``i`` sits in row ``i % chunk`` of its chunk's slot; slot ``(first_slot + k) % SLOTS``
     takes the ``k``-th (layer, chunk). Runs of consecutive host ids within a chunk of at least
     :data:`RUN_2D` pairs become one 2-D copy per piece (mirror rows ``row`` apart, slot rows
-    ``layer_bytes`` apart); the other pairs one descriptor per piece. Pure: addresses in, plans out.
+    a layer's bytes apart); the other pairs one descriptor per piece. Pure: addresses in, plans
+    out. Each chunk's descriptors for every layer at once, in three numpy broadcasts over
+    (piece, pair): a plan per layer cost about 8 us of host time, most of a small start's.
     """
     n = host.size
     if n == 0:
@@ -114,35 +152,41 @@ def plan(
         short[s : s + length] = False
     runs = list(zip(starts[long].tolist(), lengths[long].tolist()))
     source = host * row + mirror  # each pair's mirror row
-    # What does not depend on the layer, once per chunk: the pairs that go one by one (their
-    # rows in the slot and their mirror rows), and the runs (row in the slot, length, mirror row).
-    chunks = []
-    for lo in range(0, n, chunk):
+    layers = len(table.pieces)
+    chunks = -(-n // chunk)
+    # The k-th (layer, chunk) is layer * chunks + c: each layer's slot for chunk c, as a column.
+    layer_slots = (first_slot + np.arange(layers, dtype=np.int64) * chunks) % SLOTS
+    per_chunk = []
+    for c, lo in enumerate(range(0, n, chunk)):
         hi = min(n, lo + chunk)
         rows = np.flatnonzero(short[lo:hi])
         mine = [(s - lo, length, int(source[s])) for s, length in runs if lo <= s < hi]
-        chunks.append((lo, hi, rows, source[rows + lo], mine))
+        slots = (layer_slots + c) % SLOTS
+        copies = None
+        if rows.size:
+            # [piece, pair]: row-major, so a layer's descriptors are one contiguous slice.
+            base = (ring + slots[table.layer] * slot_bytes + table.slot)[:, None]
+            dsts = base + rows[None, :] * table.stride[:, None]
+            srcs = source[rows + lo][None, :] + table.mirror[:, None]
+            sizes = np.repeat(table.width, rows.size).reshape(dsts.shape)
+            copies = (dsts, srcs, sizes)
+        per_chunk.append((lo, hi, slots.tolist(), mine, copies))
     out = []
-    k = first_slot
-    for layer, (layer_p, width) in enumerate(zip(layer_pieces, layer_bytes)):
-        for lo, hi, rows, sources, mine in chunks:
-            slot = k % SLOTS
-            k += 1
-            base = ring + slot * slot_bytes
-            if rows.size == 0:
-                copies = _NO_COPIES
+    for layer, (layer_p, width) in enumerate(zip(table.pieces, table.layer_bytes)):
+        a, b = table.first[layer], table.first[layer + 1]
+        for lo, hi, slots, mine, copies in per_chunk:
+            slot = slots[layer]
+            if copies is None:
+                descriptors = _NO_COPIES
             else:
-                parts = [
-                    (rows * width + (base + p.slot), sources + p.mirror, np.full(rows.size, p.width, dtype=np.int64))
-                    for p in layer_p
-                ]
-                copies = dma.Plan(*(np.concatenate(a) if len(parts) > 1 else a[0] for a in zip(*parts)))
+                descriptors = dma.Plan(*(x[a:b].reshape(-1) for x in copies))
+            base = ring + slot * slot_bytes
             strided = [
                 dma.Copy2D(base + p.slot + r * width, width, s + p.mirror, row, p.width, length)
                 for r, length, s in mine
                 for p in layer_p
             ]
-            out.append(ChunkPlan(layer, lo, hi, slot, copies, strided))
+            out.append(ChunkPlan(layer, lo, hi, slot, descriptors, strided))
     return out
 
 
@@ -163,6 +207,7 @@ class StagedLayers:
         self.pieces = [
             pieces([mirror[n].data_ptr() - base for n in group], w) for group, w in zip(loads.layers, widths)
         ]
+        self.layout = layout(self.pieces, self.layer_bytes)
         most = max(self.layer_bytes)
         self.chunk = max(1, min(ring_bytes // (SLOTS * most), engine.num_blocks))
         self.slot_bytes = self.chunk * most
@@ -202,8 +247,7 @@ class StagedLayers:
     def plan(self, host: np.ndarray) -> list[ChunkPlan]:
         plans = plan(
             host,
-            self.pieces,
-            self.layer_bytes,
+            self.layout,
             self.chunk,
             self._mirror,
             self.row,
@@ -288,4 +332,16 @@ class _StartIds:
         self.address = self.block.data_ptr()
 
 
-__all__ = ["StagedLayers", "Piece", "ChunkPlan", "pieces", "plan", "id_blocks", "SLOTS", "RING_BYTES", "RUN_2D"]
+__all__ = [
+    "StagedLayers",
+    "Piece",
+    "Layout",
+    "ChunkPlan",
+    "pieces",
+    "layout",
+    "plan",
+    "id_blocks",
+    "SLOTS",
+    "RING_BYTES",
+    "RUN_2D",
+]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_ops.transfer import dma
-from kv_ops.transfer.layerwise_ring import RUN_2D, SLOTS, Piece, id_blocks, pieces, plan
+from kv_ops.transfer.layerwise_ring import RUN_2D, SLOTS, Piece, id_blocks, layout, pieces, plan
 
 
 def test_neighbouring_regions_of_a_layer_merge_into_one_piece_and_others_do_not():
@@ -31,8 +31,7 @@ def run_plan(host, layer_widths, layer_columns, chunk, first_slot, rows=40):
     layer_pieces = [pieces(c, w) for c, w in zip(layer_columns, layer_widths)]
     plans = plan(
         np.asarray(host, dtype=np.int64),
-        layer_pieces,
-        layer_bytes,
+        layout(layer_pieces, layer_bytes),
         chunk,
         mirror.ctypes.data,
         row,
