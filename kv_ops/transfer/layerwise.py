@@ -359,10 +359,11 @@ class LayerwiseLoads:
         words[0] = n
         words[1 : 1 + n] = host
         words[1 + n : 1 + 2 * n] = gpu
+        launch = _graph_launch()
         with driver_context(self.device):
             wait_event(handle, ready)
             for graph, event in zip(copies.execs, self.events):
-                check_code(_graph_launch()(graph, handle), "cuGraphLaunch")
+                check_code(launch(graph, handle), "cuGraphLaunch")
                 record_event(event, handle)
             done = self.engine._events[Direction.LOAD].record(self._stream, handle)
         self._kernel_copies.give(copies, done)
