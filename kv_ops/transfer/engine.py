@@ -380,18 +380,20 @@ class OffloadEngine:
         if len(gpu) != len(host):
             raise ValueError(f"{op}: {len(gpu)} gpu_ids but {len(host)} host_ids")
         blocks = Blocks(direction, gpu, host)
-        path = path or self._pick(blocks)
-        on_host = blocks.on_host
-        if not on_host:
-            self._refuse_gpu_ids(op, blocks, path)
         if self._streams is not None:
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
+            # Before the pick: auto's asks whether a transfer is still in flight (an event
+            # query), which a capture forbids and would be invalidated by.
             refuse_capture(
                 op,
                 "a transfer cannot be captured into a CUDA graph",
                 instead,
             )
+        path = path or self._pick(blocks)
+        on_host = blocks.on_host
+        if not on_host:
+            self._refuse_gpu_ids(op, blocks, path)
         ready = self._ready(op, after, fresh=path.fresh_ready)
         if not on_host:
             # The path copies the GPU ids on its own stream: after the caller's stream wrote them.
