@@ -70,6 +70,10 @@ def test_every_pair_of_every_layer_lands_in_its_slot_row_once(layers, chunk, fir
     ]
     assert [p.slot for p in plans] == [(first_slot + k) % SLOTS for k in range(len(plans))]
     for p in plans:
+        # The driver reads the descriptor arrays raw, from their first address on (run_on_host
+        # would not notice a strided view): each must be contiguous int64.
+        for a in (p.copies.dsts, p.copies.srcs, p.copies.sizes):
+            assert a.dtype == np.int64 and a.flags.c_contiguous and a.size == p.copies.count
         ring[:] = 0
         dma.run_on_host(p.copies)
         for copy in p.strided:
