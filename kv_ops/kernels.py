@@ -370,7 +370,6 @@ class GraphedCopy:
         )
         self._lock = threading.Lock()
         self._last: torch.cuda.Stream | None = None  # where the block was last read
-        self._last_handle: int | None = None  # its raw handle
 
     def replay(self, stream: ctypes.c_void_p) -> None:
         """Launch the graph on ``stream`` (a raw handle), after whatever wrote the block there."""
@@ -389,13 +388,14 @@ class GraphedCopy:
             # the replay; one is made only when the stream changes, and then kept, so that the
             # stream the block was last read on stays alive for the event recorded on it.
             handle = driver.current_stream_handle(device.index)
-            if handle != self._last_handle:
+            last = self._last
+            if last is None or last.cuda_stream != handle:
                 stream = torch.cuda.current_stream(device)
-                if self._last is not None:
+                if last is not None:
                     moved = torch.cuda.Event()
-                    moved.record(self._last)
+                    moved.record(last)
                     stream.wait_event(moved)
-                self._last, self._last_handle = stream, handle
+                self._last = stream
             with driver.driver_context(device):
                 # The count's high word is zero from the start and never written.
                 driver.check_code(self._memset(self.address, n, 1, handle), "cuMemsetD32Async")

@@ -197,9 +197,9 @@ class LayerwiseLoads:
     With ``copies="dma"`` one descriptor per (block, region) goes to the copy engines: a region's
     blocks are strided in the packed mirror, so runs of ids never merge. ``copies="staged"``
     makes its ring and a scatter graph per layer and slot at construction (4 x num_layers
-    graphs). A start with no blocks enqueues nothing and records nothing: the step's waits then find completed events. Several
-    starts before one replay are all waited for (one stream: each layer's last record follows
-    every earlier start's copies of that layer). Call :meth:`close` (or leave a ``with`` block)
+    graphs). A start with no blocks enqueues nothing and records nothing: the step's waits then
+    find completed events. Several starts before one replay are all waited for (one stream:
+    each layer's last record follows every earlier start's copies of that layer). Call :meth:`close` (or leave a ``with`` block)
     once no graph that waits on these events will be replayed again.
 
     Examples
