@@ -210,6 +210,31 @@ def wait_event(stream: int, event: torch.cuda.Event, external: bool = False) -> 
         check_code(_event_calls()[1](stream, handle, flags), "cuStreamWaitEvent")
 
 
+@functools.cache
+def _value_calls():
+    write = c_function("cuStreamWriteValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+    wait = c_function("cuStreamWaitValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+    return write, wait
+
+
+# cuStreamWaitValue32's flag: wait until (int32_t)(*address - value) >= 0, which holds across
+# the counter's wrap-around (a generation count compared with the one it waits for).
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+
+
+def write_value(stream: int, address: int, value: int) -> None:
+    """Write the 32-bit ``value`` at device ``address`` once the raw ``stream``'s earlier work is
+    done. Without ``CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`` the driver fences first, so a
+    reader that sees the value sees every write of that earlier work too."""
+    check_code(_value_calls()[0](stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
+def wait_value_reached(stream: int, address: int, value: int) -> None:
+    """Make the raw ``stream`` wait until the 32-bit counter at ``address`` has reached ``value``
+    (wrap-safe, as ``CU_STREAM_WAIT_VALUE_GEQ`` compares)."""
+    check_code(_value_calls()[1](stream, address, value & 0xFFFFFFFF, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
 def current_stream_handle(index: int) -> int:
     """The raw handle of this thread's current stream on device ``index`` (no Stream object)."""
     return torch._C._cuda_getCurrentRawStream(index)
@@ -266,5 +291,7 @@ __all__ = [
     "check_code",
     "record_event",
     "wait_event",
+    "write_value",
+    "wait_value_reached",
     "current_stream_handle",
 ]

@@ -4,7 +4,7 @@ captured step waits for layer by layer, so that layer i computes while layer i+1
 The mechanism, and why:
 
 * **The copies run outside the step's graph**, on the engine's load stream, each layer's followed
-  by a record of that layer's event; the ids change every step, so they cannot live in it. Three
+  by the publication of that layer (below); the ids change every step, so they cannot live in it. Three
   ways, by ``copies=``, shaped by two facts measured on the H200: the step's big matmuls are
   persistent cuBLAS kernels (a grid of one CTA per SM, 132, each holding an SM for the whole
   matmul), so a copy kernel beside them gets SMs only in the gaps between kernels; and the copy
@@ -15,7 +15,7 @@ The mechanism, and why:
     engines copy the layer's pieces of the mirror rows into a slot of a GPU ring (a layer's
     regions side by side in the row as one piece; a run of consecutive host ids as one 2-D copy),
     then a short device-to-device kernel scatters the slot into the cache blocks, on a stream
-    of its own, and the layer's event follows it. The scatter needs the SMs for about 5% of the
+    of its own, and the layer's publication follows it. The scatter needs the SMs for about 5% of the
     link time, which the gaps give. With a sequence's blocks stored to consecutive host ids it
     hid 0.86-0.87 of a 1 GiB load in a 32-layer prefill step (at most 0.91-0.93), with 1.3-1.5 ms
     of host time in ``start``; with scattered host ids one descriptor per (block, layer), 0.45.
@@ -24,7 +24,7 @@ The mechanism, and why:
     resume of 8 layers took 1.24x load-flush-step in the decode loop).
   - ``"dma"``: the copy engines. :meth:`LayerwiseLoads.start` plans one descriptor per (block,
     region) in one numpy broadcast and issues one ``cuMemcpyBatchAsync`` per layer, each
-    followed by a record of that layer's event. No SMs, but the driver costs about 0.5-1 us of
+    followed by that layer's publication. No SMs, but the driver costs about 0.5-1 us of
     host time per descriptor (measured on the H200: 16 ms for 512 blocks of 32 layers), and that
     time sits between ``start`` and the replay. Issuing from a worker thread after ``start``
     returned, behind gates the step waited on (``cuStreamWaitValue32``), was built and measured
@@ -32,19 +32,28 @@ The mechanism, and why:
     while a gate is shut keeps the worker's ``cuMemcpyBatchAsync`` from returning. So the
     descriptors are issued by ``start`` itself, on the caller's thread.
   - ``"kernel"`` (the default): the zero-copy block-copy kernel, reading the mirror through its device
-    address, on at most 8 SMs. One captured kernel per layer, all reading one id block that the
-    first one copies in from a page-locked twin: a start writes the twin, then launches one
-    graph and records one event per layer, whatever the number of blocks. (A high-priority
+    address, on at most 8 SMs. One CUDA graph per start: the id block copied in from a
+    page-locked twin, then per layer the captured kernel and a 4-byte copy of the start's
+    generation into the layer's flag. A start writes the twin and launches the graph: one driver
+    call whatever the layers and blocks. (A high-priority
     stream of their own, for the block scheduler to place the copy's few blocks before the
     matmuls', was measured on the H200: no more of the load hidden, 0.48 against 0.55 at 512
     blocks.) The default: its ``start`` costs 18-28 us per layer, and it hid as much as
     ``"staged"`` or more in every measured case but one, a large load with host ids in runs
     (0.48 against 0.87 at 512 blocks; at 1024 blocks both reach the 0.42 that can hide).
-* **The step waits on the events.** ``wait_layer`` makes the current stream wait on layer
-  ``i``'s event. Eagerly that is ``cuStreamWaitEvent``; during a capture the same call with
-  ``CU_EVENT_WAIT_EXTERNAL`` becomes an event-wait node, which at every replay waits for the
-  event's last record *as of the replay's launch*. So ``start`` must come before the replay it
-  feeds, and a later ``start`` (recorded after that launch) can never be waited for by it.
+* **The step waits on flags.** Each instance keeps int32 words on the GPU: ``wanted``, the
+  generation the step waits for, and per layer the generation whose blocks have landed. A start
+  takes the next generation, publishes it per layer after that layer's copies (a
+  ``cuStreamWriteValue32``, which fences first, or the kernel graph's copy), and last writes
+  ``wanted`` on the caller's current stream. During a capture ``wait_layer`` records a
+  one-program kernel that reads ``wanted`` when it runs and spins until the layer's flag has
+  reached it; eagerly it is one ``cuStreamWaitValue32`` on the value the host knows. So a replay
+  waits for the last start enqueued before it on its stream, and a start made while that replay
+  is still queued writes ``wanted`` behind it and is never waited for by it. Why not event
+  waits (``cuStreamWaitEvent`` with ``CU_EVENT_WAIT_EXTERNAL``, an event-wait node when
+  captured): on the H200 each such node cost 5.2 us of host time at every replay's launch (a
+  32-layer short step launched in 171 us, 5.6 us without waits; with the wait kernels, 5.9 us),
+  and on the GPU both cost about 6 us per wait on a short step.
 * **The wait cannot move.** The op reads the layer's input and declares the layer's cache
   tensors mutated, so the compiler must place it after the previous layer's output and before
   any reader of the cache (a wait tied to nothing was hoisted to the top of the graph, and then
@@ -52,8 +61,13 @@ The mechanism, and why:
 
 Contracts. WAR: a start's copies are ordered after an event on the caller's current stream (or
 ``after=``), so they overwrite GPU blocks only after their readers, as ``OffloadEngine.load``
-does. A replay or eager forward with no start since the last one waits on the events' last
-records, which have completed or will: it never hangs, and it reads the blocks as they are.
+does. The step runs on the stream that was current at its start (or one ordered after it):
+``wanted`` is written there. A replay or eager forward with no start since the last one finds
+the last start's generation, landed or on its way: it never hangs, and it reads the blocks as
+they are. A start that fails halfway is not waited for (``wanted`` is written last), and the
+next start takes a new generation. A captured wait that has not seen its layer land after
+:data:`WAIT_TIMEOUT_S` returns and counts one error (:func:`kv_ops.error_count`): a backstop
+that no start reaches, since each publishes every layer.
 On a CPU engine ``start`` copies at call time, as the CPU engine does, and ``wait_layer`` only
 counts (:attr:`LayerwiseLoads.waits`).
 """
@@ -68,7 +82,15 @@ import numpy as np
 import torch
 
 from .. import capture, kernels
-from ..driver import c_function, check_code, current_stream_handle, driver_context, record_event, wait_event
+from ..driver import (
+    c_function,
+    check_code,
+    current_stream_handle,
+    driver_context,
+    wait_event,
+    wait_value_reached,
+    write_value,
+)
 from ..host_memory import lasting_copy, pinned_empty
 from ..validation import error_counter
 from . import dma, layerwise_ring
@@ -77,9 +99,18 @@ from .paths import Blocks, Direction, EventPath
 
 COPIES = ("dma", "kernel", "staged")
 
+# How long a captured wait spins before it gives up and counts an error (kv_ops.error_count). A
+# backstop only: every start that returns has published every layer, so a wait ends once the
+# copies ahead of it on the load stream have run; read when an instance is made.
+WAIT_TIMEOUT_S = 10.0
+
+# Every instance's flag words, kept for the life of the process: a captured step holds their
+# address, and a replay after close() must still read memory that is its own.
+_flag_blocks: list[torch.Tensor] = []
+
 # name -> LayerwiseLoads: what the op resolves its name through (a loaded AOT step carries only
-# the name). Strong references: a captured graph waits on the object's events, which must live
-# as long as the graph may be replayed, so an entry goes only with close().
+# the name). Strong references: an instance goes only with close(), which first lets its copies
+# in flight land (their id blocks and graphs must outlive them).
 _registry: dict[str, LayerwiseLoads] = {}
 
 
@@ -131,7 +162,7 @@ def _layer_groups(engine, layers) -> list[list[str]]:
 
 
 class _LayerPath(EventPath):
-    """The engine path of a layer-wise load: per layer, its copies and one event record."""
+    """The engine path of a layer-wise load: per layer, its copies and their publication."""
 
     name = "layerwise"
     host_planned = frozenset({"gpu_ids", "host_ids"})  # either mechanism reads host arrays
@@ -162,7 +193,7 @@ class LayerwiseLoads:
     name : str
         What the ops carry; unique among the live instances of this process. A step compiled
         (or AOT-saved) against a name runs against whichever instance has it when it runs; a
-        captured graph waits on the events of the instance that had it at the capture, so
+        captured graph waits on the flags of the instance that had it at the capture, so
         capture again after replacing the instance.
     layers : sequence of sequence of str, optional
         The engine's region names of each layer, in the order the model visits them. By
@@ -170,8 +201,7 @@ class LayerwiseLoads:
         V regions).
     copies : {"kernel", "staged", "dma"}
         What moves the bytes on a GPU engine: the zero-copy kernel (``"kernel"``, the default:
-        one graph launch and one event record per layer and start, at most 8 SMs while it
-        runs); the copy engines into a GPU ring, then a short scatter kernel per layer
+        one graph launch per start, at most 8 SMs while it runs); the copy engines into a GPU ring, then a short scatter kernel per layer
         (``"staged"``: a 2-D copy per layer for a run of consecutive host ids, otherwise a
         descriptor per block and layer); or the copy engines straight into the cache (a
         descriptor per block and region, issued by ``start``: about 0.5-1 us of host time
@@ -197,10 +227,11 @@ class LayerwiseLoads:
     With ``copies="dma"`` one descriptor per (block, region) goes to the copy engines: a region's
     blocks are strided in the packed mirror, so runs of ids never merge. ``copies="staged"``
     makes its ring and a scatter graph per layer and slot at construction (4 x num_layers
-    graphs). A start with no blocks enqueues nothing and records nothing: the step's waits then
-    find completed events. Several starts before one replay are all waited for (one stream:
-    each layer's last record follows every earlier start's copies of that layer). Call :meth:`close` (or leave a ``with`` block)
-    once no graph that waits on these events will be replayed again.
+    graphs). A start with no blocks enqueues nothing: the step's waits find the last start's
+    generation. Several starts before one replay are all waited for (generations grow, and on
+    the one load stream a layer's flag reaches a later start's only after every earlier start's
+    copies of that layer). Call :meth:`close` (or leave a ``with`` block) once no graph that
+    waits on this instance will be replayed again.
 
     Examples
     --------
@@ -262,16 +293,25 @@ class LayerwiseLoads:
             # load of another path after their completion event).
             self._stream = load_stream
             self._handle = load_stream.cuda_stream
-            self.events = [torch.cuda.Event() for _ in range(self.num_layers)]
-            for event in self.events:  # recorded once, so that each exists for the raw calls
-                event.record(self._stream)
+            # [wanted, landed of layer 0, 1, ...]: see kernels.wait_landed. Generations: _issued
+            # is the last one a start took (a start that failed halfway too: some of its layers
+            # may have published it), _wanted the last one whose start was issued whole.
+            self._flags = lasting_copy(torch.zeros(1 + self.num_layers, dtype=torch.int32), self.device)
+            _flag_blocks.append(self._flags)
+            self._wanted_address = self._flags.data_ptr()
+            self._landed = [self._wanted_address + 4 * (1 + i) for i in range(self.num_layers)]
+            self._issued = self._wanted = 0
+            self._errors = errors = error_counter(self.device)
+            self._timeout_ns = int(WAIT_TIMEOUT_S * 1e9)
+            kernels.wait_landed(self._flags, 0, self._timeout_ns, errors)  # compiled outside any capture
             if copies == "dma":
                 self._launcher = dma.Launcher(load_stream)
             elif copies == "kernel":
                 bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
                 capacity = engine.num_blocks  # a load's GPU ids are distinct
-                errors = error_counter(self.device)
-                self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors), initial=2)
+                flags = self._flags
+                self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors, flags), initial=2)
+                self._graph_launch = _graph_launch()
         _registry[name] = self
 
     # --- host side ---------------------------------------------------------------------------
@@ -279,10 +319,11 @@ class LayerwiseLoads:
     def start(self, host_ids, gpu_ids, after=None) -> int:
         """Start loading host blocks ``host_ids[i]`` into GPU blocks ``gpu_ids[i]``, layer by layer.
 
-        Call it before the step (or the replay) whose waits it feeds. The copies are ordered
-        after ``after``, by default after the work already enqueued on the caller's current
-        stream (every reader of the destination blocks, e.g. the previous replay). Nothing
-        blocks the caller's thread.
+        Call it before the step (or the replay) whose waits it feeds, and enqueue that step on
+        the stream current here (or one ordered after it): the generation the step waits for
+        is written there. The copies are ordered after ``after``, by default after the work
+        already enqueued on the caller's current stream (every reader of the destination
+        blocks, e.g. the previous replay). Nothing blocks the caller's thread.
 
         Parameters
         ----------
@@ -325,47 +366,63 @@ class LayerwiseLoads:
     def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event | None:
         n = host.size
         if n == 0:
-            return None  # nothing to wait for: the events keep their last (completed) records
+            return None  # nothing to wait for: the step's waits find the last start's layers landed
+        if self._stream is None:
+            self._run_on_host(host, gpu)
+            return None
+        generation = self._issued = self._issued + 1
+        with driver_context(self.device):
+            if self._staged is not None:
+                done = self._staged.enqueue(
+                    host, gpu, ready, self._landed, generation, self.engine._events[Direction.LOAD]
+                )
+            elif self.copies == "kernel":
+                done = self._enqueue_kernels(host, gpu, ready, generation)
+            else:
+                done = self._enqueue_dma(host, gpu, ready, generation)
+            # Last, once every layer's copies were issued: the generation the step waits for, on
+            # the caller's stream, so that a replay enqueued after this call reads it there, and
+            # one enqueued before it (still queued) keeps waiting only for the starts before it.
+            write_value(current_stream_handle(self.device.index), self._wanted_address, generation)
+        self._wanted = generation
+        return done
+
+    def _run_on_host(self, host: np.ndarray, gpu: np.ndarray) -> None:
+        """A CPU engine: the same copies, at once."""
         if self._staged is not None:
-            if self._stream is None:
-                self._staged.run_on_host(host, gpu)
-                return None
-            return self._staged.enqueue(host, gpu, ready, self.events, self.engine._events[Direction.LOAD])
-        if self._stream is not None and self.copies == "kernel":
-            return self._enqueue_kernels(host, gpu, ready)
+            self._staged.run_on_host(host, gpu)
+            return
+        for plan in self._dma_plans(host, gpu):
+            dma.run_on_host(plan)
+
+    def _dma_plans(self, host: np.ndarray, gpu: np.ndarray) -> list:
+        """Per layer, one descriptor per (block, region) of this start."""
+        n = host.size
         # [rows, n] in one broadcast each; row-major, so a layer's copies are one slice.
         srcs = (self._src_base + host * self._row_bytes).ravel()
         dsts = (self._dst_base + gpu * self._dst_stride).ravel()
         sizes = np.repeat(self._width.ravel(), n)
-        plans = [
-            dma.Plan(dsts[lo * n : hi * n], srcs[lo * n : hi * n], sizes[lo * n : hi * n]) for lo, hi in self._rows
-        ]
-        if self._stream is None:
-            for plan in plans:
-                dma.run_on_host(plan)
-            return None
-        launcher, handle = self._launcher, self._handle
-        with driver_context(self.device):
-            wait_event(handle, ready)
-            for plan, event in zip(plans, self.events):
-                launcher(plan)
-                record_event(event, handle)  # layer i's copies, and every earlier layer's
-            return self.engine._events[Direction.LOAD].record(self._stream, handle)
+        return [dma.Plan(dsts[lo * n : hi * n], srcs[lo * n : hi * n], sizes[lo * n : hi * n]) for lo, hi in self._rows]
 
-    def _enqueue_kernels(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event:
+    def _enqueue_dma(self, host: np.ndarray, gpu: np.ndarray, ready, generation: int) -> torch.cuda.Event:
+        launcher, handle = self._launcher, self._handle
+        wait_event(handle, ready)
+        for plan, landed in zip(self._dma_plans(host, gpu), self._landed):
+            launcher(plan)
+            write_value(handle, landed, generation)  # layer i's copies, and every earlier layer's
+        return self.engine._events[Direction.LOAD].record(self._stream, handle)
+
+    def _enqueue_kernels(self, host: np.ndarray, gpu: np.ndarray, ready, generation: int) -> torch.cuda.Event:
         n, handle = host.size, self._handle
         copies = self._kernel_copies.take()
         words = copies.words  # free: the replay that last read it has run (the pool checked)
         words[0] = n
         words[1 : 1 + n] = host
         words[1 + n : 1 + 2 * n] = gpu
-        launch = _graph_launch()
-        with driver_context(self.device):
-            wait_event(handle, ready)
-            for graph, event in zip(copies.execs, self.events):
-                check_code(launch(graph, handle), "cuGraphLaunch")
-                record_event(event, handle)
-            done = self.engine._events[Direction.LOAD].record(self._stream, handle)
+        words[copies.generation] = generation & 0xFFFFFFFF
+        wait_event(handle, ready)
+        check_code(self._graph_launch(copies.exec, handle), "cuGraphLaunch")
+        done = self.engine._events[Direction.LOAD].record(self._stream, handle)
         self._kernel_copies.give(copies, done)
         return done
 
@@ -390,14 +447,20 @@ class LayerwiseLoads:
         self.waits[layer] += 1
         if self._stream is None:
             return  # the CPU engine copied at start
-        capturing = capture.capturing()
-        with driver_context(self.device):
-            wait_event(current_stream_handle(self.device.index), self.events[layer], external=capturing)
+        if capture.capturing():
+            # A kernel node: it reads the generation to wait for when it runs (a replay's value,
+            # written by the last start enqueued before it), where a captured stream wait would
+            # keep the one of the capture.
+            kernels.wait_landed(self._flags, layer, self._timeout_ns, self._errors)
+            return
+        with driver_context(self.device):  # eagerly, the host knows the generation: one stream wait
+            wait_value_reached(current_stream_handle(self.device.index), self._landed[layer], self._wanted)
 
     def close(self) -> None:
         """Give up the name, once the copies in flight have landed (their id blocks and graphs
-        may then go). A graph captured against this instance waits on its events: do not replay
-        it once the instance is gone."""
+        may then go). A graph captured against this instance waits on its flags, which stay (a
+        replay then reads the last loads and never hangs), but do not replay it once the
+        instance is gone: nothing loads into it any more."""
         if _registry.get(self.name) is self:
             del _registry[self.name]
             if self._stream is not None:
@@ -417,32 +480,32 @@ class LayerwiseLoads:
 
 
 class _LayerKernels:
-    """Per layer, the block-copy kernel captured in a graph of its own, all reading one id block
-    ``[n, host ids, GPU ids]``; the first graph copies the block in from the page-locked twin
-    (``words``) before its kernel. Graphs apart, so that each layer's event is recorded between
-    them with a plain ``cuEventRecord`` (what the step's waits are known to see at launch)."""
+    """One start of the zero-copy kernel as one CUDA graph: the id block ``[n, host ids, GPU
+    ids, ..., generation]`` copied in from its page-locked twin (``words``), then per layer the
+    block-copy kernel and a 4-byte copy of the generation into that layer's landed flag (after
+    the kernel: its bytes are in before the flag says so). One driver call issues every layer."""
 
-    def __init__(self, bounds: list, capacity: int, errors: torch.Tensor):
+    def __init__(self, bounds: list, capacity: int, errors: torch.Tensor, flags: torch.Tensor):
         device = errors.device
-        size = 1 + 2 * capacity
+        size = 2 + 2 * capacity
+        self.generation = size - 1  # the word past the largest id lists
         self.block = lasting_copy(torch.zeros(size, dtype=torch.int64), device)  # zero: copies nothing
         self.twin = pinned_empty(size, dtype=torch.int64)
         self.twin.zero_()
         self.words = self.twin.numpy()
+        low = self.block.view(torch.int32)[2 * self.generation : 2 * self.generation + 1]  # little-endian
         stream = torch.cuda.Stream(device)
-        self.graphs = []
+        self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device), torch.cuda.stream(stream):
             for bound in bounds:
                 bound.launch_from_block(None, self.block, capacity, errors)  # compiles outside the capture
             stream.synchronize()
-            for i, bound in enumerate(bounds):
-                graph = torch.cuda.CUDAGraph()
-                with capture.captured_into(graph):
-                    if i == 0:
-                        self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
+            with capture.captured_into(self.graph):
+                self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
+                for i, bound in enumerate(bounds):
                     bound.launch_from_block(None, self.block, capacity, errors)
-                self.graphs.append(graph)
-        self.execs = [g.raw_cuda_graph_exec() for g in self.graphs]
+                    flags[1 + i : 2 + i].copy_(low)  # layer i has landed
+        self.exec = self.graph.raw_cuda_graph_exec()
 
 
 def _graph_launch():
@@ -490,7 +553,7 @@ def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.
     (so the compiler cannot move it above the previous layer) and declares ``caches`` mutated
     (so no reader of the cache moves above it), and returns ``dep`` unchanged, for
     ``h = wait_layer(h, ...)``. Compile, CUDA-graph capture and AOT reload keep it: the name is
-    resolved when the op runs, and a capture records an event-wait node.
+    resolved when the op runs, and a capture records a one-program wait kernel.
 
     Parameters
     ----------

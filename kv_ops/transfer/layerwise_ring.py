@@ -19,7 +19,7 @@ one ring (``ring_bytes`` of GPU memory): the engine's load stream waits until th
 scatter has read it, copies the chunk's pieces of the mirror into the slot and hands over with
 an event; a kernel stream of its own waits for that, (once per start) for ``ready``, fills the
 slot's scatter graph's id block from the start's ids, replays it, and records the slot free.
-Layer ``i``'s event follows its last scatter. The ids of a start go in with one copy into a
+Layer ``i``'s landed flag is written after its last scatter. The ids of a start go in with one copy into a
 pooled device block, on the kernel stream before the first scatter.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .. import host_memory, kernels, reference
-from ..driver import driver_context, record_event, wait_event
+from ..driver import driver_context, record_event, wait_event, write_value
 from ..validation import error_counter
 from . import dma
 from .ids import IdBlock, Pool
@@ -268,10 +268,13 @@ class StagedLayers:
             rows = self.slot_view(p.slot, self.layer_bytes[p.layer])[: p.stop - p.start]
             reference.scatter_blocks(rows, ids[p.start : p.stop], self.regions[p.layer])
 
-    def enqueue(self, host: np.ndarray, gpu: np.ndarray, ready, events, done_events) -> torch.cuda.Event:
-        """Issue a start: every (layer, chunk)'s copies and scatter, each layer's event recorded
-        after its last scatter; returns the start's completion event (from ``done_events``, the
-        engine's load-direction :class:`~kv_ops.transfer.paths.Events`)."""
+    def enqueue(
+        self, host: np.ndarray, gpu: np.ndarray, ready, landed, generation: int, done_events
+    ) -> torch.cuda.Event:
+        """Issue a start: every (layer, chunk)'s copies and scatter, and after each layer's last
+        scatter ``generation`` written at that layer's flag address (``landed[layer]``); returns
+        the start's completion event (from ``done_events``, the engine's load-direction
+        :class:`~kv_ops.transfer.paths.Events`)."""
         plans = self.plan(host)
         chunk, per = self.chunk, self.words_per_chunk
         ids = self._ids.take()
@@ -297,7 +300,7 @@ class StagedLayers:
                 graph.replay(k)
                 record_event(self._free[p.slot], k)
                 if i + 1 == len(plans) or plans[i + 1].layer != p.layer:
-                    record_event(events[p.layer], k)  # the layer's last scatter: its blocks are in
+                    write_value(k, landed[p.layer], generation)  # the layer's last scatter: its blocks are in
             done = done_events.record(self.kernel_stream, k)
         self._ids.give(ids, done)
         return done

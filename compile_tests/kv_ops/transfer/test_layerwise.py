@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from layerwise_models import Reader, expected_reads, fill_mirror, make_caches
 
 import kv_ops
+from kv_ops.transfer import layerwise
 
 gpu = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]
@@ -249,3 +251,31 @@ def test_a_replay_without_a_new_start_does_not_hang_and_reads_the_blocks_as_they
         got_empty = step.replay(read_ids.cuda())
         torch.cuda.synchronize()
         assert same_reads(got, want) and same_reads(got_empty, want)
+
+
+@gpu
+def test_a_captured_wait_whose_layer_never_lands_gives_up_after_its_timeout_and_counts_it(monkeypatch):
+    # No start leaves a layer unpublished (each writes every layer's landed flag), so this
+    # backstop is forced: the generation the step waits for is raised past every landed one, as
+    # a copy that never came would leave it.
+    monkeypatch.setattr(layerwise, "WAIT_TIMEOUT_S", 0.05)
+    with setup("cuda", "timeout") as (engine, loads, model):
+        h = torch.randn(2, 32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i, cache in enumerate(model.caches()):
+                kv_ops.wait_layer(h, loads.name, i, [cache])
+        loads.start(*new_pairs(torch.Generator().manual_seed(3), engine, 4))
+        graph.replay()
+        torch.cuda.synchronize()
+        before = kv_ops.error_count("cuda")  # process-wide: the test compares differences
+        loads._flags[0] += 5  # on the current stream, before the replay
+        t0 = time.monotonic()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert time.monotonic() - t0 < 10, "a wait that never saw its layer land did not give up"
+        assert kv_ops.error_count("cuda") - before == loads.num_layers  # one per layer
+        loads._flags[0] -= 5
+        graph.replay()  # reached again: no wait gives up
+        torch.cuda.synchronize()
+        assert kv_ops.error_count("cuda") - before == loads.num_layers
