@@ -163,8 +163,8 @@ def build(transport: str, cfg: Config, device: torch.device) -> Built:
 
     Every model gets a host-memory engine and the LayerwiseLoads its layers wait on, made before
     the step is compiled, warmed up and captured: the waits need a live instance of the name
-    in every run (with no pressure nothing is started, and they find completed events), and a
-    captured graph waits on the events of the instance that was live at its capture."""
+    in every run (with no pressure nothing is started, and they find the last start's layers
+    landed), and a captured graph waits on the flags of the instance that was live at its capture."""
     runtime = None
     if transport == "process":
         runtime = ple_ops.OffloadRuntime(functools.partial(make_model, cfg), max_tokens=cfg.batch, device=device)

@@ -194,20 +194,12 @@ def record_event(event: torch.cuda.Event, stream: int) -> None:
     check_code(_event_calls()[0](event.cuda_event, stream), "cuEventRecord")
 
 
-# cuStreamWaitEvent's flag that turns a wait, during a capture, on an event recorded outside it
-# into an event-wait node of the graph (without it the driver refuses the wait).
-CU_EVENT_WAIT_EXTERNAL = 0x1
-
-
-def wait_event(stream: int, event: torch.cuda.Event, external: bool = False) -> None:
+def wait_event(stream: int, event: torch.cuda.Event) -> None:
     """Make the raw ``stream`` wait for ``event``'s last record (a no-op for an event never
-    recorded, as ``Stream.wait_event`` is). ``external``: the stream is being captured and the
-    event is recorded outside the graph; each replay then waits for its last record as of the
-    replay's launch."""
+    recorded, as ``Stream.wait_event`` is)."""
     handle = event.cuda_event
     if handle:
-        flags = CU_EVENT_WAIT_EXTERNAL if external else 0
-        check_code(_event_calls()[1](stream, handle, flags), "cuStreamWaitEvent")
+        check_code(_event_calls()[1](stream, handle, 0), "cuStreamWaitEvent")
 
 
 @functools.cache

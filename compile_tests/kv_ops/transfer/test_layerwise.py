@@ -211,7 +211,7 @@ def test_blocks_held_back_behind_a_gpu_sleep_are_still_read_after_they_land(copi
 def test_queued_steps_never_deadlock_and_a_load_waits_for_the_previous_steps_readers(copies):
     # Five steps queued without a host sync, each replay held back by a GPU sleep, each start
     # loading into blocks the previous replay reads: the start must wait for those readers
-    # (WAR), and no replay may wait for a later start (the graph samples its events at launch).
+    # (WAR), and no replay may wait for a later start (which writes the generation behind it).
     torch._dynamo.reset()
     with setup("cuda", f"queued-{copies}", num_blocks=64, host_blocks=96, copies=copies) as (engine, loads, model):
         step = Captured(model, 16)
