@@ -38,7 +38,8 @@ The mechanism, and why:
     call whatever the layers and blocks. (A high-priority
     stream of their own, for the block scheduler to place the copy's few blocks before the
     matmuls', was measured on the H200: no more of the load hidden, 0.48 against 0.55 at 512
-    blocks.) The default: its ``start`` costs 18-28 us per layer, and it hid as much as
+    blocks.) The default: its ``start`` cost 317-376 us of host time for 32 layers on the
+    H200 (574-617 us with a graph and an event per layer before), and it hid as much as
     ``"staged"`` or more in every measured case but one, a large load with host ids in runs
     (0.48 against 0.87 at 512 blocks; at 1024 blocks both reach the 0.42 that can hide).
 * **The step waits on flags.** Each instance keeps int32 words on the GPU: ``wanted``, the
@@ -201,11 +202,11 @@ class LayerwiseLoads:
         V regions).
     copies : {"kernel", "staged", "dma"}
         What moves the bytes on a GPU engine: the zero-copy kernel (``"kernel"``, the default:
-        one graph launch per start, at most 8 SMs while it runs); the copy engines into a GPU ring, then a short scatter kernel per layer
-        (``"staged"``: a 2-D copy per layer for a run of consecutive host ids, otherwise a
-        descriptor per block and layer); or the copy engines straight into the cache (a
-        descriptor per block and region, issued by ``start``: about 0.5-1 us of host time
-        each). See the module's docstring; ``benchmarks/layerwise.py`` measures all three.
+        one graph launch per start, at most 8 SMs while it runs); the copy engines into a GPU
+        ring, then a short scatter kernel per layer (``"staged"``: a 2-D copy per layer for a
+        run of consecutive host ids, otherwise a descriptor per block and layer); or the copy
+        engines straight into the cache (a descriptor per block and region, issued by
+        ``start``: about 0.5-1 us of host time each). See the module's docstring; ``benchmarks/layerwise.py`` measures all three.
         Choose ``"staged"`` for large loads (hundreds of blocks) whose host ids are in runs, as
         a sequence stored in one piece: it hid 0.87 where the kernel hid 0.48.
     ring_bytes : int
