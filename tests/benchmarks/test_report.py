@@ -85,10 +85,11 @@ def test_layerwise_table_from_fake_rows():
         ["compute_us", "zero_block_us", "zero_block_ratio", "zero_block_gpu_ratio", "per_wait_us"]
         + ["short_step_us", "short_step_waits_us"],
         2.0,
-    )
+    ) | {"zero_block_queued_ratio": 1.5}
     args = SimpleNamespace(layers=4, tokens=8, hidden=16, mlp=32)
     lines = layerwise.markdown([row], once, args).splitlines()
     assert lines[0].startswith("Step: 4 layers, 8 tokens, MLP 16x32 bf16")
+    assert "1.500 on GPU time with the launch hidden" in lines[0]
     assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 | yes |"
 
 
