@@ -420,7 +420,7 @@ class LayerwiseLoads:
         words[0] = n
         words[1 : 1 + n] = host
         words[1 + n : 1 + 2 * n] = gpu
-        words[copies.generation] = generation & 0xFFFFFFFF
+        words[copies.generation_word] = generation & 0xFFFFFFFF
         wait_event(handle, ready)
         check_code(self._graph_launch(copies.exec, handle), "cuGraphLaunch")
         done = self.engine._events[Direction.LOAD].record(self._stream, handle)
@@ -489,12 +489,12 @@ class _LayerKernels:
     def __init__(self, bounds: list, capacity: int, errors: torch.Tensor, flags: torch.Tensor):
         device = errors.device
         size = 2 + 2 * capacity
-        self.generation = size - 1  # the word past the largest id lists
+        self.generation_word = size - 1  # the word past the largest id lists
         self.block = lasting_copy(torch.zeros(size, dtype=torch.int64), device)  # zero: copies nothing
         self.twin = pinned_empty(size, dtype=torch.int64)
         self.twin.zero_()
         self.words = self.twin.numpy()
-        low = self.block.view(torch.int32)[2 * self.generation : 2 * self.generation + 1]  # little-endian
+        low = self.block.view(torch.int32)[2 * self.generation_word : 2 * self.generation_word + 1]  # little-endian
         stream = torch.cuda.Stream(device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device), torch.cuda.stream(stream):

@@ -19,8 +19,8 @@ one ring (``ring_bytes`` of GPU memory): the engine's load stream waits until th
 scatter has read it, copies the chunk's pieces of the mirror into the slot and hands over with
 an event; a kernel stream of its own waits for that, (once per start) for ``ready``, fills the
 slot's scatter graph's id block from the start's ids, replays it, and records the slot free.
-Layer ``i``'s landed flag is written after its last scatter. The ids of a start go in with one copy into a
-pooled device block, on the kernel stream before the first scatter.
+Layer ``i``'s landed flag is written after its last scatter. The ids of a start go in with one
+copy into a pooled device block, on the kernel stream before the first scatter.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .. import host_memory, kernels, reference
-from ..driver import driver_context, record_event, wait_event, write_value
+from ..driver import record_event, wait_event, write_value
 from ..validation import error_counter
 from . import dma
 from .ids import IdBlock, Pool
@@ -274,34 +274,34 @@ class StagedLayers:
         """Issue a start: every (layer, chunk)'s copies and scatter, and after each layer's last
         scatter ``generation`` written at that layer's flag address (``landed[layer]``); returns
         the start's completion event (from ``done_events``, the engine's load-direction
-        :class:`~kv_ops.transfer.paths.Events`)."""
+        :class:`~kv_ops.transfer.paths.Events`). The caller has bound the device's context
+        (:class:`~kv_ops.driver.driver_context`), as ``LayerwiseLoads`` does for every mechanism."""
         plans = self.plan(host)
         chunk, per = self.chunk, self.words_per_chunk
         ids = self._ids.take()
         chunks = id_blocks(ids.host.words, gpu, chunk)
         c, k = self._copy.handle, self._kernel.handle
-        with driver_context(self.device):
-            wait_event(k, ready)  # every scatter overwrites GPU blocks: after their readers
-            # The ids in, on the kernel stream: after the scatters of the start that last used
-            # this pooled block (same stream), before this start's first scatter.
-            self._kernel.copy(ids.address, ids.host.address, 8 * chunks * per)
-            for i, p in enumerate(plans):
-                wait_event(c, self._free[p.slot])  # the slot's last scatter has read it
-                self._copy(p.copies)
-                for copy in p.strided:
-                    self._copy.copy_2d(copy)
-                record_event(self._handoff, c)
-                wait_event(k, self._handoff)
-                # The chunk's [n, GPU ids] into the graph's block: its last replay, on this
-                # stream, has read the block already.
-                graph = self.graphs[p.layer][p.slot]
-                block = ids.address + 8 * per * (p.start // chunk)
-                self._kernel.copy(graph.address, block, 8 * (1 + p.stop - p.start))
-                graph.replay(k)
-                record_event(self._free[p.slot], k)
-                if i + 1 == len(plans) or plans[i + 1].layer != p.layer:
-                    write_value(k, landed[p.layer], generation)  # the layer's last scatter: its blocks are in
-            done = done_events.record(self.kernel_stream, k)
+        wait_event(k, ready)  # every scatter overwrites GPU blocks: after their readers
+        # The ids in, on the kernel stream: after the scatters of the start that last used
+        # this pooled block (same stream), before this start's first scatter.
+        self._kernel.copy(ids.address, ids.host.address, 8 * chunks * per)
+        for i, p in enumerate(plans):
+            wait_event(c, self._free[p.slot])  # the slot's last scatter has read it
+            self._copy(p.copies)
+            for copy in p.strided:
+                self._copy.copy_2d(copy)
+            record_event(self._handoff, c)
+            wait_event(k, self._handoff)
+            # The chunk's [n, GPU ids] into the graph's block: its last replay, on this
+            # stream, has read the block already.
+            graph = self.graphs[p.layer][p.slot]
+            block = ids.address + 8 * per * (p.start // chunk)
+            self._kernel.copy(graph.address, block, 8 * (1 + p.stop - p.start))
+            graph.replay(k)
+            record_event(self._free[p.slot], k)
+            if i + 1 == len(plans) or plans[i + 1].layer != p.layer:
+                write_value(k, landed[p.layer], generation)  # the layer's last scatter: its blocks are in
+        done = done_events.record(self.kernel_stream, k)
         self._ids.give(ids, done)
         return done
 
