@@ -54,6 +54,9 @@ TOLERANCE = 0.05
 # Call sizes up to which :meth:`Crossover.pick` remembers whether the pick depends on the runs
 # (at most this many choices, once per size; above it the runs are counted every call).
 RUN_FREE_BLOCKS = 64
+# How many (direction, blocks, runs, alone) choices :meth:`Crossover.pick` keeps before it starts
+# over: a serving loop's calls repeat a few sizes, and a choice costs 6-10 us of host time.
+CHOICES_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class Crossover:
     _grid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # (direction, blocks, alone) -> the pick if every run count gives it, else "" (see pick()).
     _run_free: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (direction, blocks, runs, alone) -> the pick, or "" for none (see pick()).
+    _chosen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _points(self, direction: Direction) -> list[tuple[float, float, list[Cell]]]:
         points = self._grid.get(direction)
@@ -144,7 +149,8 @@ class Crossover:
         where the answer depends on it. Counting the runs of a call's ids costs more host time
         than the choice (about 7 us against 5 on the H200's host); for most call sizes every
         run count gives one answer, found once per size (up to :data:`RUN_FREE_BLOCKS` blocks)
-        and kept. ``copy_engines`` must be the same mapping at every call (the engine's)."""
+        and kept; so is each choice that needed the runs (up to :data:`CHOICES_KEPT` of them).
+        ``copy_engines`` must be the same mapping at every call (the engine's)."""
         if blocks <= RUN_FREE_BLOCKS:
             key = (direction, blocks, alone)
             name = self._run_free.get(key)
@@ -154,7 +160,13 @@ class Crossover:
                 name = self._run_free[key] = only or ""  # "": ask the runs each time
             if name:
                 return name
-        return self.choose(direction, blocks, runs(), copy_engines, alone)
+        key = (direction, blocks, runs(), alone)
+        name = self._chosen.get(key)
+        if name is None:
+            if len(self._chosen) >= CHOICES_KEPT:
+                self._chosen.clear()
+            name = self._chosen[key] = self.choose(direction, blocks, key[2], copy_engines, alone) or ""
+        return name or None
 
     def table(self) -> str:
         """The measured cells as a markdown table, one row per (direction, blocks, runs), with the

@@ -77,12 +77,20 @@ def run_starts(src_ids, dst_ids) -> tuple[np.ndarray, np.ndarray]:
     return starts, lengths
 
 
+# A pair (src, dst) as one int64 word, src in the high half: a run is where the word goes up by
+# exactly this (both ids by one; with ids in [0, 2**31), no other pair of differences sums to it).
+_RUN_STEP = (1 << 32) + 1
+
+
 def count_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
-    """How many runs :func:`run_starts` finds, with fewer operations (auto's pick needs only this)."""
+    """How many runs :func:`run_starts` finds, for int64 ids in ``[0, 2**31)`` (the engine's, checked),
+    in four numpy operations: auto's pick needs only this, on every call (3.4 us for 16 pairs on
+    the CPU box, against 7.6 for the two differences compared apart)."""
     n = src_ids.size
     if n < 2:
         return n
-    return int(np.count_nonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1))) + 1
+    words = (src_ids << 32) | dst_ids
+    return int(np.count_nonzero(words[1:] - words[:-1] != _RUN_STEP)) + 1
 
 
 def back_to_back(region: torch.Tensor) -> bool:

@@ -197,6 +197,20 @@ def test_pick_counts_the_runs_only_where_they_change_the_choice():
     assert asked[-1] == "big"
 
 
+def test_pick_keeps_each_choice_that_needed_the_runs_and_starts_over_when_full(monkeypatch):
+    x = sample_crossover()
+    assert x.pick(STORE, 64, lambda: 64, COPY_ENGINES) == "staged"  # depends on the runs: chosen
+    chosen = []
+    monkeypatch.setattr(x, "choose", lambda *a, **k: chosen.append(a[:3]) or "kernel")
+    assert x.pick(STORE, 64, lambda: 64, COPY_ENGINES) == "staged"  # kept: not chosen again
+    assert x.pick(STORE, 64, lambda: 4, COPY_ENGINES) == "kernel"  # another run count: chosen
+    assert chosen == [(STORE, 64, 4)]
+    monkeypatch.setattr(crossover_mod, "CHOICES_KEPT", 2)
+    for runs in (8, 16, 32):
+        x.pick(STORE, 64, lambda runs=runs: runs, COPY_ENGINES)
+    assert len(x._chosen) <= 2 and chosen[-1] == (STORE, 64, 32)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rates=st.lists(st.floats(1.0, 100.0), min_size=9, max_size=9),

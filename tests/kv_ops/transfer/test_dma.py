@@ -61,6 +61,30 @@ def test_a_plan_copies_exactly_the_chosen_blocks_and_nothing_else(seed, widths, 
         assert dma.count_copies(src, dst, n, runs) == plan.count
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(
+            st.one_of(st.integers(0, 40), st.integers(2**31 - 40, 2**31 - 1)),
+            st.one_of(st.integers(0, 40), st.integers(2**31 - 40, 2**31 - 1)),
+        ),
+        max_size=40,
+    ),
+    runs_from=st.integers(0, 40),
+)
+def test_count_runs_counts_the_runs_that_run_starts_finds(pairs, runs_from):
+    # Some pairs made consecutive on purpose (runs), ids from both ends of [0, 2**31): the packed
+    # word must not mistake a step of the high id for one of the low id, or a wrap for a step.
+    for i in range(runs_from, len(pairs) - 1):
+        if (i - runs_from) % 3 != 2:
+            a, b = pairs[i]
+            pairs[i + 1] = (min(a + 1, 2**31 - 1), min(b + 1, 2**31 - 1))
+    src = np.array([a for a, _ in pairs], dtype=np.int64)
+    dst = np.array([b for _, b in pairs], dtype=np.int64)
+    starts, _ = dma.run_starts(src, dst)
+    assert dma.count_runs(src, dst) == starts.size
+
+
 @pytest.mark.parametrize(
     "strided, copies_per_region",
     [
