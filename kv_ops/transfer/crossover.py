@@ -52,7 +52,8 @@ CALLS = 4
 MAX_CALL_BYTES = 64 << 20
 TOLERANCE = 0.05
 # Call sizes up to which :meth:`Crossover.pick` remembers whether the pick depends on the runs
-# (at most this many choices, once per size; above it the runs are counted every call).
+# (at most this many choices, once per size; above it the runs are counted every call, and the
+# choice for that count is kept, see CHOICES_KEPT).
 RUN_FREE_BLOCKS = 64
 # How many (direction, blocks, runs, alone) choices :meth:`Crossover.pick` keeps before it starts
 # over: a serving loop's calls repeat a few sizes, and a choice costs 6-10 us of host time.

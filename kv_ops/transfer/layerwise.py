@@ -38,8 +38,9 @@ The mechanism, and why:
     call whatever the layers and blocks. (A high-priority
     stream of their own, for the block scheduler to place the copy's few blocks before the
     matmuls', was measured on the H200: no more of the load hidden, 0.48 against 0.55 at 512
-    blocks.) The default: its ``start`` cost 317-376 us of host time for 32 layers on the
-    H200 (574-617 us with a graph and an event per layer before), and it hid as much as
+    blocks.) The default: its ``start`` costs 55 us of host time for 32 layers on the H200
+    back to back, 60-376 us right after a sync on a long step (574-617 us with a graph and an
+    event per layer before), and it hid as much as
     ``"staged"`` or more in every measured case but one, a large load with host ids in runs
     (0.48 against 0.87 at 512 blocks; at 1024 blocks both reach the 0.42 that can hide).
 * **The step waits on flags.** Each instance keeps int32 words on the GPU: ``wanted``, the
