@@ -51,9 +51,9 @@ RUN = 16
 CALLS = 4
 MAX_CALL_BYTES = 64 << 20
 TOLERANCE = 0.05
-# Call sizes up to which :meth:`Crossover.pick` remembers whether the pick depends on the runs
-# (at most this many choices, once per size; above it the runs are counted every call, and the
-# choice for that count is kept, see CHOICES_KEPT).
+# Call sizes up to which :meth:`Crossover.pick` remembers whether the pick depends on the runs,
+# and if so the pick of each run count (at most this many choices, once per size). Above it the
+# runs are counted every call, and the choice for that count is kept (CHOICES_KEPT).
 RUN_FREE_BLOCKS = 64
 # How many (direction, blocks, runs, alone) choices :meth:`Crossover.pick` keeps before it starts
 # over: a serving loop's calls repeat a few sizes, and a choice costs 6-10 us of host time.
@@ -96,7 +96,9 @@ class Crossover:
     _grid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # (direction, blocks, alone) -> the pick if every run count gives it, else "" (see pick()).
     _run_free: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # (direction, blocks, runs, alone) -> the pick, or "" for none (see pick()).
+    # (direction, blocks, alone) -> the pick of each run count 1..blocks, where it depends on them.
+    _by_runs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Above RUN_FREE_BLOCKS: (direction, blocks, runs, alone) -> the pick, or "" for none (see pick()).
     _chosen: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _points(self, direction: Direction) -> list[tuple[float, float, list[Cell]]]:
@@ -147,20 +149,20 @@ class Crossover:
         self, direction: Direction, blocks: int, runs, copy_engines: dict[str, bool], alone: bool = False
     ) -> str | None:
         """:meth:`choose` for a call of ``blocks`` blocks, asking ``runs()`` (its run count) only
-        where the answer depends on it. Counting the runs of a call's ids costs more host time
-        than the choice (about 7 us against 5 on the H200's host); for most call sizes every
-        run count gives one answer, found once per size (up to :data:`RUN_FREE_BLOCKS` blocks)
-        and kept; so is each choice that needed the runs (up to :data:`CHOICES_KEPT` of them).
-        ``copy_engines`` must be the same mapping at every call (the engine's)."""
+        where the answer depends on it, and choosing once per answer. Up to
+        :data:`RUN_FREE_BLOCKS` blocks, whether every run count gives one answer is found once
+        per size, and where not, the answer of each run count (:meth:`plan_picks` finds them all
+        at once); above, each choice is kept (up to :data:`CHOICES_KEPT` of them). Counting the
+        runs costs about 4 us (the CPU box), a choice 6-10 us. ``copy_engines`` must be the same
+        mapping at every call (the engine's)."""
         if blocks <= RUN_FREE_BLOCKS:
-            key = (direction, blocks, alone)
-            name = self._run_free.get(key)
+            name = self._run_free.get((direction, blocks, alone))
             if name is None:
-                answers = {self.choose(direction, blocks, r, copy_engines, alone) for r in range(1, max(blocks, 1) + 1)}
-                only = answers.pop() if len(answers) == 1 else None
-                name = self._run_free[key] = only or ""  # "": ask the runs each time
+                name = self._find_run_free(direction, blocks, alone, copy_engines)
             if name:
                 return name
+            by_runs = self._by_runs[(direction, blocks, alone)]
+            return by_runs[min(max(runs(), 1), len(by_runs)) - 1] or None
         key = (direction, blocks, runs(), alone)
         name = self._chosen.get(key)
         if name is None:
@@ -168,6 +170,37 @@ class Crossover:
                 self._chosen.clear()
             name = self._chosen[key] = self.choose(direction, blocks, key[2], copy_engines, alone) or ""
         return name or None
+
+    def _find_run_free(self, direction: Direction, blocks: int, alone: bool, copy_engines: dict[str, bool]) -> str:
+        """The pick of a ``blocks``-block call if every run count gives the same one, else ""
+        (then the pick of each run count is kept in ``_by_runs``); kept in ``_run_free``. One
+        choice per run count: for 64 blocks, 64 choices, 0.3 ms of host time."""
+        key = (direction, blocks, alone)
+        answers = tuple(
+            self.choose(direction, blocks, r, copy_engines, alone) or "" for r in range(1, max(blocks, 1) + 1)
+        )
+        if len(set(answers)) > 1:
+            self._by_runs[key] = answers
+            name = ""
+        else:
+            name = answers[0]
+            if not name:  # nothing measured: the pick is None whatever the runs
+                self._by_runs[key] = answers
+        self._run_free[key] = name
+        return name
+
+    def plan_picks(self, copy_engines: dict[str, bool]) -> None:
+        """Find, for every call size up to :data:`RUN_FREE_BLOCKS`, whether its pick depends on
+        its runs, now instead of at the first call of each size. Found lazily, that first call
+        paid one choice per run count (82-86 us for 10-16 blocks on the CPU box, 0.3 ms for 64):
+        in a serving loop, whose calls come in many sizes, many calls are some size's first.
+        Planning every size takes about 40 ms. An engine calls it once it has its crossover
+        (engines of one shape share one, planned once)."""
+        for direction in Direction:
+            for alone in (False, True):
+                for blocks in range(RUN_FREE_BLOCKS + 1):
+                    if (direction, blocks, alone) not in self._run_free:
+                        self._find_run_free(direction, blocks, alone, copy_engines)
 
     def table(self) -> str:
         """The measured cells as a markdown table, one row per (direction, blocks, runs), with the

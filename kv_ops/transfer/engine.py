@@ -249,6 +249,7 @@ class OffloadEngine:
                 # engine's own are allocated below.
                 widths = [r.shape[1] for r in gpu]
                 self.crossover = crossover_mod.crossover(self.device, widths, ring_bytes, crossover_file)
+                self.crossover.plan_picks(COPY_ENGINES)  # not at the first call of each size
             # Only the paths this engine may pick: on the GPU each binds its kernels now, and the
             # staged one allocates its ring (2 x ring_bytes), so that memory is taken at start.
             names = PATH_NAMES if path == "auto" else (path,)

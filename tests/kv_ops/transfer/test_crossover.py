@@ -197,18 +197,44 @@ def test_pick_counts_the_runs_only_where_they_change_the_choice():
     assert asked[-1] == "big"
 
 
-def test_pick_keeps_each_choice_that_needed_the_runs_and_starts_over_when_full(monkeypatch):
+def test_planned_picks_are_the_lazy_ones_and_a_call_of_a_planned_size_makes_no_choice(monkeypatch):
+    planned, lazy = sample_crossover(), sample_crossover()
+    planned.plan_picks(COPY_ENGINES)
+    sizes = range(crossover_mod.RUN_FREE_BLOCKS + 1)
+    keys = [(d, b, alone) for d in (STORE, LOAD) for b in sizes for alone in (False, True)]
+    assert set(planned._run_free) == set(keys)
+    for d, b, alone in keys:
+        # The lazy pick of a size, with a run count that its answer may depend on.
+        lazy.pick(d, b, lambda b=b: max(1, b // 4), COPY_ENGINES, alone)
+        assert planned._run_free[(d, b, alone)] == lazy._run_free[(d, b, alone)]
+    assert "" in planned._run_free.values() and set(planned._run_free.values()) - {""}  # both kinds occur
+    free = [k for k in keys if planned._run_free[k]]
+
+    def no_choice(*a, **k):
+        raise AssertionError("a choice at a call of a planned size that does not depend on the runs")
+
+    monkeypatch.setattr(planned, "choose", no_choice)
+    for d, b, alone in free:
+        assert planned.pick(d, b, lambda: 1, COPY_ENGINES, alone) == planned._run_free[(d, b, alone)]
+    for d, b, alone in set(keys) - set(free):  # the pick depends on the runs: each one planned
+        for r in range(1, b + 1):
+            assert planned.pick(d, b, lambda r=r: r, COPY_ENGINES, alone) == lazy.choose(d, b, r, COPY_ENGINES, alone)
+    planned.plan_picks(COPY_ENGINES)  # again (engines of one shape share it): nothing to find
+
+
+def test_above_the_planned_sizes_pick_keeps_each_choice_and_starts_over_when_full(monkeypatch):
     x = sample_crossover()
-    assert x.pick(STORE, 64, lambda: 64, COPY_ENGINES) == "staged"  # depends on the runs: chosen
+    n = crossover_mod.RUN_FREE_BLOCKS + 36
+    assert x.pick(STORE, n, lambda: n, COPY_ENGINES) == "staged"  # random ids: chosen
     chosen = []
     monkeypatch.setattr(x, "choose", lambda *a, **k: chosen.append(a[:3]) or "kernel")
-    assert x.pick(STORE, 64, lambda: 64, COPY_ENGINES) == "staged"  # kept: not chosen again
-    assert x.pick(STORE, 64, lambda: 4, COPY_ENGINES) == "kernel"  # another run count: chosen
-    assert chosen == [(STORE, 64, 4)]
+    assert x.pick(STORE, n, lambda: n, COPY_ENGINES) == "staged"  # kept: not chosen again
+    assert x.pick(STORE, n, lambda: 4, COPY_ENGINES) == "kernel"  # another run count: chosen
+    assert chosen == [(STORE, n, 4)]
     monkeypatch.setattr(crossover_mod, "CHOICES_KEPT", 2)
     for runs in (8, 16, 32):
-        x.pick(STORE, 64, lambda runs=runs: runs, COPY_ENGINES)
-    assert len(x._chosen) <= 2 and chosen[-1] == (STORE, 64, 32)
+        x.pick(STORE, n, lambda runs=runs: runs, COPY_ENGINES)
+    assert len(x._chosen) <= 2 and chosen[-1] == (STORE, n, 32)
 
 
 @settings(max_examples=60, deadline=None)
@@ -537,3 +563,23 @@ def test_an_auto_engine_picks_by_the_single_rate_when_alone_and_by_the_sustained
     got = torch.cat([r.cpu() for r in engine.regions.values()], dim=1)
     assert torch.equal(got[[20, 21]], cache[[1, 2]])
     engine.close()
+
+
+@gpu
+def test_an_auto_engine_plans_its_picks_at_construction():
+    # Found at each size's first call, they cost that call up to 64 choices (0.1-0.3 ms).
+    kv = {"l0": torch.randn(2, 80, 4, 2, 32, device="cuda").bfloat16()}
+    engine = kv_ops.OffloadEngine(kv, 80, 80 * 2 * 4 * 2 * 32 * 2, path="auto")
+    sizes = range(crossover_mod.RUN_FREE_BLOCKS + 1)
+    assert {(d, b, a) for d in (STORE, LOAD) for b in sizes for a in (False, True)} <= set(engine.crossover._run_free)
+    made = []
+    choose = engine.crossover.choose
+    engine.crossover.choose = lambda *a, **k: made.append(a[1]) or choose(*a, **k)
+    try:
+        for n in (3, 10, 16, 37):  # sizes not called before: planned, so no call makes a choice
+            engine.store(list(range(n)), list(range(40, 40 + n)))
+            engine.flush()
+        assert made == []
+    finally:
+        del engine.crossover.choose  # the crossover is shared by engines of this shape
+        engine.close()
