@@ -247,13 +247,19 @@ def check_pair_values(op: str, src_ids: torch.Tensor, dst_ids: torch.Tensor, src
     check_host_ids(op, "dst_ids", dst, dst_limit, unique=True)
 
 
+# Up to this many ids Python's min, max and set over a list beat numpy's per-call cost (on the
+# CPU box, 16 / 64 ids: 1.5 / 6 us from an array, against 9.5 us for numpy's four operations).
+SMALL_IDS = 64
+
+
 def check_host_ids(op: str, what: str, ids: np.ndarray | list | tuple, limit: int, unique: bool = False) -> None:
     """The id rule, for ids already on the host: every id lies in ``[0, limit)``; with ``unique``,
-    no id repeats. ``ids`` is a 1-D integer numpy array (a few numpy operations, about a
-    microsecond each), or a list or tuple of ints (a scheduler's short list: Python's min, max and
-    set on it beat numpy's per-call cost); the message is made only if an id is bad."""
-    if type(ids) in (list, tuple):
-        if not ids or (min(ids) >= 0 and max(ids) < limit and not (unique and len(set(ids)) < len(ids))):
+    no id repeats. ``ids`` is a 1-D integer numpy array or a list or tuple of ints. Up to
+    :data:`SMALL_IDS` ids (a scheduler's short list) the check runs on a list, above it in numpy;
+    the message is made only if an id is bad."""
+    values = ids if type(ids) in (list, tuple) else ids.tolist() if ids.size <= SMALL_IDS else None
+    if values is not None:
+        if not values or (min(values) >= 0 and max(values) < limit and not (unique and len(set(values)) < len(values))):
             return
         ids = np.asarray(ids, dtype=np.int64)
     if ids.size == 0:
@@ -295,6 +301,7 @@ __all__ = [
     "check_devices",
     "check_ids_values",
     "check_host_ids",
+    "SMALL_IDS",
     "check_pair_values",
     "id_checks_enabled",
     "check_disjoint_ids",

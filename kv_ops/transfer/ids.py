@@ -1,10 +1,11 @@
-"""Block ids on the engine's hot path: taken in once (lists, arrays or tensors) and checked in
-numpy, and the pool of what the GPU reads (id blocks, the graphs fed from them) reused only
+"""Block ids on the engine's hot path: taken in once (lists, arrays or tensors) and checked on
+the host, and the pool of what the GPU reads (id blocks, the graphs fed from them) reused only
 after it has.
 
 A scheduler hands the engine Python lists. Turning one into a torch tensor and checking it with
 torch costs a dozen tiny torch operations (3-4 us each on the H200's host); the same in numpy
-is a few microseconds in all. Ids already on the GPU are never read by the host (that would
+is a few microseconds in all, and up to :data:`kv_ops.validation.SMALL_IDS` ids Python's own
+min, max and set on a list are faster still (a short tensor or array is checked as a list). Ids already on the GPU are never read by the host (that would
 wait for the caller's stream): they go to a path whose kernel reads them, which skips and
 counts an invalid pair (:func:`kv_ops.error_count`) instead of raising.
 """
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from ..host_memory import pinned_empty
-from ..validation import check_host_ids, check_ids_meta, ids_message, ids_ok
+from ..validation import SMALL_IDS, check_host_ids, check_ids_meta, ids_message, ids_ok
 
 # What numpy makes of integers and what the ops take: anything else is refused.
 _INTEGER_KINDS = "iu"
@@ -33,12 +34,17 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
     engine copies what it keeps beyond the call.
     """
     if isinstance(ids, torch.Tensor):
-        if ids.device.type == "meta":
+        # is_meta / is_cpu, not device.type: each device query makes a torch.device (0.5 us).
+        if ids.is_meta:
             raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
-        flat = ids.reshape(-1)
+        flat = ids if ids.dim() == 1 else ids.reshape(-1)
         if not ids_ok(flat):
             raise ValueError(ids_message(op, what, flat))
-        if ids.device.type == "cpu":
+        if ids.is_cpu:
+            if flat.numel() <= SMALL_IDS:  # a list is faster to make and to check (4 us less for 16)
+                values = flat.tolist()
+                check_host_ids(op, what, values, limit, unique)
+                return np.array(values, dtype=np.int64)
             array = flat.numpy()
         elif ids.device == device:
             # Contiguous: the engine copies these bytes device to device as one span.

@@ -14,6 +14,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops import kernels
@@ -21,6 +23,7 @@ from kv_ops.transfer import dma, paths
 from kv_ops.transfer import engine as engine_mod
 from kv_ops.transfer import ids as ids_mod
 from kv_ops.transfer.paths import RING_SLOTS
+from kv_ops.validation import SMALL_IDS
 
 gpu = pytest.mark.gpu
 LAYERS = 4
@@ -105,6 +108,29 @@ def test_an_empty_list_is_no_ids_not_a_float_tensor():
 def test_bad_ids_are_refused_with_the_ops_words(ids, message):
     with pytest.raises(ValueError, match=message):
         ids_mod.take("op", "ids", ids, 4, unique=True, device=torch.device("cpu"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(st.integers(-3, 2 * SMALL_IDS + 3), max_size=2 * SMALL_IDS + 8),
+    unique=st.booleans(),
+)
+def test_every_form_of_the_same_ids_is_taken_or_refused_alike_below_and_above_small_ids(values, unique):
+    # Up to SMALL_IDS ids the rule runs on a Python list, above it in numpy: one rule, one answer
+    # (the array, or the same message), whatever the form or the size.
+    limit = 2 * SMALL_IDS
+    forms = [values, tuple(values), np.array(values, dtype=np.int64), torch.tensor(values, dtype=torch.int64)]
+    answers = []
+    for ids in forms:
+        try:
+            answers.append(ids_mod.take("op", "ids", ids, limit, unique, torch.device("cpu")).tolist())
+        except ValueError as e:
+            answers.append(str(e))
+    assert all(a == answers[0] for a in answers), answers
+    bad = any(v < 0 or v >= limit for v in values) or (unique and len(set(values)) < len(values))
+    assert isinstance(answers[0], str) == bad
+    if not bad:
+        assert answers[0] == values
 
 
 def test_the_intake_reads_no_torch_operation_for_list_ids():
