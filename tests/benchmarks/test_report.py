@@ -81,6 +81,7 @@ def test_block_copy_table_from_fake_rows():
 def test_layerwise_table_from_fake_rows():
     layerwise = importlib.import_module("layerwise")
     row = dict.fromkeys(layerwise.COLUMNS, 1.0) | {"blocks": 16, "hosts": "run", "copies": "kernel", "bitwise": True}
+    row["queued_start_us"] = 3.0
     once = dict.fromkeys(
         ["compute_us", "zero_block_us", "zero_block_ratio", "zero_block_gpu_ratio", "per_wait_us"]
         + ["short_step_us", "short_step_waits_us"],
@@ -90,7 +91,7 @@ def test_layerwise_table_from_fake_rows():
     lines = layerwise.markdown([row], once, args).splitlines()
     assert lines[0].startswith("Step: 4 layers, 8 tokens, MLP 16x32 bf16")
     assert "1.500 on GPU time with the launch hidden" in lines[0]
-    assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 | yes |"
+    assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 / 3 | yes |"
 
 
 @pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "ple_latency"])
