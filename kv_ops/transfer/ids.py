@@ -5,9 +5,10 @@ after it has.
 A scheduler hands the engine Python lists. Turning one into a torch tensor and checking it with
 torch costs a dozen tiny torch operations (3-4 us each on the H200's host); the same in numpy
 is a few microseconds in all, and up to :data:`kv_ops.validation.SMALL_IDS` ids Python's own
-min, max and set on a list are faster still (a short tensor or array is checked as a list). Ids already on the GPU are never read by the host (that would
-wait for the caller's stream): they go to a path whose kernel reads them, which skips and
-counts an invalid pair (:func:`kv_ops.error_count`) instead of raising.
+min, max and set on a list are faster still (a short tensor or array is checked as a list).
+Ids already on the GPU are never read by the host (that would wait for the caller's stream):
+they go to a path whose kernel reads them, which skips and counts an invalid pair
+(:func:`kv_ops.error_count`) instead of raising.
 """
 
 from __future__ import annotations
