@@ -257,7 +257,10 @@ def check_host_ids(op: str, what: str, ids: np.ndarray | list | tuple, limit: in
     no id repeats. ``ids`` is a 1-D integer numpy array or a list or tuple of ints. Up to
     :data:`SMALL_IDS` ids (a scheduler's short list) the check runs on a list, above it in numpy;
     the message is made only if an id is bad."""
-    values = ids if type(ids) in (list, tuple) else ids.tolist() if ids.size <= SMALL_IDS else None
+    if type(ids) in (list, tuple):
+        values = ids
+    else:
+        values = ids.tolist() if ids.size <= SMALL_IDS else None
     if values is not None:
         if not values or (min(values) >= 0 and max(values) < limit and not (unique and len(set(values)) < len(values))):
             return

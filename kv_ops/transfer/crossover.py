@@ -156,12 +156,13 @@ class Crossover:
         runs costs about 4 us (the CPU box), a choice 6-10 us. ``copy_engines`` must be the same
         mapping at every call (the engine's)."""
         if blocks <= RUN_FREE_BLOCKS:
-            name = self._run_free.get((direction, blocks, alone))
+            key = (direction, blocks, alone)
+            name = self._run_free.get(key)
             if name is None:
                 name = self._find_run_free(direction, blocks, alone, copy_engines)
             if name:
                 return name
-            by_runs = self._by_runs[(direction, blocks, alone)]
+            by_runs = self._by_runs[key]
             return by_runs[min(max(runs(), 1), len(by_runs)) - 1] or None
         key = (direction, blocks, runs(), alone)
         name = self._chosen.get(key)
@@ -179,13 +180,9 @@ class Crossover:
         answers = tuple(
             self.choose(direction, blocks, r, copy_engines, alone) or "" for r in range(1, max(blocks, 1) + 1)
         )
-        if len(set(answers)) > 1:
+        name = answers[0] if len(set(answers)) == 1 else ""
+        if not name:  # the runs matter (or nothing was measured: None whatever the runs)
             self._by_runs[key] = answers
-            name = ""
-        else:
-            name = answers[0]
-            if not name:  # nothing measured: the pick is None whatever the runs
-                self._by_runs[key] = answers
         self._run_free[key] = name
         return name
 
