@@ -19,7 +19,6 @@ import contextlib
 import ctypes
 import math
 import os
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -256,6 +255,14 @@ class BoundCopy:
         self.rows = max(1, tile_bytes // self.cols)
         self.chunks = [-(-w // self.cols) for w in self.widths]  # tile rows per block, per region
         self.num_programs, self.num_warps = num_programs, num_warps
+        # From this many pairs on the copy has a tile for every program: the tiles grow with the
+        # pairs, and num_programs x rows pairs make at least num_programs tiles.
+        low, high = 1, num_programs * self.rows
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if self._programs(mid) == num_programs else (mid + 1, high)
+        self.full_from = low
+        self._compiled: dict[tuple, object] = {}  # specialisation -> compiled kernel (launch_kernel)
 
     def __call__(
         self,
@@ -264,12 +271,19 @@ class BoundCopy:
         dst_ids: torch.Tensor | None,
         num_pairs: int,
         errors: torch.Tensor,
+        stream: torch.cuda.Stream | None = None,
     ):
-        """Launch on the current stream; returns Triton's handle, or None when nothing was launched."""
+        """Launch on ``stream`` (default: the current stream); returns the compiled kernel, or
+        None when nothing was launched (or under the interpreter)."""
         if num_pairs == 0:
             return None
+        programs = self.num_programs if num_pairs >= self.full_from else self._programs(num_pairs)
+        return self.launch_kernel(packed, src_ids, dst_ids, num_pairs, errors, programs, False, stream)
+
+    def _programs(self, num_pairs: int) -> int:
+        """Programs worth launching: no more than the copy has tiles."""
         tiles = sum(-(-num_pairs * c // self.rows) for c in self.chunks)
-        return self.launch_kernel(packed, src_ids, dst_ids, num_pairs, errors, min(self.num_programs, tiles), False)
+        return min(self.num_programs, tiles)
 
     def launch_from_block(self, packed: torch.Tensor | None, block: torch.Tensor, capacity: int, errors: torch.Tensor):
         """Launch on the current stream with the count and ids read from ``block`` (int64
@@ -277,38 +291,103 @@ class BoundCopy:
         captures."""
         return self.launch_kernel(packed, block, block, capacity, errors, self.num_programs, True)
 
-    def launch_kernel(self, packed, src_ids, dst_ids, num_pairs: int, errors, programs: int, in_block: bool):
-        """The one kernel launch under :meth:`launch` and :meth:`launch_from_block`; public so that
-        tests count launches."""
+    def launch_kernel(
+        self,
+        packed,
+        src_ids,
+        dst_ids,
+        num_pairs: int,
+        errors,
+        programs: int,
+        in_block: bool,
+        stream: torch.cuda.Stream | None = None,
+    ):
+        """The one kernel launch under :meth:`__call__` and :meth:`launch_from_block`; public so
+        that tests count launches.
+
+        The first launch of each specialisation goes through Triton's ``@jit`` launcher, which
+        binds the arguments, works out the specialisation, compiles or finds the kernel, and
+        launches it. Later launches of the same specialisation call the compiled kernel's own
+        launcher directly (what ``@jit`` calls last), skipping the binder, which cost more host
+        time than the launch. The key holds everything ``@jit`` specialises these arguments on:
+        the ids' dtypes, each pointer's 16-byte alignment, whether the integers fit in 32 bits,
+        and the constexprs that vary per call (``ALIGN``, ``IDS_IN_BLOCK``).
+        """
         align, packed_stride = self.align, 0
         if packed is None:
             packed = self.anchor  # a copy never reads it
         else:
             packed_stride = packed.stride(0)
             align = min(align, alignment([_address(packed, self.device), packed_stride]))
+        src_ids = self.table if src_ids is None else src_ids
+        dst_ids = self.table if dst_ids is None else dst_ids
+        src_limit = num_pairs if self.src_packed else self.src_limit
+        dst_limit = num_pairs if self.dst_packed else self.dst_limit
+        args = (
+            self.table,
+            self.anchor,
+            packed,
+            packed_stride,
+            len(self.widths),
+            src_ids,
+            dst_ids,
+            num_pairs,
+            src_limit,
+            dst_limit,
+            errors,
+            self.cols,
+            self.rows,
+            align,
+            self.src_packed,
+            self.dst_packed,
+            CHECK_LANES,
+            in_block,
+        )
+        key = (
+            align,
+            in_block,
+            src_ids.dtype,
+            src_ids.data_ptr() % 16 == 0,
+            dst_ids.dtype,
+            dst_ids.data_ptr() % 16 == 0,
+            packed.data_ptr() % 16 == 0,
+            max(packed_stride, num_pairs, src_limit, dst_limit) < _INT32_END,
+        )
+        compiled = self._compiled.get(key)
+        if compiled is not None and torch.cuda.current_device() == self.device.index and not _launch_hooks():
+            handle = stream.cuda_stream if stream is not None else driver.current_stream_handle(self.device.index)
+            # Exactly what @jit's run() does once it has the kernel (Triton 3.6 to 3.9).
+            compiled.run(programs, 1, 1, handle, compiled.function, compiled.packed_metadata, None, None, None, *args)
+            return compiled
         on_device = self.device.type == "cuda" and torch.cuda.current_device() != self.device.index
-        with torch.cuda.device(self.device) if on_device else contextlib.nullcontext():
-            return _block_copy_kernel[(max(1, programs),)](
-                self.table,
-                self.anchor,
-                packed,
-                packed_stride,
-                len(self.widths),
-                src_ids if src_ids is not None else self.table,
-                dst_ids if dst_ids is not None else self.table,
-                num_pairs,
-                num_pairs if self.src_packed else self.src_limit,
-                num_pairs if self.dst_packed else self.dst_limit,
-                errors,
-                COLS=self.cols,
-                ROWS=self.rows,
-                ALIGN=align,
-                SRC_PACKED=self.src_packed,
-                DST_PACKED=self.dst_packed,
-                LANES=CHECK_LANES,
-                IDS_IN_BLOCK=in_block,
-                num_warps=self.num_warps,
-            )
+        with (
+            torch.cuda.device(self.device) if on_device else contextlib.nullcontext(),
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+        ):
+            handle = _block_copy_kernel[(max(1, programs),)](*args, num_warps=self.num_warps)
+        if _direct_launcher(handle):
+            self._compiled[key] = handle
+        return handle
+
+
+# Triton passes an integer argument as i32 below this, as i64 from it: another specialisation.
+_INT32_END = 1 << 31
+
+
+def _launch_hooks() -> bool:
+    """Whether a launch hook is installed (a profiler's): then every launch goes through @jit,
+    which feeds it."""
+    runtime = triton.knobs.runtime
+    return any(
+        hook is not None and getattr(hook, "calls", True)
+        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
+
+
+def _direct_launcher(handle) -> bool:
+    """Whether what @jit returned can be launched directly (a compiled kernel; the interpreter
+    returns none)."""
+    return all(hasattr(handle, name) for name in ("run", "function", "packed_metadata"))
 
 
 class GraphedCopy:
@@ -323,9 +402,9 @@ class GraphedCopy:
       ``self.words`` (a numpy view). A call writes the ids there and replays: one driver call
       (``cuGraphLaunch``). The twin may be rewritten only once that replay has run (the caller
       pools graphs and checks an event after the replay).
-    * otherwise, :meth:`launch_on_current_stream` copies the count and GPU ids in (a memset and a
-      device-to-device copy per side), then replays, all on one stream, so the block is rewritten
-      only after the replay before it has read it.
+    * otherwise, the caller copies the count and the ids into ``self.block`` (at
+      ``self.address``) on the stream it then replays on, so the block is rewritten only after
+      the replay before it has read it.
 
     No Triton binder, no stream context and no allocation per call either way.
     """
@@ -362,50 +441,10 @@ class GraphedCopy:
                 bound.launch_from_block(packed, self.block, capacity, errors)
         self._exec = self.graph.raw_cuda_graph_exec()
         self._graph_launch = driver.c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
-        self._memset = driver.c_function(
-            "cuMemsetD32Async", 12000, ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p
-        )
-        self._memcpy = driver.c_function(
-            "cuMemcpyAsync", 12000, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
-        )
-        self._lock = threading.Lock()
-        self._last: torch.cuda.Stream | None = None  # where the block was last read
 
     def replay(self, stream: ctypes.c_void_p) -> None:
         """Launch the graph on ``stream`` (a raw handle), after whatever wrote the block there."""
         driver.check_code(self._graph_launch(self._exec, stream), "cuGraphLaunch")
-
-    def launch_on_current_stream(self, device: torch.device, *ids: torch.Tensor) -> None:
-        """One copy on the caller's current stream with GPU ids (an eager op): the count set in
-        the block, each side's ids copied in device to device, then the replay.
-
-        Calls may come on different streams (and threads): the block is rewritten on one stream
-        only after the replay that last read it on another (an event between them).
-        """
-        n = ids[0].shape[0]
-        with self._lock:
-            # The raw handle: a Stream object costs about 4 us of host time on the H200, more than
-            # the replay; one is made only when the stream changes, and then kept, so that the
-            # stream the block was last read on stays alive for the event recorded on it.
-            handle = driver.current_stream_handle(device.index)
-            last = self._last
-            if last is None or last.cuda_stream != handle:
-                stream = torch.cuda.current_stream(device)
-                if last is not None:
-                    moved = torch.cuda.Event()
-                    moved.record(last)
-                    stream.wait_event(moved)
-                self._last = stream
-            with driver.driver_context(device):
-                # The count's high word is zero from the start and never written.
-                driver.check_code(self._memset(self.address, n, 1, handle), "cuMemsetD32Async")
-                at = self.address + 8
-                for side in ids:
-                    if side.dtype != torch.int64 or not side.is_contiguous():
-                        side = side.to(torch.int64).contiguous()  # read below, on this stream
-                    driver.check_code(self._memcpy(at, side.data_ptr(), 8 * n, handle), "cuMemcpyAsync")
-                    at += 8 * n
-                self.replay(handle)
 
 
 # --- the layer-wise wait ------------------------------------------------------------------------

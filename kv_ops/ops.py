@@ -17,9 +17,9 @@ baked into a compiled artifact.
 
 Per call, an eager op does only what depends on the call: a region list is checked and its copy
 bound the first time it is seen (:class:`_RegionSets`, by the regions' identity), the ids are
-checked (their values only with :func:`kv_ops.set_id_checks` on), and a region-to-region copy
-used again is replayed from a CUDA graph (:class:`kv_ops.kernels.GraphedCopy`) instead of going
-through Triton's launcher.
+checked (their values only with :func:`kv_ops.set_id_checks` on), and the kernel is launched
+once, reading the ids where they are, through the compiled kernel's own launcher after the first
+call (:meth:`kv_ops.kernels.BoundCopy.launch_kernel`).
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def _check_id_tensors(op: str, **ids) -> None:
 
 
 class _RegionSet:
-    """One checked pair of sides: the bound kernel copy and, once used again, its CUDA graph."""
+    """One checked pair of sides and its bound kernel copy."""
 
-    __slots__ = ("bound", "graph", "uses", "src_limit", "dst_limit", "same_region", "width", "refs")
+    __slots__ = ("bound", "src_limit", "dst_limit", "same_region", "width", "refs")
 
     def __init__(self, bound, src_limit: int, dst_limit: int, same_region: bool = False, width: int = 0):
-        self.bound, self.graph, self.uses = bound, None, 0
+        self.bound = bound
         self.src_limit, self.dst_limit = src_limit, dst_limit  # ids are valid below these
         self.same_region = same_region  # a copy within one region: no block both read and written
         self.width = width  # a packed side's row: the regions' block bytes summed
@@ -211,24 +211,11 @@ def _copy_blocks_cuda(src, dst, src_ids, dst_ids) -> None:
     device = _kernel_device([src_ids, dst_ids], src, dst)
     entry = _copy_set(src, dst, device)
     _check_ids("kv_ops.copy_blocks", device, [("src_ids", src_ids), ("dst_ids", dst_ids)], None)
-    capturing = capture.capturing()
-    if not capturing and V.id_checks_enabled():
+    if V.id_checks_enabled() and not capture.capturing():
         _check_copy_values(entry, src_ids, dst_ids)
-    n = src_ids.shape[0]
-    errors = V.error_counter(device)
-    if capturing or n == 0 or n > entry.dst_limit:
-        entry.bound(None, src_ids, dst_ids, n, errors)  # the kernel itself: what a capture records
-        return
-    # Used again: replay the copy from its own CUDA graph (no Triton launcher per call). Making
-    # the graph, once per region pair, waits for the device to go idle (its block is made by a
-    # short-lived thread on the legacy stream): the one host wait of this op, on its second call.
-    if entry.graph is None:
-        entry.uses += 1
-        if entry.uses < 2:
-            entry.bound(None, src_ids, dst_ids, n, errors)
-            return
-        entry.graph = kernels.GraphedCopy(entry.bound, entry.dst_limit, errors)
-    entry.graph.launch_on_current_stream(device, src_ids, dst_ids)
+    # The kernel reads the ids where they are: no copy of them, no graph (a capture records the
+    # launch as a kernel node), and after the first call no Triton binder either.
+    entry.bound(None, src_ids, dst_ids, src_ids.shape[0], V.error_counter(device))
 
 
 def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:

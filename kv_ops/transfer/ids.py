@@ -48,8 +48,11 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
                 return np.array(values, dtype=np.int64)
             array = flat.numpy()
         elif ids.device == device:
-            # Contiguous: the engine copies these bytes device to device as one span.
-            return flat.to(torch.int64).contiguous()
+            # int64 and contiguous, what the kernel path's compiled kernel was made for; each
+            # conversion only where needed (a no-op .to is still a dispatched operation).
+            if flat.dtype != torch.int64:
+                flat = flat.to(torch.int64)
+            return flat.contiguous()
         else:
             raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
     else:

@@ -242,8 +242,8 @@ class KernelPath(EventPath):
     (the usual case) a graph copies its block in from a page-locked twin, so a transfer writes
     the ids into the twin and replays the graph: one driver call. The graphs come in
     :data:`REPLAY_BUCKETS` sizes and are pooled (:class:`kv_ops.transfer.ids.Pool`): a twin is rewritten
-    only after the replay that read it has run. GPU ids go through one graph per direction
-    whose block is filled device to device.
+    only after the replay that read it has run. GPU ids need no block: the kernel is launched
+    with them as they are, one launch per transfer.
     """
 
     name = "kernel"
@@ -275,15 +275,11 @@ class KernelPath(EventPath):
                 for d in Direction
             }
             self._launchers = {d: dma.Launcher(streams[d]) for d in Direction}
-            # For GPU ids: one graph per direction fed device to device, and its count blocks.
-            # Made now: making a graph synchronises with the legacy stream, which a call must not.
-            self._device_fed = {
-                d: (
-                    kernels.GraphedCopy(self._copies[d], self.capacity, errors),
-                    Pool(functools.partial(IdBlock, 1 + 2 * self.capacity), initial=1),
-                )
-                for d in Direction
-            }
+            # GPU ids are launched with as they are. Compile that kernel now (aligned int64 ids,
+            # what ids.take hands over), not on the first such call in the middle of serving.
+            none = torch.zeros(2, dtype=torch.int64, device=self.device)
+            for d in Direction:
+                self._copies[d].launch_kernel(None, none, none, 0, errors, 1, False, streams[d])
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
@@ -317,25 +313,14 @@ class KernelPath(EventPath):
 
     def _enqueue_gpu_ids(self, blocks: Blocks, ready, src_ids, dst_ids) -> torch.cuda.Event:
         d = blocks.direction
-        stream, launcher = self.streams[d], self._launchers[d]
-        graph, blocks_pool = self._device_fed[d]
-        handle = launcher.handle
+        stream = self.streams[d]
+        handle = self._launchers[d].handle
         wait_event(handle, blocks.ids_ready)  # GPU ids: after the work that wrote them
-        taken = []
-        n, step = blocks.count, self.capacity
-        for lo in range(0, n, step):
-            block = blocks_pool.take()
-            taken.append(block)
-            _stage(launcher, graph, block, [src_ids[lo : lo + step], dst_ids[lo : lo + step]])
-            if lo == 0:
-                wait_event(handle, ready)  # the ids' copy needs nothing; the kernel needs the caller
-            graph.replay(handle)
-        if n == 0:
-            wait_event(handle, ready)
-        done = self._events[d].record(stream, handle)
-        for block in taken:
-            blocks_pool.give(block, done)
-        return done
+        wait_event(handle, ready)  # and the copy after the caller
+        # One launch that reads the ids where they are (the engine keeps them alive until the
+        # transfer is reported): no id block to fill, no graph.
+        self._copies[d](None, src_ids, dst_ids, blocks.count, self._errors, stream)
+        return self._events[d].record(stream, handle)
 
 
 class DirectDmaPath(EventPath):

@@ -329,9 +329,11 @@ def test_the_fakes_refuse_what_the_eager_checks_refuse_in_the_same_words(op, arg
 
 
 @pytest.mark.gpu
-def test_a_copy_used_again_is_replayed_from_its_graph_with_new_ids_on_any_stream():
-    # The first call launches the kernel; from the second on, the copy is one replay of a graph
-    # over its own id block. New ids, sizes, int32 ids and a switch of stream must all land.
+def test_a_copy_used_again_takes_new_ids_of_every_form_on_any_stream():
+    # After its first call a copy is launched through the compiled kernel's own launcher, keyed
+    # by what Triton specialises on: new ids, sizes, int32 and int64 ids, ids at addresses that
+    # are and are not 16-byte aligned (views into a larger tensor), and a switch of stream, all
+    # interleaved so that each specialisation is used again after the others, must all land.
     gen = torch.Generator().manual_seed(21)
     src = make_regions([256, 48, 1024], 40, "cuda", generator=gen)
     dst = [kv_ops.pinned_empty((30, w)) for w in (256, 48, 1024)]
@@ -339,42 +341,45 @@ def test_a_copy_used_again_is_replayed_from_its_graph_with_new_ids_on_any_stream
         d.copy_(torch.randint(0, 256, d.shape, dtype=torch.uint8, generator=gen))  # poison
     want = clone_views(dst)
     streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
-    for call in range(12):
-        n = int(torch.randint(1, 31, (1,), generator=gen))
+    for call in range(24):
+        n = int(torch.randint(1, 25, (1,), generator=gen))
         src_ids, dst_ids = torch.randint(0, 40, (n,), generator=gen), torch.randperm(30, generator=gen)[:n]
-        dtype = torch.int32 if call % 3 == 2 else torch.int64
+        dtype = torch.int32 if call % 2 else torch.int64
+        offset = (call // 2) % 3  # 0: aligned; 1: 4 or 8 bytes in; 2: 8 or 16 bytes in
+        padded_src = torch.cat([torch.randint(0, 40, (offset,), generator=gen), src_ids]).to("cuda", dtype)
+        padded_dst = torch.cat([torch.randint(0, 30, (offset,), generator=gen), dst_ids]).to("cuda", dtype)
         stream = streams[call % 3]
         stream.wait_stream(streams[(call - 1) % 3])  # the test's own order between its calls
         with torch.cuda.stream(stream):
-            kv_ops.copy_blocks(src, dst, src_ids.to("cuda", dtype), dst_ids.to("cuda", dtype))
+            kv_ops.copy_blocks(src, dst, padded_src[offset:], padded_dst[offset:])
         reference.copy_blocks([s.cpu() for s in src], want, src_ids, dst_ids)
     torch.cuda.synchronize()
     assert all(torch.equal(d, w) for d, w in zip(dst, want))
 
 
 @pytest.mark.gpu
-def test_an_eager_copy_used_again_launches_one_replay_and_no_torch_operation(monkeypatch):
-    # The regression guard of the eager op: with id checks off, a hot copy is one graph replay
-    # (no Triton launch) and no aten operation; with them on, one copy of the ids to the host.
+def test_an_eager_copy_used_again_launches_the_compiled_kernel_once_and_no_torch_operation(monkeypatch):
+    # The regression guard of the eager op: with id checks off, a hot copy is one launch of the
+    # compiled kernel, not through Triton's @jit binder, and no aten operation.
     gen = torch.Generator().manual_seed(22)
     src = make_regions([4096] * 16, 64, "cuda", generator=gen)
     dst = [kv_ops.pinned_empty((64, 4096)) for _ in range(16)]
     ids = torch.randperm(64, generator=gen)[:16].cuda()
-    for _ in range(3):
-        kv_ops.copy_blocks(src, dst, ids, ids)
-    replays, launches = [], []
-    replay, launch = kernels.GraphedCopy.replay, kernels.BoundCopy.launch_kernel
-    monkeypatch.setattr(kernels.GraphedCopy, "replay", lambda *a: replays.append(1) or replay(*a))
+    kv_ops.copy_blocks(src, dst, ids, ids)
+    launches, binds = [], []
+    launch, bind = kernels.BoundCopy.launch_kernel, kernels._block_copy_kernel.run
     monkeypatch.setattr(kernels.BoundCopy, "launch_kernel", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(kernels._block_copy_kernel, "run", lambda *a, **k: binds.append(1) or bind(*a, **k))
+    new = torch.randperm(64, generator=gen)[:16].cuda()
     with (
         kv_ops.validation.id_checks(False),
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
     ):
-        kv_ops.copy_blocks(src, dst, ids, ids)
+        kv_ops.copy_blocks(src, dst, new, new)
     aten = [e.name for e in prof.events() if e.name.startswith("aten::")]
-    assert (len(replays), len(launches), aten) == (1, 0, [])
+    assert (len(launches), len(binds), aten) == (1, 0, [])
     torch.cuda.synchronize()
-    assert all(torch.equal(d[ids.cpu()], s[ids].cpu()) for d, s in zip(dst, src))
+    assert all(torch.equal(d[new.cpu()], s[new].cpu()) for d, s in zip(dst, src))
 
 
 def test_a_region_list_freed_and_made_again_is_checked_again_whatever_ids_python_reuses():

@@ -339,6 +339,35 @@ def test_one_store_of_16_blocks_issues_exactly_this_and_never_syncs(monkeypatch,
 
 
 @gpu
+def test_one_store_with_gpu_ids_is_one_direct_launch_and_never_syncs(monkeypatch):
+    # GPU ids go to the kernel as they are: one launch of the compiled kernel (none through
+    # Triton's @jit binder: it was compiled when the engine was made), no id block, no copy.
+    engine, _ = make_engine("cuda", "kernel")
+    engine.store([0], [0])
+    engine.flush()
+    counts = Counts(monkeypatch)
+    binds = []
+    bind = kernels._block_copy_kernel.run
+    monkeypatch.setattr(kernels._block_copy_kernel, "run", lambda *a, **k: binds.append(1) or bind(*a, **k))
+    gen = torch.Generator().manual_seed(12)
+    gpu_ids, host_ids = torch.randperm(64, generator=gen)[:16], torch.randperm(96, generator=gen)[:16]
+    g, h = gpu_ids.cuda(), host_ids.cuda()
+    before = rows(engine)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.store(g, h)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = {"replay": 0, "copy": 0, "batch": 0, "triton": 1, "record": 2, "pinned": 0, "graphs": 0}
+    assert (counts.n, binds) == (want, [])
+    assert [e.name for e in prof.events() if e.name.startswith("aten::")] == []
+    engine.flush()
+    assert torch.equal(engine.mirror[host_ids], before[gpu_ids])
+    engine.close()
+
+
+@gpu
 @pytest.mark.parametrize("path", ["kernel", "staged"])
 def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue_of_calls(path):
     # 60 stores queue up behind a sleep: each takes a graph whose page-locked ids the GPU has not
