@@ -55,7 +55,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .. import kernels, reference
+from .. import host_memory, kernels, reference
 from ..driver import driver_context, record_event, wait_event
 from ..validation import error_counter
 from . import dma
@@ -275,11 +275,15 @@ class KernelPath(EventPath):
                 for d in Direction
             }
             self._launchers = {d: dma.Launcher(streams[d]) for d in Direction}
-            # GPU ids are launched with as they are. Compile that kernel now (aligned int64 ids,
-            # what ids.take hands over), not on the first such call in the middle of serving.
-            none = torch.zeros(2, dtype=torch.int64, device=self.device)
+            # GPU ids are launched with as they are; a host side beside them comes in through a
+            # page-locked block to a device block of its direction, made now (outside any graph
+            # pool), as the kernel for aligned int64 ids (what ids.take hands over) is compiled
+            # now: not on the first such call in the middle of serving.
+            self._host_side = {}
             for d in Direction:
-                self._copies[d].launch_kernel(None, none, none, 0, errors, 1, False, streams[d])
+                ids = host_memory.lasting_copy(torch.zeros(self.capacity, dtype=torch.int64), self.device)
+                self._host_side[d] = (Pool(functools.partial(IdBlock, self.capacity), initial=1), ids, ids.data_ptr())
+                self._copies[d].launch_kernel(None, ids, ids, 0, errors, 1, False, streams[d])
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         src, dst, src_ids, dst_ids = blocks.sides(self.regions, self.views)
@@ -313,14 +317,36 @@ class KernelPath(EventPath):
 
     def _enqueue_gpu_ids(self, blocks: Blocks, ready, src_ids, dst_ids) -> torch.cuda.Event:
         d = blocks.direction
-        stream = self.streams[d]
-        handle = self._launchers[d].handle
+        stream, launcher = self.streams[d], self._launchers[d]
+        handle = launcher.handle
         wait_event(handle, blocks.ids_ready)  # GPU ids: after the work that wrote them
         wait_event(handle, ready)  # and the copy after the caller
-        # One launch that reads the ids where they are (the engine keeps them alive until the
-        # transfer is reported): no id block to fill, no graph.
-        self._copies[d](None, src_ids, dst_ids, blocks.count, self._errors, stream)
-        return self._events[d].record(stream, handle)
+        copy, n = self._copies[d], blocks.count
+        if not isinstance(src_ids, np.ndarray) and not isinstance(dst_ids, np.ndarray):
+            # One launch that reads the ids where they are (the engine keeps them alive until
+            # the transfer is reported): no id block to fill, no graph.
+            copy(None, src_ids, dst_ids, n, self._errors, stream)
+            return self._events[d].record(stream, handle)
+        # One side is host ids: they go to the device first, through a pooled page-locked block
+        # (rewritten once the copy that read it ran) into this direction's device block
+        # (rewritten only by later work on this stream, after the kernel that read it).
+        staging, device_ids, address = self._host_side[d]
+        host_src = isinstance(src_ids, np.ndarray)
+        host, gpu = (src_ids, dst_ids) if host_src else (dst_ids, src_ids)
+        taken = []
+        for lo in range(0, n, self.capacity):
+            m = min(self.capacity, n - lo)
+            block = staging.take()
+            taken.append(block)
+            block.words[:m] = host[lo : lo + m]
+            launcher.copy(address, block.address, 8 * m)
+            part = gpu if m == n else gpu[lo : lo + m]
+            sides = (device_ids, part) if host_src else (part, device_ids)
+            copy(None, *sides, m, self._errors, stream)
+        done = self._events[d].record(stream, handle)
+        for block in taken:
+            staging.give(block, done)
+        return done
 
 
 class DirectDmaPath(EventPath):

@@ -1,5 +1,7 @@
 """pinned_empty and device_view: exact sizes, real page-locking, and zero-copy aliasing."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -101,24 +103,34 @@ def test_memory_freed_while_a_graph_is_captured_is_released_later_never_left_reg
     # A finalizer may run at any moment, a global-mode capture included, where the driver may
     # refuse the unregistration. The mapping must then stay (an unmapped, still registered range
     # makes the next allocation at that address fail "already registered") and be released by
-    # a later pinned_empty.
-    kv_ops.pinned_empty(16)  # warm
-    doomed = kv_ops.pinned_empty(1 << 20)
-    doomed.fill_(7)
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        graph.capture_begin()  # global mode: unsafe calls from any thread are refused
+    # a later pinned_empty. In a process of its own: a capture the driver invalidates leaves
+    # torch's default CUDA generator in capture mode for the rest of the process (capture_end
+    # raises before the generator's epilogue), and every later CUDA random draw would fail.
+    code = """
+import torch, kv_ops
+from kv_ops import host_memory
+kv_ops.pinned_empty(16)  # warm
+doomed = kv_ops.pinned_empty(1 << 20)
+doomed.fill_(7)
+graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+with torch.cuda.stream(side):
+    graph.capture_begin()  # global mode: unsafe calls from any thread are refused
+    try:
+        del doomed  # the last view: the finalizer unregisters, inside the capture
+    finally:
         try:
-            del doomed  # the last view: the finalizer unregisters, inside the capture
-        finally:
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                pass  # the refused call invalidated the (empty) capture
-    torch.cuda.synchronize()
-    fresh = [kv_ops.pinned_empty(1 << 20) for _ in range(16)]  # would reuse the freed addresses
-    assert host_memory._unreleased == []
-    for t in fresh:
-        t.fill_(3)
-        assert t.is_pinned()
-        assert torch.equal(t.cuda().cpu(), t)
+            graph.capture_end()
+        except RuntimeError:
+            pass  # the refused call invalidated the (empty) capture
+torch.cuda.synchronize()
+fresh = [kv_ops.pinned_empty(1 << 20) for _ in range(16)]  # would reuse the freed addresses
+assert host_memory._unreleased == [], host_memory._unreleased
+for t in fresh:
+    t.fill_(3)
+    assert t.is_pinned()
+    assert torch.equal(t.cuda().cpu(), t)
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().endswith("OK")
