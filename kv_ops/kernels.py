@@ -224,8 +224,10 @@ class BoundCopy:
     """One side-to-side copy with everything but the ids and the packed rows fixed.
 
     Binding builds (or finds) the region table and works out the tile shape once; each call then
-    only sizes the grid and launches. The engine's paths bind their copies once and launch one
-    per transfer, where rebuilding this per call cost more host time than the launch itself.
+    only sizes the grid and launches, after its first call of each specialisation through the
+    compiled kernel's own launcher (:meth:`launch_kernel`). The ops and the engine's paths bind
+    their copies once and launch one per call, where rebuilding this per call cost more host
+    time than the launch itself.
 
     ``src`` and ``dst`` are each a list of uint8 regions ``[num_blocks, block_bytes]`` or ``None``
     for the packed side (rows of every region's block side by side). Not both packed.
