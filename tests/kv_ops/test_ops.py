@@ -278,6 +278,52 @@ def test_gpu_rejects_pageable_host_region():
         kv_ops.copy_blocks(src, pageable, ids, ids)
 
 
+def _gpu_ids(values, dtype, strided):
+    """The caller's device ids: contiguous, or every other element of a longer tensor."""
+    t = torch.tensor(values, dtype=dtype)
+    if strided:
+        t = torch.stack([t, torch.full_like(t, 99)], dim=1).reshape(-1).cuda()[::2]
+        assert not t.is_contiguous()
+        return t
+    return t.cuda()
+
+
+@gpu
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_gpu_ids_are_checked_in_the_same_words_before_any_byte_moves(dtype, strided):
+    # The eager checks copy CUDA ids to the host (page-locked, one wait on the stream): the same
+    # refusals as for CPU ids, and a good call after them still lands.
+    gen = torch.Generator().manual_seed(13)
+    src = make_regions([32, 16], 8, "cuda", generator=gen)
+    dst = make_regions([32, 16], 6, "cuda", generator=gen)
+    packed = torch.randint(0, 256, (3, 48), dtype=torch.uint8, generator=gen).cuda()
+    before = clone_views(dst + src + [packed])
+
+    def ids(values):
+        return _gpu_ids(values, dtype, strided)
+
+    bad = [
+        (lambda: kv_ops.copy_blocks(src, dst, ids([0, 9]), ids([0, 1])), r"src_ids\[1\] = 9 is outside \[0, 8\)"),
+        (lambda: kv_ops.copy_blocks(src, dst, ids([0, 1]), ids([2, -1])), r"dst_ids\[1\] = -1 is outside \[0, 6\)"),
+        (lambda: kv_ops.copy_blocks(src, dst, ids([0, 1, 2]), ids([4, 3, 4])), r"dst_ids names block 4 more than once"),
+        (lambda: kv_ops.gather_blocks(src, ids([0, 8, 1]), packed), r"ids\[1\] = 8 is outside \[0, 8\)"),
+        (lambda: kv_ops.scatter_blocks(packed, ids([1, 1, 2]), dst), r"ids names block 1 more than once"),
+    ]
+
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+    torch.cuda.synchronize()
+    assert_same_storages(dst + src + [packed], before)
+    src_ids, dst_ids = [5, 0, 7], [2, 4, 1]
+    want = clone_views(dst)
+    reference.copy_blocks(src, want, torch.tensor(src_ids), torch.tensor(dst_ids))
+    kv_ops.copy_blocks(src, dst, ids(src_ids), ids(dst_ids))
+    torch.cuda.synchronize()
+    assert_same_storages(dst, want)
+
+
 @gpu
 def test_gpu_invalid_ids_with_checks_off_are_skipped_counted_and_write_nothing_outside():
     gen = torch.Generator().manual_seed(8)
