@@ -321,8 +321,11 @@ class BoundCopy:
         else:
             packed_stride = packed.stride(0)
             align = min(align, alignment([_address(packed, self.device), packed_stride]))
-        src_ids = self.table if src_ids is None else src_ids
-        dst_ids = self.table if dst_ids is None else dst_ids
+        # The kernel reads pair i's ids at ids + i: a strided view (a caller's ids[::2]) is made
+        # contiguous first, on the current stream (the ops launch there, and a capture records
+        # the copy too; the engine hands over contiguous ids).
+        src_ids = self.table if src_ids is None else src_ids if src_ids.is_contiguous() else src_ids.contiguous()
+        dst_ids = self.table if dst_ids is None else dst_ids if dst_ids.is_contiguous() else dst_ids.contiguous()
         src_limit = num_pairs if self.src_packed else self.src_limit
         dst_limit = num_pairs if self.dst_packed else self.dst_limit
         args = (
