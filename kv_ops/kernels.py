@@ -348,15 +348,8 @@ class BoundCopy:
             CHECK_LANES,
             in_block,
         )
-        key = (
-            align,
-            in_block,
-            src_ids.dtype,
-            src_ids.data_ptr() % 16 == 0,
-            dst_ids.dtype,
-            dst_ids.data_ptr() % 16 == 0,
-            packed.data_ptr() % 16 == 0,
-            max(packed_stride, num_pairs, src_limit, dst_limit) < _INT32_END,
+        key = specialisation(
+            align, in_block, src_ids, dst_ids, packed, (packed_stride, num_pairs, src_limit, dst_limit)
         )
         compiled = self._compiled.get(key)
         if compiled is not None and torch.cuda.current_device() == self.device.index and not _launch_hooks():
@@ -377,6 +370,24 @@ class BoundCopy:
 
 # Triton passes an integer argument as i32 below this, as i64 from it: another specialisation.
 _INT32_END = 1 << 31
+
+
+def specialisation(align: int, in_block: bool, src_ids, dst_ids, packed, ints: Sequence[int]) -> tuple:
+    """What ``@jit`` compiles the block copy for, of what varies per launch: the per-call
+    constexprs, the ids' dtypes, every varying pointer's 16-byte alignment (Triton assumes it of
+    a pointer it saw aligned), and which of the integers (all unspecialised) fit in 32 bits
+    (Triton passes each as i32 or i64). Launches with equal keys run the same compiled kernel.
+    Public so that tests check it."""
+    return (
+        align,
+        in_block,
+        src_ids.dtype,
+        src_ids.data_ptr() % 16 == 0,
+        dst_ids.dtype,
+        dst_ids.data_ptr() % 16 == 0,
+        packed.data_ptr() % 16 == 0,
+        tuple(value < _INT32_END for value in ints),
+    )
 
 
 def _launch_hooks() -> bool:

@@ -160,3 +160,31 @@ def test_a_launch_from_an_id_block_reads_the_count_and_both_sides_ids_from_it():
     want_out = before.clone()
     reference.gather_blocks([s.cpu() for s in src], src_ids[:3], want_out)
     assert torch.equal(out.cpu(), want_out)
+
+
+def test_launches_share_a_compiled_kernel_only_when_triton_would_compile_the_same_one():
+    # After @jit's first launch of a specialisation, BoundCopy launches the kernel it returned
+    # directly. Each way @jit would specialise differently must give another key, and ids that
+    # differ only in values or address (both aligned) the same one.
+    base = torch.randint(0, 100, (40,), dtype=torch.int64)
+    small = base.to(torch.int32)
+    packed = torch.zeros(64, dtype=torch.uint8)
+    ints = (0, 16, 40, 40)
+
+    def key(src=base[:8], dst=base[16:24], out=packed, values=ints, align=16, in_block=False):
+        return kernels.specialisation(align, in_block, src, dst, out, values)
+
+    same = key(src=base[24:32].clone(), dst=base[8:16].clone())
+    assert key() == same
+    others = [
+        key(src=base[1:9]),  # 8 bytes in: not 16-byte aligned
+        key(dst=base[17:25]),
+        key(src=small[:8]),  # int32 ids
+        key(dst=small[4:12]),  # int32 ids, 16 bytes in: aligned
+        key(out=packed[4:]),  # a packed side 4 bytes in
+        key(values=(0, 16, 40, 1 << 31)),  # one integer passed as i64
+        key(values=(1 << 31, 16, 40, 40)),  # another one
+        key(align=4),
+        key(in_block=True),
+    ]
+    assert len({key(), *others}) == len(others) + 1
