@@ -264,8 +264,8 @@ def _host_values(*sides: torch.Tensor) -> list[np.ndarray]:
     CUDA ids are copied on the current stream into this thread's page-locked buffer, then that
     stream is waited for: what ``.cpu()`` waits for too, but two driver copies instead of torch's
     concatenation, allocation and pageable copy. (On the H200, back to back: an eager
-    ``copy_blocks`` of 1-64 GPU ids costs 59-66 us with the checks, 26-27 us without; most of
-    the difference is the wait for the stream, whose last copy is still running.)
+    ``copy_blocks`` of 1-64 GPU ids costs 59-66 us with the checks, 26-27 us without; the
+    difference holds the wait for the stream, on which the call before may still be copying.)
     """
     device = sides[0].device
     if device.type != "cuda":
