@@ -311,9 +311,8 @@ class BoundCopy:
         binds the arguments, works out the specialisation, compiles or finds the kernel, and
         launches it. Later launches of the same specialisation call the compiled kernel's own
         launcher directly (what ``@jit`` calls last), skipping the binder, which cost more host
-        time than the launch. The key holds everything ``@jit`` specialises these arguments on:
-        the ids' dtypes, each pointer's 16-byte alignment, whether the integers fit in 32 bits,
-        and the constexprs that vary per call (``ALIGN``, ``IDS_IN_BLOCK``).
+        time than the launch. The key (:func:`specialisation`) holds everything ``@jit``
+        specialises these arguments on.
         """
         align, packed_stride = self.align, 0
         if packed is None:
