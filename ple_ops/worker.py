@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +39,12 @@ class ServedLayer:
     Slot rows at and past ``written`` hold 0xFF poison (the runtime poisons new slots), so a pull
     of more rows than the step has (a graph captured for more tokens) reads NaN, never an older
     step's rows.
+
+    ``lookup`` is the layer's table as uint8 rows ``[vocab, row_bytes]`` where the layer is a pure
+    lookup (:meth:`~ple_ops.PleOffloadLayer.lookup_table`, whose contract is that
+    ``forward_impl(ids)`` is exactly ``table[ids]``): then a step's rows are gathered by numpy
+    straight into the slot, one call, instead of ``forward_impl`` and a copy (a handful of torch
+    operations, each microseconds of the step's critical path: the GPU waits for these rows).
     """
 
     index: int
@@ -46,9 +53,22 @@ class ServedLayer:
     flag: CpuGpuSemaphore
     slot: torch.Tensor  # uint8 [max_tokens, row_bytes]
     written: int = 0
+    lookup: np.ndarray | None = None
 
-    def compute(self, ids: torch.Tensor) -> torch.Tensor:
-        """This step's rows, checked against the layer's reported shape and dtype."""
+    def __post_init__(self):
+        self.slot_bytes = self.slot.numpy()  # the gather's destination, viewed once
+
+    def compute(self, ids: torch.Tensor) -> torch.Tensor | np.ndarray:
+        """What :meth:`store` writes for this step: the rows, checked against the layer's
+        reported shape and dtype; for a pure lookup, the ids as an array, checked against the
+        table (the gather itself waits for the slot to be free)."""
+        if self.lookup is not None:
+            values = ids.numpy()
+            vocab = self.lookup.shape[0]
+            if values.size and (values.min() < 0 or values.max() >= vocab):
+                bad = int(values[(values < 0) | (values >= vocab)][0])
+                raise IndexError(f"{self.spec.name}: index {bad} is out of bounds for its table of {vocab} rows")
+            return values
         rows = self.module.forward_impl(ids)
         n, dim, dtype = ids.shape[0], self.spec.dim, self.spec.dtype
         if tuple(rows.shape) != (n, dim) or rows.dtype != dtype:
@@ -57,16 +77,41 @@ class ServedLayer:
             )
         return rows
 
-    def store(self, rows: torch.Tensor | None, n: int) -> None:
-        """Write a step's ``n`` rows into the slot (``None``: the step failed, poison instead)."""
-        if rows is None:
+    def store(self, computed: torch.Tensor | np.ndarray | None, n: int) -> None:
+        """Write a step's ``n`` rows into the slot from what :meth:`compute` returned (``None``:
+        the step failed, poison instead)."""
+        if computed is None:
             reference.poison_rows(self.slot[: max(n, self.written)])
             self.written = 0
             return
-        self.slot[:n].copy_(rows.contiguous().view(torch.uint8).view(n, -1))
+        if self.lookup is not None:
+            # Ids checked in compute: "clip" never clips, and unlike "raise" writes unbuffered.
+            np.take(self.lookup, computed, axis=0, out=self.slot_bytes[:n], mode="clip")
+        else:
+            self.slot[:n].copy_(computed.contiguous().view(torch.uint8).view(n, -1))
         if self.written > n:
             reference.poison_rows(self.slot[n : self.written])  # the previous step's tail
         self.written = n
+
+
+def lookup_rows(module: layer_mod.PleOffloadLayer, spec: LayerSpec) -> np.ndarray | None:
+    """The layer's table as uint8 rows ``[vocab, row_bytes]`` for the gather in :meth:`ServedLayer.store`,
+    or None where the layer is not a pure lookup as far as the worker can tell: no table, one
+    not contiguous on the CPU, rows of another shape or dtype than the layer reported, or a
+    ``forward_impl`` replaced on the instance (which the table would bypass)."""
+    if "forward_impl" in vars(module):
+        return None
+    table = module.lookup_table()
+    if (
+        not isinstance(table, torch.Tensor)
+        or table.device.type != "cpu"
+        or table.dim() != 2
+        or not table.is_contiguous()
+        or table.shape[1] != spec.dim
+        or table.dtype != spec.dtype
+    ):
+        return None
+    return table.detach().view(torch.uint8).numpy()
 
 
 def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, threads: int = 1) -> None:
@@ -111,7 +156,7 @@ def handshake(model_factory: Callable[[], nn.Module], conn) -> tuple[ControlBloc
     layers = []
     for i, ((_, module), spec, handle) in enumerate(zip(modules, specs, attach.slots)):
         slot = SharedHostBuffer.attach(handle).view(0, (control.max_tokens, spec.row_bytes), torch.uint8)
-        layers.append(ServedLayer(i, spec, module, control.flags[i], slot))
+        layers.append(ServedLayer(i, spec, module, control.flags[i], slot, lookup=lookup_rows(module, spec)))
     conn.send(Ready())
     return control, layers
 

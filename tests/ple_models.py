@@ -20,15 +20,30 @@ class TablePle(ple_ops.PleOffloadLayer):
         return self.table[input_ids.to(self.table.device)]
 
 
+class LookupPle(TablePle):
+    """The same table, declared a pure lookup: the offload process gathers its rows itself, and
+    running forward_impl there for a step (beyond the handshake's probe) fails that step."""
+
+    def lookup_table(self):
+        return self.table
+
+    def forward_impl(self, input_ids):
+        if ple_ops.layer.role() == "worker":
+            self.worker_calls = getattr(self, "worker_calls", 0) + 1
+            if self.worker_calls > 1:
+                raise AssertionError("the offload process ran forward_impl of a pure lookup")
+        return super().forward_impl(input_ids)
+
+
 class Block(nn.Module):
-    def __init__(self, layer: int, dtype: torch.dtype):
+    def __init__(self, layer: int, dtype: torch.dtype, lookup: bool = False):
         super().__init__()
         gen = torch.Generator().manual_seed(layer)
         self.proj = nn.Linear(DIM, DIM, dtype=dtype)
         with torch.no_grad():
             self.proj.weight.copy_(torch.randn(DIM, DIM, generator=gen) / DIM**0.5)
             self.proj.bias.zero_()
-        self.ple = TablePle(layer, dtype=dtype)
+        self.ple = (LookupPle if lookup else TablePle)(layer, dtype=dtype)
 
     def forward(self, hidden, input_ids):
         return torch.tanh(self.proj(hidden) + self.ple(hidden, input_ids))
@@ -37,9 +52,9 @@ class Block(nn.Module):
 class TinyModel(nn.Module):
     """Three blocks, each adding its layer's PLE rows to the hidden state."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32):
+    def __init__(self, dtype: torch.dtype = torch.float32, lookup: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(i, dtype) for i in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(i, dtype, lookup) for i in range(LAYERS))
 
     def forward(self, hidden, input_ids):
         for block in self.blocks:
@@ -70,6 +85,14 @@ def make_model():
 
 def make_bf16_model():
     return TinyModel(torch.bfloat16)
+
+
+def make_lookup_model():
+    return TinyModel(lookup=True)
+
+
+def make_bf16_lookup_model():
+    return TinyModel(torch.bfloat16, lookup=True)
 
 
 def make_failing_model():

@@ -19,7 +19,9 @@ from ple_models import (
     DIM,
     LAYERS,
     VOCAB,
+    make_bf16_lookup_model,
     make_failing_model,
+    make_lookup_model,
     make_model,
     make_sleepy_model,
     make_slow_model,
@@ -80,6 +82,30 @@ def test_steps_give_the_local_model_result(runtime, local):
     while runtime.served_steps() < 4 and time.monotonic() < deadline:
         time.sleep(0.001)
     assert runtime.served_steps() == 4
+
+
+@pytest.mark.parametrize("factory", [make_lookup_model, make_bf16_lookup_model], ids=["float32", "bfloat16"])
+def test_a_pure_lookup_model_is_gathered_by_the_offload_process_bitwise_and_a_bad_id_fails_that_step_only(factory):
+    # Layers whose lookup_table() returns their table are served by a numpy gather straight into
+    # the slot (no forward_impl in the offload process): the same rows, bit for bit, and an id
+    # outside the table fails that step as forward_impl's own IndexError would.
+    local = factory()
+    gen = torch.Generator().manual_seed(31)
+    with ple_ops.OffloadRuntime(factory, max_tokens=32, device="cpu", step_timeout=2.0) as rt:
+        for n in (7, 32, 1, 12):
+            ids = torch.randint(0, VOCAB, (n,), generator=gen)
+            hidden = torch.randn(n, DIM, generator=gen).to(local.blocks[0].proj.weight.dtype)
+            served_step(rt, local, ids, hidden)
+        ids[3] = VOCAB + 17
+        rt.prepare(ids)
+        match = r"(?s)failed in layer 'blocks\.0\.ple'.*keeps serving.*index 1017 is out of bounds"
+        with pytest.raises(ple_ops.OffloadError, match=match) as e:
+            rt.model(hidden, ids)
+        rt.release()
+        assert not e.value.fatal
+        for n in (5, 32):
+            ids = torch.randint(0, VOCAB, (n,), generator=gen)
+            served_step(rt, local, ids, torch.randn(n, DIM, generator=gen).to(hidden.dtype))
 
 
 def test_prepare_before_release_is_refused(runtime):

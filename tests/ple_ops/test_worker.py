@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-from ple_models import DIM, VOCAB, TablePle
+from ple_models import DIM, VOCAB, LookupPle, TablePle
 
 from ple_ops import reference
 from ple_ops.control import ControlBlock, LayerSpec, Phase, StepFailed, Word
 from ple_ops.semaphore import DONE
-from ple_ops.worker import ServedLayer, StopServing, serve
+from ple_ops.worker import ServedLayer, StopServing, lookup_rows, serve
 
 MAX_TOKENS = 8
 
@@ -163,3 +163,22 @@ def test_wrong_rows_from_forward_impl_are_a_failed_step(served):
     assert report.layer == "l0" and "returned (3, 65) torch.float32, expected (3, 64) torch.float32" in report.traceback
     assert all((layer.slot == 0xFF).all() for layer in served.layers)
     assert [f.host_value() for f in served.control.flags] == [DONE, DONE] and served.control.get(Word.FAILED) == 1
+
+
+def test_only_a_layer_the_worker_can_gather_as_a_pure_lookup_is_gathered():
+    # lookup_rows gives the table's rows as bytes for LookupPle, and None wherever gathering them
+    # could differ from forward_impl or cannot be done in one numpy call.
+    spec = LayerSpec("l", DIM, torch.float32)
+    pure = LookupPle(0)
+    rows = lookup_rows(pure, spec)
+    assert rows.shape == (VOCAB, DIM * 4) and rows.dtype.name == "uint8"
+    assert torch.equal(torch.from_numpy(rows[[3, 1]]).view(torch.float32), pure.table[[3, 1]])
+    assert lookup_rows(TablePle(0), spec) is None  # no lookup_table
+    assert lookup_rows(pure, LayerSpec("l", DIM, torch.bfloat16)) is None  # rows of another dtype
+    assert lookup_rows(pure, LayerSpec("l", DIM + 1, torch.float32)) is None  # of another width
+    replaced = LookupPle(0)
+    replaced.forward_impl = lambda ids: replaced.table[ids] * 2
+    assert lookup_rows(replaced, spec) is None  # the instance's own forward_impl wins
+    strided = LookupPle(0)
+    strided.lookup_table = lambda: strided.table.t().contiguous().t()
+    assert lookup_rows(strided, spec) is None  # not contiguous rows
