@@ -45,8 +45,10 @@ bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 6
   in flight. ``flush``: ``after store``: ``flush()`` right after such a store (its host time
   includes the wait for the copy); ``idle``: nothing in flight.
 * ``prepare`` / ``release``: ``ple_ops.OffloadRuntime`` (8 PLE layers of 256 float32 per token,
-  8 tokens: 64 KiB of rows per step), eager steps; prepare's call-to-done ends when the offload
-  process has served the step (``served_steps()``); release's at ``torch.cuda.synchronize()``.
+  8 tokens: 64 KiB of rows per step; pure lookups, gathered by the offload process since the
+  tenth session), eager steps; prepare's call-to-done ends when the offload process has served
+  the step (``served_steps()``): the wait a step's first PLE layer may meet; release's at
+  ``torch.cuda.synchronize()``.
   Then a step captured in a ``torch.cuda.CUDAGraph`` (warm-up done eagerly, captured with no step
   prepared, the releases inside the graph) and each step ``prepare()`` / ``graph.replay()`` /
   ``release(enqueue=False)``: rows ``prepare``, ``replay``, ``release`` (ids ``replay``) and
@@ -159,7 +161,8 @@ def make_config(args) -> Config:
 
 
 class BenchPle(ple_ops.PleOffloadLayer):
-    """One layer's per-layer-embedding table: rows are ``table[input_ids]``."""
+    """One layer's per-layer-embedding table: rows are ``table[input_ids]``, a pure lookup (as the
+    decode loop's), which the offload process gathers without running ``forward_impl``."""
 
     def __init__(self, layer: int, vocab: int, dim: int):
         super().__init__()
@@ -167,6 +170,9 @@ class BenchPle(ple_ops.PleOffloadLayer):
 
     def forward_impl(self, input_ids):
         return self.table[input_ids.to(self.table.device)]
+
+    def lookup_table(self):
+        return self.table
 
 
 class PleModel(nn.Module):
