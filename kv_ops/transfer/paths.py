@@ -320,7 +320,8 @@ class KernelPath(EventPath):
         stream, launcher = self.streams[d], self._launchers[d]
         handle = launcher.handle
         wait_event(handle, blocks.ids_ready)  # GPU ids: after the work that wrote them
-        wait_event(handle, ready)  # and the copy after the caller
+        if ready is not blocks.ids_ready:  # the same event unless the caller passed after=
+            wait_event(handle, ready)  # and the copy after the caller
         copy, n = self._copies[d], blocks.count
         if not isinstance(src_ids, np.ndarray) and not isinstance(dst_ids, np.ndarray):
             # One launch that reads the ids where they are (the engine keeps them alive until
