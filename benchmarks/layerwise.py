@@ -1,8 +1,10 @@
 """Layer-wise KV loads inside a compiled, captured prefill-like step: how much of the load is hidden.
 
-The step: ``--layers`` layers (32 by default), each reading its cache blocks and running a
-Llama-3-8B-sized MLP over ``--tokens`` tokens (bf16 ``[T, 4096] @ [4096, 14336] @ [14336, 4096]``,
-the FLOPs of the layer's MLP; the stand-in for attention is the read of the layer's blocks).
+The step: ``--layers`` layers (32 by default) of Llama-3-8B's matmuls over ``--tokens`` tokens
+in bf16: RMSNorm, the QKV projection ``[4096, 6144]``, the read of the layer's blocks (the
+stand-in for attention, which scales the queries), the output projection ``[4096, 4096]``,
+RMSNorm and the gated MLP ``[4096, 2 x 14336]``, ``[14336, 4096]``, with the residual adds. (Until
+the eleventh session it ran the ungated MLP alone, about half these FLOPs.)
 The cache is Llama-3-8B's: per layer K/V-first ``[2, blocks, 16, 8, 128]`` bf16, so a block packs
 64 KiB per layer and 2 MiB over 32 layers. The step is ``torch.compile(fullgraph=True)``, then
 captured in a ``torch.cuda.CUDAGraph``, once with a ``kv_ops.wait_layer`` before each layer and
@@ -70,8 +72,15 @@ COLUMNS = [
 ]
 
 
+def rms_norm(h: torch.Tensor) -> torch.Tensor:
+    x = h.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
 class PrefillStep(nn.Module):
-    """Per layer: (optionally) wait for the layer's blocks, read them, then the MLP.
+    """Per layer, Llama-3-8B's matmuls: (optionally) wait for the layer's blocks, RMSNorm, the
+    QKV projection, the read of the blocks (the stand-in for attention: it scales the queries),
+    the output projection, RMSNorm and the gated MLP, each with its residual add.
 
     ``like``: another step whose weight tensors this one uses. The steps compared with one another
     share them: two sets of the same values in other memory made the same matmuls differ by up
@@ -79,20 +88,30 @@ class PrefillStep(nn.Module):
 
     def __init__(self, caches: list[torch.Tensor], hidden: int, mlp: int, name: str | None, like=None):
         super().__init__()
-        self.caches, self.name = caches, name  # name: the LayerwiseLoads to wait for, or none
+        self.caches, self.name, self.hidden = caches, name, hidden  # name: the LayerwiseLoads to wait for, or none
         if like is not None:
-            self.w1, self.w2 = like.w1, like.w2
+            self.weights = like.weights
             return
         gen = torch.Generator(device="cuda").manual_seed(0)
-        self.w1 = [torch.randn(hidden, mlp, device="cuda", generator=gen).mul_(hidden**-0.5).bfloat16() for _ in caches]
-        self.w2 = [torch.randn(mlp, hidden, device="cuda", generator=gen).mul_(mlp**-0.5).bfloat16() for _ in caches]
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, device="cuda", generator=gen).mul_(rows**-0.5).bfloat16()
+
+        kv = hidden // 4  # Llama-3-8B: 8 KV heads of 128 beside 32 query heads
+        self.weights = [
+            (weight(hidden, hidden + 2 * kv), weight(hidden, hidden), weight(hidden, 2 * mlp), weight(mlp, hidden))
+            for _ in caches
+        ]
 
     def forward(self, h: torch.Tensor, read_ids: torch.Tensor) -> torch.Tensor:
-        for i, cache in enumerate(self.caches):
+        for i, (cache, (qkv, out, gate_up, down)) in enumerate(zip(self.caches, self.weights)):
             if self.name is not None:
                 h = kv_ops.wait_layer(h, self.name, i, [cache])
-            h = h + cache[:, read_ids].float().mean().to(h.dtype)
-            h = h + torch.relu(h @ self.w1[i]) @ self.w2[i]
+            q = (rms_norm(h) @ qkv)[:, : self.hidden]
+            q = q * cache[:, read_ids].float().mean().to(h.dtype)
+            h = h + q @ out
+            gate, up = (rms_norm(h) @ gate_up).chunk(2, dim=-1)
+            h = h + (torch.nn.functional.silu(gate) * up) @ down
         return h
 
 
@@ -322,12 +341,14 @@ def measure(args) -> tuple[list[dict], dict]:
 
 def markdown(rows: list[dict], once: dict, args) -> str:
     lines = [
-        f"Step: {args.layers} layers, {args.tokens} tokens, MLP {args.hidden}x{args.mlp} bf16, compiled and captured; "
+        f"Step: {args.layers} layers of Llama-3-8B's matmuls (hidden {args.hidden}, QKV, output, gated MLP "
+        f"{args.mlp}), {args.tokens} tokens, bf16, compiled and captured; "
         f"compute alone {once['compute_us']:.0f} us. With a wait per layer and a zero-block start: "
         f"{once['zero_block_us']:.0f} us ({once['zero_block_ratio']:.3f} of the step without waits on the wall clock, "
         f"{once['zero_block_gpu_ratio']:.3f} on GPU time, {once['zero_block_queued_ratio']:.3f} on GPU time with the "
         "launch hidden behind queued work; the two taken in turn, one set of weights). "
-        f"On a short step ({args.layers} layers of a 256 x 1024 x 1024 MLP, GPU time of the replay, launch hidden), a wait per "
+        f"On a short step ({args.layers} such layers of hidden 1024 and MLP 1024 over 256 tokens, GPU time of the "
+        "replay, launch hidden), a wait per "
         f"layer after a zero-block start adds {once['per_wait_us']:.1f} us per layer "
         f"({once['short_step_us']:.0f} us without, {once['short_step_waits_us']:.0f} us with).",
         "",

@@ -3,6 +3,7 @@ with the PLE step transaction around each replay."""
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -59,6 +60,9 @@ class Step:
         # Times the step's code ran on the host (eager calls and the capture; a replay runs
         # none): what every layer's LayerwiseLoads.waits must equal if the graph kept its waits.
         self.host_runs = 0
+        # Host time of each piece of a replayed step (perf_counter seconds), what the PLE
+        # transaction adds on the host: prepare, the replay's launch, release(enqueue=False).
+        self.host_times: dict[str, list[float]] = {"prepare": [], "replay": [], "release": []}
         idle = StepBuffer(cfg)
         for _ in range(2):  # Inductor's kernels compile (and on a GPU tune) on their first calls
             self(idle)
@@ -73,14 +77,29 @@ class Step:
         """Run one step; returns the logits (on the model's device) and the next tokens (CPU)."""
         # Asynchronous from pinned memory; the caller rewrites it only after the .cpu() below.
         self.static.flat.copy_(host.flat, non_blocking=True)
+        t0 = time.perf_counter()
         if self.runtime is not None:
             self.runtime.prepare(host.inputs.tokens)
+        t1 = time.perf_counter()
         if self.graph is not None:
             self.graph.replay()
             logits, next_tokens = self.outputs
         else:
             logits, next_tokens = self.fn(self.model, *self.static.inputs)
             self.host_runs += 1
+        t2 = time.perf_counter()
         if self.runtime is not None:
             self.runtime.release(enqueue=False)  # the resets are in the step itself
+        t3 = time.perf_counter()
+        if self.graph is not None:
+            times = self.host_times
+            if self.runtime is not None:
+                times["prepare"].append(t1 - t0)
+                times["release"].append(t3 - t2)
+            times["replay"].append(t2 - t1)
         return logits, next_tokens.cpu()
+
+    def take_host_times(self) -> dict[str, list[float]]:
+        """The pieces' host times since the last call (and start anew)."""
+        times, self.host_times = self.host_times, {k: [] for k in self.host_times}
+        return times

@@ -91,6 +91,7 @@ def decode(
     times = []
     total = sum(s.total - 1 for s in seqs)
     shown = 0
+    step.take_host_times()  # this run's only
     while (inputs := sched.plan()) is not None:
         start = time.perf_counter()
         resumed = sched.load_resumed()
@@ -116,7 +117,7 @@ def decode(
     sched.finish()
     if mismatches:
         raise Mismatch(f"{label}: {len(mismatches)} logits rows differ from the reference, first {mismatches[:3]}")
-    return Run([s.tokens for s in seqs], logits_rows, times, sched.traffic)
+    return Run([s.tokens for s in seqs], logits_rows, times, sched.traffic, step.take_host_times())
 
 
 class Mismatch(Exception):

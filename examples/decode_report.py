@@ -31,16 +31,23 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
     print(f"\nlargest logit difference against the model that holds its PLE table: {max_diff:.3g}")
     print(f"{device.type.upper()} memory the offloaded PLE table no longer takes: {_size(table_bytes)}")
     base = percentile(results["gpu"].step_seconds, 0.5)
-    print(f"\n| PLE table ({device.type}) | step p50 (us) | step p90 (us) | p50 ratio | tokens/s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(
+        f"\n| PLE table ({device.type}) | step p50 (us) | step p90 (us) | p50 ratio | tokens/s "
+        "| host p50 of prepare / replay launch / release (us) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in ["gpu", "process", "gather"]:
         if name not in results:
             continue
         t = results[name].step_seconds
         label = {"gpu": "in the model", "process": "offload process", "gather": "host gather"}[name]
+        host = results[name].host_times
+        pieces = " / ".join(
+            f"{percentile(host[k], 0.5) * 1e6:.1f}" if host.get(k) else "-" for k in ("prepare", "replay", "release")
+        )
         print(
             f"| {label} | {percentile(t, 0.5) * 1e6:.0f} | {percentile(t, 0.9) * 1e6:.0f} | "
-            f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} |"
+            f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} | {pieces} |"
         )
     if device.type == "cpu":
         print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")

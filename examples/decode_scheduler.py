@@ -259,3 +259,5 @@ class Run:
     logits: dict[tuple[int, int], torch.Tensor]  # (sequence, position) -> logits row (reference only)
     step_seconds: list[float]
     traffic: KVTraffic
+    # Replayed steps' host time per piece (decode_graph.Step.host_times): prepare, replay, release.
+    host_times: dict[str, list[float]] = field(default_factory=dict)
