@@ -240,6 +240,7 @@ def measure(args) -> tuple[list[dict], dict]:
         "zero_block_queued_ratio": queued["zero"] / queued["alone"],
     }
     once.update(wait_node_cost(engine, layers, loads[first]))
+    print(", ".join(f"{k}={v:.4g}" for k, v in once.items()), flush=True)  # before the long rows
     gen = torch.Generator().manual_seed(1)
     rows = []
     for hosts, n in [(p, n) for p in args.hosts.split(",") for n in counts]:
