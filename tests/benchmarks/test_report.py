@@ -89,7 +89,9 @@ def test_layerwise_table_from_fake_rows():
     ) | {"zero_block_queued_ratio": 1.5}
     args = SimpleNamespace(layers=4, tokens=8, hidden=16, mlp=32)
     lines = layerwise.markdown([row], once, args).splitlines()
-    assert lines[0].startswith("Step: 4 layers, 8 tokens, MLP 16x32 bf16")
+    assert lines[0].startswith(
+        "Step: 4 layers of Llama-3-8B's matmuls (hidden 16, QKV, output, gated MLP 32), 8 tokens, bf16"
+    )
     assert "1.500 on GPU time with the launch hidden" in lines[0]
     assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 / 3 | yes |"
 
