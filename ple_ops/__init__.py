@@ -10,6 +10,8 @@ Where each piece lives:
                        stream and host operations; the host spin-wait and release fence.
 * ``registry``      -- layer name -> this process's live flag, slot and row size.
 * ``ops``           -- ``torch.ops.ple_ops.wait / wait_copy / release``, copy-geometry observation.
+* ``kernels``       -- the wait, copy and release kernels a captured step replays in place of
+                       stream memory operations.
 * ``layer``         -- ``PleOffloadLayer``, the model-side base class.
 * ``control``       -- ``ControlBlock``: the shared words both processes use (steps, flags,
                        waiting words), and the named messages of their pipe.

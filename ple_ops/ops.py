@@ -19,6 +19,8 @@ runtime has a step guard there: the ops ask it first whether the wait or release
 step's rows (it raises otherwise), and on the CPU path it does the waiting, bounded. On the GPU
 path the driver handles (flag addresses, the slot's address, the current stream's handle) are
 bound once (:class:`ple_ops.semaphore.BoundDriver`), and each op looks up the current stream once.
+Under CUDA-graph capture the ops record kernels (:mod:`ple_ops.kernels`) instead of stream memory
+operations and memcpys, whose graph nodes make every launch of the graph slow.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from collections.abc import Iterator
 
 import torch
 
+from kv_ops.capture import capturing
 from kv_ops.driver import check_driver
+from kv_ops.host_memory import device_view
 
-from . import registry
+from . import kernels, registry
 from .control import IDLE, WAITING
 from .semaphore import DONE, RESET, bound_driver
 
@@ -95,18 +99,45 @@ def _host_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
     layer.check()  # a failed producer's flags are raised over poisoned rows: report, don't return them
 
 
-def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream) -> None:
-    """GPU path: enqueue (or record) the wait on the layer's flag on ``stream`` (the current one)."""
+def _waiting_word(layer: registry.ArmedLayer) -> torch.Tensor | None:
+    return None if layer.waiting is None else layer.waiting.device_word()
+
+
+def _device_slot(layer: registry.ArmedLayer) -> torch.Tensor:
+    """The layer's slot as a CUDA tensor over its page-locked bytes, bound once (only captures use it)."""
+    if layer.device_slot is None:
+        layer.device_slot = device_view(layer.slot)
+    return layer.device_slot
+
+
+def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream, out: torch.Tensor | None = None) -> None:
+    """GPU path: enqueue (or record) on ``stream`` (the current one) the wait on the layer's flag,
+    then, given ``out``, the copy of the slot's first ``num_tokens`` rows into it."""
     if layer.guard is not None:
         layer.guard.before_stream_wait(layer.name, num_tokens)
     else:
         layer.check()
+    nbytes = 0 if out is None else num_tokens * layer.row_bytes
+    if capturing():
+        # One kernel node where the stream operations and the copy would be memory-operation and
+        # memcpy nodes, which make every launch of the graph slow (ple_ops.kernels).
+        slot = _device_slot(layer)
+        dst = slot if out is None else out.view(torch.uint8)
+        kernels.wait_copy(layer.flag.device_word(), _waiting_word(layer), slot, dst, nbytes)
+        return
     if layer.waiting is not None:
         # In stream order just before the wait: while the stream is parked on the flag, the
         # runtime's watchdog can see that it waits, and free it if no prepared step will raise
         # the flag. The step's release clears the word (ple_ops.control).
         layer.waiting.write_on(stream, WAITING)
     layer.flag.wait_on(stream, DONE)
+    if nbytes:
+        # Stream order does the rest: the copy starts only after the GPU has seen the flag, and
+        # the producer stored the rows before the flag (release fence), so the DMA reads complete rows.
+        d = bound_driver()
+        result = d.memcpy_htod(_device_out(layer, out), layer.slot_address, nbytes, stream)
+        if result[0] != d.success:
+            check_driver(result, f"cuMemcpyHtoDAsync({nbytes} bytes for {layer.name!r})")
 
 
 def _device_out(layer: registry.ArmedLayer, out: torch.Tensor):
@@ -161,8 +192,8 @@ _register("wait(Tensor(a0!) out, Tensor dep, str name) -> ()", _wait_cpu, wait_c
 def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     """Wait until the producer of layer ``name`` has raised its flag; the rows are not copied.
 
-    On CUDA this enqueues ``cuStreamWaitValue32(flag == 1)`` on the current stream; on CPU it
-    spins (with backoff) on the host flag and raises if the producer died. With a runtime, it
+    On CUDA this enqueues ``cuStreamWaitValue32(flag == 1)`` on the current stream (under
+    capture, a one-program kernel that does the same); on CPU it spins (with backoff) on the host flag and raises if the producer died. With a runtime, it
     raises at once when no step is prepared.
 
     Parameters
@@ -205,17 +236,9 @@ def wait_copy_cuda(out, dep, num_tokens, name):
     """
     layer = registry.lookup(name)
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
-    d = bound_driver()
-    stream = d.current_stream()
-    # Stream order does the rest: the copy starts only after the GPU has seen the flag, and the
-    # producer stored the rows before the flag (release fence), so the DMA reads complete rows.
-    _enqueue_wait(layer, num_tokens, stream)
+    _enqueue_wait(layer, num_tokens, bound_driver().current_stream(), out)
     _record(name, num_tokens, layer.row_bytes)
-    nbytes = num_tokens * layer.row_bytes
-    if nbytes:
-        result = d.memcpy_htod(_device_out(layer, out), layer.slot_address, nbytes, stream)
-        if result[0] != d.success:
-            check_driver(result, f"cuMemcpyHtoDAsync({nbytes} bytes for {name!r})")
+    if num_tokens:
         torch.autograd.graph.increment_version(out)
 
 
@@ -231,7 +254,8 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
     """Wait for layer ``name``'s rows, then copy the first ``num_tokens`` into ``out``.
 
     On CUDA: ``cuStreamWaitValue32(flag == 1)`` then ``cuMemcpyHtoDAsync`` from the page-locked
-    shared slot, both on the current stream and both capturable. On CPU: a host spin-wait and a
+    shared slot, both on the current stream; under capture, a wait kernel and a zero-copy copy
+    kernel instead (:mod:`ple_ops.kernels`). On CPU: a host spin-wait and a
     memcpy. The flag stays raised until :func:`release`. With a runtime, a wait that cannot end
     in this step's rows raises ``OffloadError`` instead (no step prepared, a token count other
     than the prepared one, a capture that begins while a step is prepared).
@@ -279,6 +303,9 @@ def release_cuda(out, name):
     layer = registry.lookup(name)
     if layer.guard is not None and not layer.guard.before_stream_release(name):
         return  # this step already released the layer (eagerly): a second reset would clear the next step
+    if capturing():
+        kernels.release(layer.flag.device_word(), _waiting_word(layer))  # the same steps, as a kernel node
+        return
     stream = bound_driver().current_stream()
     if layer.waiting is not None:
         # Never reset a flag before the raise it answers: a release enqueued without the step's
@@ -300,7 +327,8 @@ _register("release(Tensor(a0!) out, str name) -> ()", _release_cpu, release_cuda
 def release(out: torch.Tensor, name: str) -> None:
     """Reset layer ``name``'s flag once every reader of ``out`` is done with the rows.
 
-    On CUDA this enqueues ``cuStreamWriteValue32(flag = 0)`` on the current stream; the producer
+    On CUDA this enqueues ``cuStreamWriteValue32(flag = 0)`` on the current stream (under
+    capture, a one-program kernel that does the same); the producer
     waits for that reset before it overwrites the slot with the next step's rows. For a layer
     armed by a runtime the stream first waits for the flag (so the reset answers this step's
     raise even with no forward before it) and clears the layer's waiting word; the CPU path waits

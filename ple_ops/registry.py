@@ -79,6 +79,8 @@ class ArmedLayer:
     slot_address: int = field(init=False, repr=False, compare=False)
     # (address, driver handle) of the last output buffer a GPU copy wrote (ple_ops.ops).
     bound_out: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # The slot as a CUDA tensor over its page-locked bytes, for captured copies (ple_ops.ops).
+    device_slot: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.slot.dim() == 2:  # arm() refuses any other slot, with its own message

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from kv_ops.driver import check_driver, device_pointer, driver
+from kv_ops.host_memory import device_view
 
 RESET = 0
 DONE = 1
@@ -142,6 +143,7 @@ class CpuGpuSemaphore:
         self.flag = flag
         self._device_address = device_address
         self._cu_address = None  # the driver handle of device_address, bound on first stream op
+        self._device_word: torch.Tensor | None = None  # the flag as a CUDA tensor, bound on first kernel use
         self._host_word = ctypes.c_int32.from_address(flag.data_ptr()) if flag.device.type == "cpu" else None
 
     @classmethod
@@ -180,6 +182,17 @@ class CpuGpuSemaphore:
         if address is None:
             address = self._cu_address = bound_driver().CUdeviceptr(self.device_address)
         return address
+
+    def device_word(self) -> torch.Tensor:
+        """The flag as a one-element int32 CUDA tensor, for kernels that wait on or write it (bound once).
+
+        A device flag is its own tensor; a host flag gets a device view of its bytes (zero-copy,
+        :func:`kv_ops.device_view`). Binding enqueues nothing, so it may happen during a capture.
+        """
+        word = self._device_word
+        if word is None:
+            word = self._device_word = self.flag if self.flag.is_cuda else device_view(self.flag)
+        return word
 
     def write_on(self, stream, value: int) -> None:
         """Enqueue ``flag = value`` on ``stream``, a driver handle from :meth:`BoundDriver.current_stream`."""

@@ -75,6 +75,7 @@ def drv(monkeypatch):
 
     monkeypatch.setattr(semaphore, "check_driver", failed)
     monkeypatch.setattr(ops, "check_driver", failed)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # nothing is captured here
     return fake
 
 
@@ -126,6 +127,38 @@ def test_each_op_enqueues_its_stream_operations_in_order_on_the_current_stream(d
     other = torch.empty(16, 32)
     ops.wait_copy_cuda(other, torch.zeros(1), 2, "gpu.ple")  # another buffer: its own handle
     assert drv.pointers == 4 and drv.calls[-1][2] == other.data_ptr()
+
+
+def test_a_capture_records_kernels_and_no_stream_operation(drv, gpu_layer, monkeypatch):
+    """Memory-operation and memcpy nodes make every launch of a graph slow (ple_ops.kernels), so
+    under capture each op records its kernels instead, over the layer's words and slot."""
+    launches = []
+    monkeypatch.setattr(ops, "capturing", lambda: True)
+    monkeypatch.setattr(ops.kernels, "wait_copy", lambda *args: launches.append(("wait_copy", *args)))
+    monkeypatch.setattr(ops.kernels, "release", lambda *args: launches.append(("release", *args)))
+    views = []
+
+    def view(host):  # a CPU stand-in for the device view: the same bytes
+        views.append(host)
+        return host
+
+    monkeypatch.setattr(ops, "device_view", view)
+    monkeypatch.setattr(semaphore, "device_view", view)
+    out = torch.empty(16, 32)
+    flag, waiting, slot = gpu_layer.flag.flag, gpu_layer.waiting.flag, gpu_layer.slot
+    for n in (5, 0):
+        ops.wait_copy_cuda(out, torch.zeros(1), n, "gpu.ple")
+        kind, f, w, src, dst, nbytes = launches.pop()
+        assert (kind, nbytes) == ("wait_copy", n * 128)
+        assert f is flag and w is waiting and src is slot
+        assert dst.dtype == torch.uint8 and dst.data_ptr() == out.data_ptr() and dst.numel() == out.numel() * 4
+    ops.wait_cuda(out, torch.zeros(1), "gpu.ple")
+    assert launches.pop()[-1] == 0  # the wait alone copies nothing
+    ops.release_cuda(out, "gpu.ple")
+    assert launches.pop() == ("release", flag, waiting)
+    assert drv.calls == []
+    # The device views were made once each, not once per call.
+    assert [id(t) for t in views] == [id(slot), id(flag), id(waiting)]
 
 
 @pytest.mark.parametrize(
