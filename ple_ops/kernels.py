@@ -63,6 +63,12 @@ def _spin_until_raised(flag_ptr, done: tl.constexpr):
 
 
 @triton.jit
+def _store_fenced(ptr, value):
+    tl.store(ptr, value)
+    _fence_system()
+
+
+@triton.jit
 def _wait_kernel(
     flag_ptr,  # int32 [1]: the layer's flag; the producer raises it to DONE over the layer's rows
     waiting_ptr,  # int32 [1]: the layer's waiting word, read by the watchdog (unused without MARK)
@@ -71,8 +77,7 @@ def _wait_kernel(
     DONE_VALUE: tl.constexpr,
 ):
     if MARK:
-        tl.store(waiting_ptr, WAITING_VALUE)
-        _fence_system()
+        _store_fenced(waiting_ptr, WAITING_VALUE)
     _spin_until_raised(flag_ptr, DONE_VALUE)
     # Acquire: work after this kernel in stream order (the copy) sees the rows the producer
     # stored before it raised the flag, never a line cached from an earlier step.
@@ -106,13 +111,10 @@ def _release_kernel(
 ):
     if MARK:
         # Never reset a flag before the raise it answers (ple_ops.ops.release says why).
-        tl.store(waiting_ptr, WAITING_VALUE)
-        _fence_system()
+        _store_fenced(waiting_ptr, WAITING_VALUE)
         _spin_until_raised(flag_ptr, DONE_VALUE)
-        tl.store(waiting_ptr, IDLE_VALUE)
-        _fence_system()
-    tl.store(flag_ptr, RESET_VALUE)
-    _fence_system()
+        _store_fenced(waiting_ptr, IDLE_VALUE)
+    _store_fenced(flag_ptr, RESET_VALUE)
 
 
 def wait_copy(
