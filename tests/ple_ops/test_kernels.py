@@ -4,7 +4,6 @@ Without a GPU they run under TRITON_INTERPRET=1 on CPU tensors; with one, on the
 and a slot in page-locked host memory seen through their device addresses, as the runtime's are.
 """
 
-import threading
 import time
 
 import pytest
@@ -108,8 +107,6 @@ def test_the_kernel_waits_for_the_flag_and_the_host_sees_it_waiting(release):
             kernels.wait_copy(words.flag, words.waiting, src, out, 8192)
         done = torch.cuda.Event()
         done.record()
-    raiser = threading.Timer(10.0, lambda: words.host.__setitem__(0, DONE))  # never leave the GPU spinning
-    raiser.start()
     try:
         deadline = time.monotonic() + 5.0
         while words.host[1].item() != WAITING and time.monotonic() < deadline:
@@ -119,11 +116,15 @@ def test_the_kernel_waits_for_the_flag_and_the_host_sees_it_waiting(release):
         assert not done.query(), "the kernel finished before the flag was raised"
         assert words.host[0].item() == RESET
         host_src.copy_(torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=gen))  # rows written late
+    finally:
+        # Raised whatever happened above: a failed check must not leave the GPU spinning (every
+        # later synchronize would hang).
         release_fence()  # the rows before the flag, as a producer publishes them
         words.host[0] = DONE
-    finally:
-        raiser.cancel()
-    done.synchronize()
+    deadline = time.monotonic() + 5.0
+    while not done.query():  # polled, not synchronized: a kernel that never sees the flag fails here
+        assert time.monotonic() < deadline, "the kernel did not see the raised flag within 5 s"
+        time.sleep(1e-4)
     if release:
         assert words.values() == [RESET, IDLE, POISON, POISON]
         assert torch.equal(out, before)
