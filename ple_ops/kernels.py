@@ -117,25 +117,25 @@ def _release_kernel(
     _store_fenced(flag_ptr, RESET_VALUE)
 
 
-def wait_copy(
-    flag: torch.Tensor, waiting: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor, nbytes: int
-) -> None:
+def wait_copy(flag: torch.Tensor, waiting: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor, nbytes: int):
     """Launch, on the current stream, one program that marks ``waiting`` and spins until
     ``flag == DONE``, then (``nbytes > 0``) the copy of the first ``nbytes`` of ``src`` (the host
     slot's device view) into ``dst``.
 
     ``flag`` and ``waiting`` are one-element int32 CUDA tensors (device views of host words);
-    ``src`` and ``dst`` are uint8 CUDA tensors.
+    ``src`` and ``dst`` are uint8 CUDA tensors. Returns Triton's handle of the copy kernel (its
+    ``asm`` holds the PTX), or None when nothing was copied.
 
     Two kernels, not one: in a single kernel every warp would spin on the flag, and 16 warps
     reading host memory that way cost 18-21 us per layer on the H200 where the wait (one warp)
     and the copy apart cost 2.4 and 3.7 (docs/design.md).
     """
     _wait_kernel[(1,)](flag, flag if waiting is None else waiting, waiting is not None, WAITING, DONE, num_warps=1)
-    if nbytes:
-        # The shape kv_ops' zero-copy kernel was tuned to for host-to-GPU reads (kv_ops.kernels).
-        programs = min(NUM_PROGRAMS, triton.cdiv(nbytes, TILE_BYTES))
-        _copy_kernel[(programs,)](src, dst, nbytes, TILE_BYTES, num_warps=NUM_WARPS)
+    if not nbytes:
+        return None
+    # The shape kv_ops' zero-copy kernel was tuned to for host-to-GPU reads (kv_ops.kernels).
+    programs = min(NUM_PROGRAMS, triton.cdiv(nbytes, TILE_BYTES))
+    return _copy_kernel[(programs,)](src, dst, nbytes, TILE_BYTES, num_warps=NUM_WARPS)
 
 
 def release(flag: torch.Tensor, waiting: torch.Tensor | None) -> None:
