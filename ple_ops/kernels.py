@@ -8,7 +8,8 @@ where the same step with no PLE took 7 us and 70 us. Kernel nodes cost the launc
 a capture records, per layer, the kernels below instead; the step then launched in 8 us and ran
 in 164 us (docs/design.md). They do what the stream operations did, in the same order:
 
-* wait:    ``waiting = WAITING``; spin until ``flag == DONE``; then the copy (a second kernel).
+* wait:    ``waiting = WAITING``; spin until ``flag == DONE``; then the copy (a second kernel;
+           a memcpy node from :data:`COPY_ENGINE_FROM` bytes, where the copy engine is faster).
 * release: ``waiting = WAITING``; spin until ``flag == DONE``; ``waiting = IDLE``; ``flag = RESET``.
 
 Memory model. The words live in page-locked host memory mapped for the GPU, or in device memory
@@ -35,6 +36,15 @@ from kv_ops.kernels import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES
 
 from .control import IDLE, WAITING
 from .semaphore import DONE, RESET
+
+# Captured copies of at least this many bytes go to the copy engine (a memcpy node after the wait
+# kernel) instead of the copy kernel. A memcpy node costs about 11 us more GPU time and 5 us more
+# launch than a kernel node (the probe in docs/design.md: 12 us for 32 KiB against 3.7). The
+# kernel moves host-to-GPU bytes at 0.88-0.93 of the copy engine's rate (kv_ops.kernels' tuning).
+# At 55 GB/s the kernel's 7-12% deficit reaches those 16 us at about 8 MiB (a prefill of 512 rows
+# of 16 KiB). Estimated, not measured on this boundary: benchmarks/ple_latency.py's pull sweep
+# would show it.
+COPY_ENGINE_FROM = 8 << 20
 
 if os.environ.get("TRITON_INTERPRET") == "1":
 
@@ -145,4 +155,4 @@ def release(flag: torch.Tensor, waiting: torch.Tensor | None) -> None:
     )
 
 
-__all__ = ["wait_copy", "release"]
+__all__ = ["wait_copy", "release", "COPY_ENGINE_FROM"]

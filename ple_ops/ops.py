@@ -119,18 +119,21 @@ def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream, ou
         layer.check()
     nbytes = 0 if out is None else num_tokens * layer.row_bytes
     if capturing():
-        # One kernel node where the stream operations and the copy would be memory-operation and
-        # memcpy nodes, which make every launch of the graph slow (ple_ops.kernels).
+        # Kernel nodes where the stream operations and the copy would be memory-operation and
+        # memcpy nodes, which make every launch of the graph slow (ple_ops.kernels); a large
+        # copy still goes to the copy engine, which moves it faster than the kernel.
         slot = _device_slot(layer)
+        kernel_bytes = nbytes if nbytes < kernels.COPY_ENGINE_FROM else 0
         dst = slot if out is None else out.view(torch.uint8)
-        kernels.wait_copy(layer.flag.device_word(), _waiting_word(layer), slot, dst, nbytes)
-        return
-    if layer.waiting is not None:
-        # In stream order just before the wait: while the stream is parked on the flag, the
-        # runtime's watchdog can see that it waits, and free it if no prepared step will raise
-        # the flag. The step's release clears the word (ple_ops.control).
-        layer.waiting.write_on(stream, WAITING)
-    layer.flag.wait_on(stream, DONE)
+        kernels.wait_copy(layer.flag.device_word(), _waiting_word(layer), slot, dst, kernel_bytes)
+        nbytes -= kernel_bytes
+    else:
+        if layer.waiting is not None:
+            # In stream order just before the wait: while the stream is parked on the flag, the
+            # runtime's watchdog can see that it waits, and free it if no prepared step will
+            # raise the flag. The step's release clears the word (ple_ops.control).
+            layer.waiting.write_on(stream, WAITING)
+        layer.flag.wait_on(stream, DONE)
     if nbytes:
         # Stream order does the rest: the copy starts only after the GPU has seen the flag, and
         # the producer stored the rows before the flag (release fence), so the DMA reads complete rows.

@@ -101,7 +101,10 @@ def check_steps(rt, run_step, n=4, steps=40):
         torch.testing.assert_close(out, local(hidden.cuda(), ids.cuda()), rtol=1e-4, atol=1e-4)
 
 
-def test_decode_step_captured_in_a_cuda_graph_replays_with_new_ids():
+@pytest.mark.parametrize("copies_by", ["kernel", "copy engine"])
+def test_decode_step_captured_in_a_cuda_graph_replays_with_new_ids(copies_by, monkeypatch):
+    if copies_by == "copy engine":  # what a copy of COPY_ENGINE_FROM bytes or more records
+        monkeypatch.setattr(ple_ops.kernels, "COPY_ENGINE_FROM", 1)
     with ple_ops.OffloadRuntime(make_model, max_tokens=16, device="cuda") as rt:
         hidden = torch.zeros(4, 64, device="cuda")
         ids = torch.zeros(4, dtype=torch.long, device="cuda")

@@ -156,7 +156,14 @@ def test_a_capture_records_kernels_and_no_stream_operation(drv, gpu_layer, monke
     assert launches.pop()[-1] == 0  # the wait alone copies nothing
     ops.release_cuda(out, "gpu.ple")
     assert launches.pop() == ("release", flag, waiting)
-    assert drv.calls == []
+    assert drv.calls == [] and launches == []
+    # A copy too large for the kernel to beat the copy engine: the wait kernel, then a memcpy node.
+    monkeypatch.setattr(ops.kernels, "COPY_ENGINE_FROM", 5 * 128)
+    ops.wait_copy_cuda(out, torch.zeros(1), 4, "gpu.ple")
+    assert launches.pop()[-1] == 4 * 128 and drv.calls == []
+    ops.wait_copy_cuda(out, torch.zeros(1), 5, "gpu.ple")
+    assert launches.pop()[-1] == 0
+    assert drv.calls == [("copy", int(drv.stream), out.data_ptr(), slot.data_ptr(), 5 * 128)]
     # The device views were made once each, not once per call.
     assert [id(t) for t in views] == [id(slot), id(flag), id(waiting)]
 
