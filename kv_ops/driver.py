@@ -203,6 +203,15 @@ def wait_event(stream: int, event: torch.cuda.Event) -> None:
 
 
 @functools.cache
+def copy_calls():
+    """``cuMemcpyAsync(dst, src, bytes, stream)`` and ``cuStreamSynchronize(stream)`` as ctypes
+    functions (:func:`c_function`), bound once per process: the DMA path's per-copy fallback and
+    the eager id check's copies of GPU ids to the host use them."""
+    memcpy = c_function("cuMemcpyAsync", 12000, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+    return memcpy, c_function("cuStreamSynchronize", 12000, ctypes.c_void_p)
+
+
+@functools.cache
 def _value_calls():
     write = c_function("cuStreamWriteValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
     wait = c_function("cuStreamWaitValue32", 12000, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
@@ -281,6 +290,7 @@ __all__ = [
     "stream_is_capturing",
     "c_function",
     "check_code",
+    "copy_calls",
     "record_event",
     "wait_event",
     "write_value",

@@ -15,8 +15,6 @@ Two layers of defence:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import threading
 from collections.abc import Sequence
 
@@ -25,7 +23,7 @@ import torch
 
 from . import host_memory
 from .capture import capturing, refuse_capture
-from .driver import c_function, check_code, current_stream_handle, driver_context
+from .driver import check_code, copy_calls, current_stream_handle, driver_context
 
 _id_checks = True
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -281,7 +279,7 @@ def _host_values(*sides: torch.Tensor) -> list[np.ndarray]:
         staging.tensor = host_memory.pinned_empty(max(total, 1 << 16))
         staging.bytes = staging.tensor.numpy()
     base = staging.tensor.data_ptr()
-    memcpy, synchronize = _copy_calls()
+    memcpy, synchronize = copy_calls()
     with driver_context(device):
         stream = current_stream_handle(device.index)
         for side, at, size in zip(sides, offsets, sizes):
@@ -291,12 +289,6 @@ def _host_values(*sides: torch.Tensor) -> list[np.ndarray]:
         staging.bytes[at : at + size].view(np.int32 if side.dtype == torch.int32 else np.int64)
         for side, at, size in zip(sides, offsets, sizes)
     ]
-
-
-@functools.cache
-def _copy_calls():
-    memcpy = c_function("cuMemcpyAsync", 12000, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
-    return memcpy, c_function("cuStreamSynchronize", 12000, ctypes.c_void_p)
 
 
 # Up to this many ids Python's min, max and set over a list beat numpy's per-call cost (on the

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..capture import refuse_capture
-from ..driver import c_function, check_code, check_driver, driver, driver_context
+from ..driver import c_function, check_code, check_driver, copy_calls, driver, driver_context
 from ..validation import check_host_ids, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
@@ -201,8 +201,7 @@ def _entry_points() -> tuple[object | None, object, int]:
     """(batched call or None, per-copy cuMemcpyAsync, CUDA version of the batched signature)."""
     drv = driver()
     (version,) = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
-    # cuMemcpyAsync(dst, src, bytes, stream)
-    memcpy = c_function("cuMemcpyAsync", 12000, ctypes.c_uint64, ctypes.c_uint64, _N, _P)
+    memcpy = copy_calls()[0]
     batch, batch_version = None, 0
     if version >= 13000:
         # CUDA 13: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream)
