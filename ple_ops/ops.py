@@ -196,8 +196,8 @@ def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     """Wait until the producer of layer ``name`` has raised its flag; the rows are not copied.
 
     On CUDA this enqueues ``cuStreamWaitValue32(flag == 1)`` on the current stream (under
-    capture, a one-program kernel that does the same); on CPU it spins (with backoff) on the host flag and raises if the producer died. With a runtime, it
-    raises at once when no step is prepared.
+    capture, a one-program kernel that does the same); on CPU it spins (with backoff) on the host
+    flag and raises if the producer died. With a runtime, it raises at once when no step is prepared.
 
     Parameters
     ----------
@@ -258,8 +258,7 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
 
     On CUDA: ``cuStreamWaitValue32(flag == 1)`` then ``cuMemcpyHtoDAsync`` from the page-locked
     shared slot, both on the current stream; under capture, a wait kernel and a zero-copy copy
-    kernel instead (:mod:`ple_ops.kernels`). On CPU: a host spin-wait and a
-    memcpy. The flag stays raised until :func:`release`. With a runtime, a wait that cannot end
+    kernel instead (:mod:`ple_ops.kernels`). On CPU: a host spin-wait and a memcpy. The flag stays raised until :func:`release`. With a runtime, a wait that cannot end
     in this step's rows raises ``OffloadError`` instead (no step prepared, a token count other
     than the prepared one, a capture that begins while a step is prepared).
 
