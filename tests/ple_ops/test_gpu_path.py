@@ -157,6 +157,10 @@ def test_a_capture_records_kernels_and_no_stream_operation(drv, gpu_layer, monke
     ops.release_cuda(out, "gpu.ple")
     assert launches.pop() == ("release", flag, waiting)
     assert drv.calls == [] and launches == []
+    # Bad input is refused before anything is recorded, captured or not.
+    with pytest.raises(ValueError, match="num_tokens 17"):
+        ops.wait_copy_cuda(out, torch.zeros(1), 17, "gpu.ple")
+    assert drv.calls == [] and launches == []
     # A copy too large for the kernel to beat the copy engine: the wait kernel, then a memcpy node.
     monkeypatch.setattr(ops.kernels, "COPY_ENGINE_FROM", 5 * 128)
     ops.wait_copy_cuda(out, torch.zeros(1), 4, "gpu.ple")
