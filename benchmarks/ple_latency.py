@@ -8,7 +8,10 @@
   clears the word (one more wait, one more write). ``extra_us`` is the watched p50 minus the plain
   p50 of the same work: what the no-hang protocol costs a step, per layer.
 * bandwidth: ``wait_copy`` of 1..8192 rows of 16 KiB with the flag already raised, against a
-  contiguous pinned memcpy of the same bytes, both captured in a CUDA graph and timed by replay.
+  contiguous pinned memcpy of the same bytes, all captured in a CUDA graph and timed by replay.
+  A captured pull is a wait kernel and then either the copy kernel or a memcpy node (the copy
+  engine), by size (``ple_ops.kernels.COPY_ENGINE_FROM``); both routes are timed at every size,
+  the ratio column is the route the default picks, and the crossover is where the two meet.
 * decode step: a 3-layer model whose PLE tables sit on the GPU, against the same model served
   by ``OffloadRuntime``; both captured in a CUDA graph, one replay + sync per step (the offload
   step adds prepare and the waits on the offload process).
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 import ple_ops
+from ple_ops import kernels
 
 from common import time_graph  # this script's own directory
 from report import can_plot, columns, figure, save_figure, write_csv
@@ -161,11 +165,22 @@ def bandwidth(rows_list) -> list[dict]:
     flat_gpu = torch.empty(n_max * ROW_BYTES, dtype=torch.uint8, device="cuda")
     flat_host = torch.empty(n_max * ROW_BYTES, dtype=torch.uint8, pin_memory=True)
     dep = torch.empty(1, device="cuda")
+    default = kernels.COPY_ENGINE_FROM
+
+    def captured_pull(k: int, copy_engine_from: int) -> float:
+        kernels.COPY_ENGINE_FROM = copy_engine_from  # read at capture, by ple_ops.ops
+        try:
+            return time_graph(lambda: ple_ops.wait_copy(out, dep, k, "bench.bw"))
+        finally:
+            kernels.COPY_ENGINE_FROM = default
+
     rows = []
     for k in rows_list:
         nbytes = k * ROW_BYTES
         base = time_graph(lambda nbytes=nbytes: flat_gpu[:nbytes].copy_(flat_host[:nbytes], non_blocking=True))
-        pull = time_graph(lambda k=k: ple_ops.wait_copy(out, dep, k, "bench.bw"))
+        by_kernel = captured_pull(k, nbytes + 1)
+        by_copy_engine = captured_pull(k, 0)
+        pull = by_kernel if nbytes < default else by_copy_engine
         rows.append(
             dict(
                 kind="bandwidth",
@@ -175,6 +190,10 @@ def bandwidth(rows_list) -> list[dict]:
                 memcpy_gbps=nbytes / base / 1e9,
                 pull_gbps=nbytes / pull / 1e9,
                 ratio=base / pull,
+                kernel_us=by_kernel * 1e6,
+                copy_engine_us=by_copy_engine * 1e6,
+                memcpy_us=base * 1e6,
+                route="kernel" if nbytes < default else "copy engine",
             )
         )
     ple_ops.disarm("bench.bw")
@@ -246,7 +265,11 @@ def plot(rows, path: Path) -> None:
     left.set_ylabel("us")
     left.legend(fontsize=8)
     bw = [r for r in rows if r["kind"] == "bandwidth"]
-    right.plot([r["rows"] for r in bw], [r["ratio"] for r in bw], "o-", label="wait_copy / pinned memcpy")
+    right.plot([r["rows"] for r in bw], [r["memcpy_us"] / r["kernel_us"] for r in bw], "o-", label="by the copy kernel")
+    right.plot(
+        [r["rows"] for r in bw], [r["memcpy_us"] / r["copy_engine_us"] for r in bw], "s--", label="by the copy engine"
+    )
+    right.set_title("captured wait_copy: pinned memcpy time / pull time", fontsize=9)
     right.axhline(0.9, color="r", ls=":", label="target 0.90")
     right.set_xscale("log", base=2)
     right.set_xlabel("rows of 16 KiB")
@@ -262,7 +285,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("ple_latency.py needs a CUDA device")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = latency([1, 2, 4, 8, 32]) + bandwidth([1, 4, 16, 64, 256, 1024, 4096, 8192]) + decode_step()
+    rows = latency([1, 2, 4, 8, 32]) + bandwidth([1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192]) + decode_step()
     write_csv(args.out / "ple_latency.csv", rows, columns(rows))
     if can_plot(args.out / "ple_latency.png"):
         plot(rows, args.out / "ple_latency.png")
@@ -275,7 +298,9 @@ def main() -> None:
             )
         elif r["kind"] == "bandwidth":
             print(
-                f"| pull bandwidth | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}) | {r['ratio']:.2f} |"
+                f"| pull bandwidth ({r['route']}) | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}); "
+                f"kernel / copy engine / memcpy {r['kernel_us']:.1f} / {r['copy_engine_us']:.1f} / {r['memcpy_us']:.1f} us "
+                f"| {r['ratio']:.2f} |"
             )
         else:
             print(f"| decode step, {r['what']} (4 tokens) | - | {r['p50_us']:.1f} us | {r['ratio']:.2f} |")

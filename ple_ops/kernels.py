@@ -38,13 +38,12 @@ from .control import IDLE, WAITING
 from .semaphore import DONE, RESET
 
 # Captured copies of at least this many bytes go to the copy engine (a memcpy node after the wait
-# kernel) instead of the copy kernel. A memcpy node costs about 11 us more GPU time and 5 us more
-# launch than a kernel node (the probe in docs/design.md: 12 us for 32 KiB against 3.7). The
-# kernel moves host-to-GPU bytes at 0.88-0.93 of the copy engine's rate (kv_ops.kernels' tuning).
-# At 55 GB/s the kernel's 7-12% deficit reaches those 16 us at about 8 MiB (a prefill of 512 rows
-# of 16 KiB). Estimated, not measured on this boundary: benchmarks/ple_latency.py's pull sweep
-# would show it.
-COPY_ENGINE_FROM = 8 << 20
+# kernel) instead of the copy kernel. Measured on the H200 (benchmarks/ple_latency.py, the captured
+# pull of rows of 16 KiB by both routes, GPU time of one replay): the kernel wins up to 2 MiB
+# (16.4 against 18.7 us at 64 KiB, 31.6 against 37.1 at 1 MiB, 52.9 against 55.8 at 2 MiB), the
+# copy engine from 4 MiB (94.9 against 96.4; 169.5 against 181.2 at 8 MiB), where the kernel's
+# lower read rate (0.87 of the copy engine's) outweighs the node's fixed cost.
+COPY_ENGINE_FROM = 4 << 20
 
 if os.environ.get("TRITON_INTERPRET") == "1":
 
