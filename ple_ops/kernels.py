@@ -38,11 +38,11 @@ from .control import IDLE, WAITING
 from .semaphore import DONE, RESET
 
 # Captured copies of at least this many bytes go to the copy engine (a memcpy node after the wait
-# kernel) instead of the copy kernel. Measured on the H200 (benchmarks/ple_latency.py, the captured
-# pull of rows of 16 KiB by both routes, GPU time of one replay): the kernel wins up to 2 MiB
-# (16.4 against 18.7 us at 64 KiB, 31.6 against 37.1 at 1 MiB, 52.9 against 55.8 at 2 MiB), the
-# copy engine from 4 MiB (94.9 against 96.4; 169.5 against 181.2 at 8 MiB), where the kernel's
-# lower read rate (0.87 of the copy engine's) outweighs the node's fixed cost.
+# kernel) instead of the copy kernel. Measured on the H200 (benchmarks/ple_latency.py times the
+# captured pull of rows of 16 KiB by both routes, GPU time of one replay; two runs): the kernel
+# wins up to 1 MiB (by 1.6-5.8 us), the two meet at 2 MiB (52.9 / 55.8 and 51.0 / 50.3 us), and
+# the copy engine wins from 4 MiB (by 1.5-7.5 us there, 12-15 at 8 MiB), where the kernel's lower
+# read rate (about 0.88 of the copy engine's) outweighs the memcpy node's fixed cost.
 COPY_ENGINE_FROM = 4 << 20
 
 if os.environ.get("TRITON_INTERPRET") == "1":
