@@ -61,8 +61,18 @@ class Step:
         # none): what every layer's LayerwiseLoads.waits must equal if the graph kept its waits.
         self.host_runs = 0
         # Host time of each piece of a replayed step (perf_counter seconds), what the PLE
-        # transaction adds on the host: prepare, the replay's launch, release(enqueue=False).
-        self.host_times: dict[str, list[float]] = {"prepare": [], "replay": [], "release": []}
+        # transaction adds on the host: prepare, the replay's launch, release(enqueue=False);
+        # and "gpu", from an event recorded just before the launch (the GPU is idle then) to one
+        # after it: the launch's own latency plus the graph's GPU time. What the step takes
+        # beyond that is host time on the critical path (the input copy's call, prepare, the
+        # sync's return), so what one step pays over another splits into the two.
+        self.host_times: dict[str, list[float]] = {"prepare": [], "replay": [], "release": [], "gpu": []}
+        # Recorded outside the timed pieces; read after the step's sync, so never waited on.
+        self._gpu_span = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if device.type == "cuda"
+            else None
+        )
         idle = StepBuffer(cfg)
         for _ in range(2):  # Inductor's kernels compile (and on a GPU tune) on their first calls
             self(idle)
@@ -80,6 +90,8 @@ class Step:
         t0 = time.perf_counter()
         if self.runtime is not None:
             self.runtime.prepare(host.inputs.tokens)
+        if self.graph is not None and self._gpu_span is not None:
+            self._gpu_span[0].record()
         t1 = time.perf_counter()
         if self.graph is not None:
             self.graph.replay()
@@ -91,13 +103,20 @@ class Step:
         if self.runtime is not None:
             self.runtime.release(enqueue=False)  # the resets are in the step itself
         t3 = time.perf_counter()
-        if self.graph is not None:
-            times = self.host_times
-            if self.runtime is not None:
-                times["prepare"].append(t1 - t0)
-                times["release"].append(t3 - t2)
-            times["replay"].append(t2 - t1)
-        return logits, next_tokens.cpu()
+        if self.graph is None:
+            return logits, next_tokens.cpu()
+        span = self._gpu_span
+        if span is not None:
+            span[1].record()
+        next_tokens = next_tokens.cpu()  # after the replay on this stream: both events have run
+        times = self.host_times
+        if self.runtime is not None:
+            times["prepare"].append(t1 - t0)
+            times["release"].append(t3 - t2)
+        times["replay"].append(t2 - t1)
+        if span is not None:
+            times["gpu"].append(span[0].elapsed_time(span[1]) / 1e3)
+        return logits, next_tokens
 
     def take_host_times(self) -> dict[str, list[float]]:
         """The pieces' host times since the last call (and start anew)."""

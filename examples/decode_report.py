@@ -33,9 +33,9 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
     base = percentile(results["gpu"].step_seconds, 0.5)
     print(
         f"\n| PLE table ({device.type}) | step p50 (us) | step p90 (us) | p50 ratio | tokens/s "
-        "| host p50 of prepare / replay launch / release (us) |"
+        "| host p50 of prepare / replay launch / release (us) | GPU p50 from the launch to the replay's end (us) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in ["gpu", "process", "gather"]:
         if name not in results:
             continue
@@ -45,9 +45,10 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
         pieces = " / ".join(
             f"{percentile(host[k], 0.5) * 1e6:.1f}" if host.get(k) else "-" for k in ("prepare", "replay", "release")
         )
+        gpu = f"{percentile(host['gpu'], 0.5) * 1e6:.0f}" if host.get("gpu") else "-"
         print(
             f"| {label} | {percentile(t, 0.5) * 1e6:.0f} | {percentile(t, 0.9) * 1e6:.0f} | "
-            f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} | {pieces} |"
+            f"{percentile(t, 0.5) / base:.3f} | {cfg.batch * len(t) / sum(t):.0f} | {pieces} | {gpu} |"
         )
     if device.type == "cpu":
         print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")
