@@ -44,11 +44,12 @@ bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 6
   call-to-done from the store's call to the first ``poll()`` that reports it; ``idle``: nothing
   in flight. ``flush``: ``after store``: ``flush()`` right after such a store (its host time
   includes the wait for the copy); ``idle``: nothing in flight.
-* ``prepare`` / ``release``: ``ple_ops.OffloadRuntime`` (8 PLE layers of 256 float32 per token,
-  8 tokens: 64 KiB of rows per step; pure lookups, gathered by the offload process since the
-  tenth session), eager steps; prepare's call-to-done ends when the offload process has served
-  the step (``served_steps()``): the wait a step's first PLE layer may meet; release's at
-  ``torch.cuda.synchronize()``.
+* ``prepare`` / ``forward`` / ``release``: ``ple_ops.OffloadRuntime`` (8 PLE layers of 256
+  float32 per token, 8 tokens: 64 KiB of rows per step; pure lookups, gathered by the offload
+  process since the tenth session), eager steps; prepare's call-to-done ends when the offload
+  process has served the step (``served_steps()``): the wait a step's first PLE layer may meet;
+  the forward (its rows already served: the host cost of enqueuing every layer's wait and pull)
+  and release's at ``torch.cuda.synchronize()``.
   Then a step captured in a ``torch.cuda.CUDAGraph`` (warm-up done eagerly, captured with no step
   prepared, the releases inside the graph) and each step ``prepare()`` / ``graph.replay()`` /
   ``release(enqueue=False)``: rows ``prepare``, ``replay``, ``release`` (ids ``replay``) and
@@ -594,7 +595,7 @@ class Bench:
         began = time.perf_counter()
         with ple_ops.OffloadRuntime(factory, max_tokens=cfg.ple_tokens, device=dev, step_timeout=SERVE_TIMEOUT) as rt:
             print(f"  OffloadRuntime started in {time.perf_counter() - began:.2f} s", flush=True)
-            t = {k: [] for k in ("prep_h", "prep_d", "rel_h", "rel_d")}
+            t = {k: [] for k in ("prep_h", "prep_d", "fwd_h", "fwd_d", "rel_h", "rel_d")}
             served = rt.served_steps()
             gc.disable()
             try:
@@ -606,6 +607,7 @@ class Bench:
                     wait_served(rt, served + i + 1)
                     t2 = time.perf_counter_ns()
                     rt.model(hidden, ids)
+                    tf = time.perf_counter_ns()
                     self.sync()
                     t3 = time.perf_counter_ns()
                     rt.release()
@@ -615,11 +617,14 @@ class Bench:
                     if i >= cfg.warm:
                         t["prep_h"].append(t1 - t0)
                         t["prep_d"].append(t2 - t0)
+                        t["fwd_h"].append(tf - t2)
+                        t["fwd_d"].append(t3 - t2)
                         t["rel_h"].append(t4 - t3)
                         t["rel_d"].append(t5 - t3)
             finally:
                 gc.enable()
             rows.append(self.row(call="prepare", ids="eager", **base, **summary(t["prep_h"], t["prep_d"]), bw=False))
+            rows.append(self.row(call="forward", ids="eager", **base, **summary(t["fwd_h"], t["fwd_d"]), bw=False))
             rows.append(self.row(call="release", ids="eager", **base, **summary(t["rel_h"], t["rel_d"]), bw=False))
             if cfg.cuda:
                 rows += self.replay_rows(rt, steps, hidden, ids, base)

@@ -9,7 +9,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CALLS = ("copy_blocks", "gather_blocks", "scatter_blocks", "store", "load", "poll", "flush", "prepare", "release")
+CALLS = (
+    "copy_blocks",
+    "gather_blocks",
+    "scatter_blocks",
+    "store",
+    "load",
+    "poll",
+    "flush",
+    "prepare",
+    "forward",
+    "release",
+)
 
 
 def test_host_cost_quick_on_the_cpu_writes_every_call(tmp_path):
