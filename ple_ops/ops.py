@@ -113,12 +113,13 @@ def _device_slot(layer: registry.ArmedLayer) -> torch.Tensor:
 def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream, out: torch.Tensor | None = None) -> None:
     """GPU path: enqueue (or record) on ``stream`` (the current one) the wait on the layer's flag,
     then, given ``out``, the copy of the slot's first ``num_tokens`` rows into it."""
+    captured = capturing()  # asked once: the guard gets the answer (a driver query, 0.5-4 us)
     if layer.guard is not None:
-        layer.guard.before_stream_wait(layer.name, num_tokens)
+        layer.guard.before_stream_wait(layer.name, num_tokens, captured)
     else:
         layer.check()
     nbytes = 0 if out is None else num_tokens * layer.row_bytes
-    if capturing():
+    if captured:
         # Kernel nodes where the stream operations and the copy would be memory-operation and
         # memcpy nodes, which make every launch of the graph slow (ple_ops.kernels); a large
         # copy still goes to the copy engine, which moves it faster than the kernel.
@@ -303,9 +304,10 @@ def release_cuda(out, name):
     Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
     """
     layer = registry.lookup(name)
-    if layer.guard is not None and not layer.guard.before_stream_release(name):
+    captured = capturing()
+    if layer.guard is not None and not layer.guard.before_stream_release(name, captured):
         return  # this step already released the layer (eagerly): a second reset would clear the next step
-    if capturing():
+    if captured:
         kernels.release(layer.flag.device_word(), _waiting_word(layer))  # the same steps, as a kernel node
         return
     stream = bound_driver().current_stream()

@@ -33,11 +33,13 @@ class StepGuard(Protocol):
     def host_release(self, name: str) -> None:
         """CPU path: reset ``name``'s flag once this step's rows were published (bounded)."""
 
-    def before_stream_wait(self, name: str, num_tokens: int | None) -> None:
-        """GPU path: check before a wait on ``name`` is enqueued (or captured)."""
+    def before_stream_wait(self, name: str, num_tokens: int | None, captured: bool) -> None:
+        """GPU path: check before a wait on ``name`` is enqueued, or recorded (``captured``: the
+        op asked :func:`kv_ops.capture.capturing` once and passes its answer on)."""
 
-    def before_stream_release(self, name: str) -> bool:
-        """GPU path: check before a release is enqueued; False when this step already released it."""
+    def before_stream_release(self, name: str, captured: bool) -> bool:
+        """GPU path: check before a release is enqueued (or recorded, ``captured``); False when
+        this step already released it."""
 
 
 @dataclass

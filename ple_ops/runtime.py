@@ -609,17 +609,17 @@ class OffloadRuntime:
         layer.released_step = self._step
         self._releases += 1
 
-    def _before_stream_wait(self, name: str, num_tokens: int | None) -> None:
-        if capturing():
+    def _before_stream_wait(self, name: str, num_tokens: int | None, captured: bool) -> None:
+        if captured:
             self._check_usable()
             if self._open and not _capture_replays_at_once():
                 raise self._captured_while_prepared(f"layer {name!r}'s wait")
             return
         self._before_wait(name, num_tokens)
 
-    def _before_stream_release(self, name: str) -> bool:
+    def _before_stream_release(self, name: str, captured: bool) -> bool:
         layer = self._by_name[name]
-        if capturing():
+        if captured:
             self._check_usable()
             if self._open and not _capture_replays_at_once():
                 raise self._captured_while_prepared(f"layer {name!r}'s release")

@@ -24,7 +24,10 @@ def release_fence() -> None:
 
     A lock's acquire/release pair is built on atomic read-modify-write instructions with
     acquire/release semantics, so taking and dropping one is a full store barrier on every
-    architecture CPython runs on (x86-64 orders stores anyway; Arm needs the barrier).
+    architecture CPython runs on. Arm needs it. x86-64 orders ordinary stores without it, but
+    not non-temporal ones, which a large ``memcpy`` or a library kernel may use to write the
+    rows; its locked instruction orders those too. So it stays, at 0.2 us back to back and 2-3
+    us inside a serving loop.
     """
     with _fence_lock:
         pass

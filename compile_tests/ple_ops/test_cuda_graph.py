@@ -14,7 +14,7 @@ import torch
 from ple_models import VOCAB, DecodeStep, make_model, make_sleepy_model, make_slow_model, signal_over_ipc
 
 import ple_ops
-from ple_ops.semaphore import DONE, RESET
+from ple_ops.semaphore import DONE, RESET, bound_driver
 
 pytestmark = pytest.mark.gpu
 
@@ -112,12 +112,31 @@ def test_decode_step_captured_in_a_cuda_graph_replays_with_new_ids(copies_by, mo
         rt.model(hidden, ids)
         rt.release()
         torch.cuda.synchronize()
+        # What the capture records for each layer's rows: kernel bytes (wait_copy's argument)
+        # and copy-engine memcpys (the driver call, which a capture turns into a memcpy node).
+        kernel_bytes, memcpys = [], []
+        wait_copy, driver = ple_ops.kernels.wait_copy, bound_driver()
+        memcpy = driver.memcpy_htod
+
+        def spied_wait_copy(flag, waiting, src, dst, nbytes):
+            kernel_bytes.append(nbytes)
+            return wait_copy(flag, waiting, src, dst, nbytes)
+
+        def spied_memcpy(dst, src, nbytes, stream):
+            memcpys.append(nbytes)
+            return memcpy(dst, src, nbytes, stream)
+
+        monkeypatch.setattr(ple_ops.kernels, "wait_copy", spied_wait_copy)
+        monkeypatch.setattr(driver, "memcpy_htod", spied_memcpy)
         graph = torch.cuda.CUDAGraph()
         with ple_ops.observe_copy_geometry() as copies:
             with torch.cuda.graph(graph):
                 out = rt.model(hidden, ids)
                 rt.model.release_offloaded()
         assert copies == [(f"blocks.{i}.ple", 4, 4 * 256) for i in range(3)]
+        by_kernel = copies_by == "kernel"
+        assert kernel_bytes == [4 * 256 if by_kernel else 0] * 3
+        assert memcpys == ([] if by_kernel else [4 * 256] * 3)
 
         check_steps(rt, replayer(graph, hidden, ids, out))
         assert [ple_ops.lookup(n).flag.host_value() for n in ple_ops.armed_names()] == [RESET] * 3

@@ -129,6 +129,35 @@ def test_each_op_enqueues_its_stream_operations_in_order_on_the_current_stream(d
     assert drv.pointers == 4 and drv.calls[-1][2] == other.data_ptr()
 
 
+class AnsweringGuard:
+    """A step guard that records what the ops hand it (and lets every operation through)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def before_stream_wait(self, name, num_tokens, captured):
+        self.asked.append(("wait", name, num_tokens, captured))
+
+    def before_stream_release(self, name, captured):
+        self.asked.append(("release", name, captured))
+        return True
+
+
+def test_an_eager_op_asks_whether_it_is_captured_once_and_tells_its_guard(drv, gpu_layer, monkeypatch):
+    # The capture query is a driver call (0.5 us back to back, 2-4 us inside a serving loop):
+    # each op asks it once, and the guard decides on that answer instead of asking again.
+    queries = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: queries.append(1) or False)
+    gpu_layer.guard = guard = AnsweringGuard()
+    out = torch.empty(16, 32)
+    n = random.Random(5).randrange(1, 17)
+    ops.wait_copy_cuda(out, torch.zeros(1), n, "gpu.ple")
+    assert len(queries) == 1 and guard.asked == [("wait", "gpu.ple", n, False)]
+    ops.release_cuda(out, "gpu.ple")
+    assert len(queries) == 2 and guard.asked[1:] == [("release", "gpu.ple", False)]
+    assert [c[0] for c in drv.calls] == ["write", "wait", "copy", "write", "wait", "write", "write"]
+
+
 def test_a_capture_records_kernels_and_no_stream_operation(drv, gpu_layer, monkeypatch):
     """Memory-operation and memcpy nodes make every launch of a graph slow (ple_ops.kernels), so
     under capture each op records its kernels instead, over the layer's words and slot."""
@@ -249,7 +278,7 @@ def test_the_gpu_step_transaction_tells_a_replay_from_an_eager_forward(gpu_runti
         # (here the runtime's own releases run the CPU kernel, which waits and resets).
         rt.prepare(torch.randint(0, VOCAB, (4,), generator=gen))
         for n in NAMES[:2]:
-            guard.before_stream_wait(n, 4)
+            guard.before_stream_wait(n, 4, False)
         with pytest.raises(ple_ops.OffloadError, match=r"did not release \['blocks\.0\.ple', 'blocks\.1\.ple'\]"):
             rt.release(enqueue=False)
         assert [ple_ops.lookup(n).flag.host_value() for n in NAMES[:2]] == [RESET, RESET]
@@ -258,19 +287,19 @@ def test_the_gpu_step_transaction_tells_a_replay_from_an_eager_forward(gpu_runti
         # An eager forward with its releases: each layer is released once per step.
         rt.prepare(torch.randint(0, VOCAB, (4,), generator=gen))
         for n in NAMES:
-            guard.before_stream_wait(n, 4)
+            guard.before_stream_wait(n, 4, False)
         with pytest.raises(ple_ops.OffloadError, match="the forward has 3 tokens but the prepared step has 4"):
-            guard.before_stream_wait(NAMES[1], 3)
-        assert [guard.before_stream_release(n) for n in NAMES] == [True] * LAYERS
-        assert [guard.before_stream_release(n) for n in NAMES] == [False] * LAYERS
+            guard.before_stream_wait(NAMES[1], 3, False)
+        assert [guard.before_stream_release(n, False) for n in NAMES] == [True] * LAYERS
+        assert [guard.before_stream_release(n, False) for n in NAMES] == [False] * LAYERS
         with pytest.raises(ple_ops.OffloadError, match="already released in this step"):
-            guard.before_stream_wait(NAMES[1], 4)
+            guard.before_stream_wait(NAMES[1], 4, False)
         stream_resets(rt)
         rt.release(enqueue=False)
     with pytest.raises(ple_ops.OffloadError, match="no step prepared"):
-        guard.before_stream_wait(NAMES[0], 4)
+        guard.before_stream_wait(NAMES[0], 4, False)
     with pytest.raises(ple_ops.OffloadError, match="released with no step prepared"):
-        guard.before_stream_release(NAMES[0])
+        guard.before_stream_release(NAMES[0], False)
     # ... and the runtime serves on, with the local model's rows.
     ids, hidden = torch.randint(0, VOCAB, (5,), generator=gen), torch.randn(5, DIM, generator=gen)
     rt.on_gpu = False

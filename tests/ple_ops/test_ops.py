@@ -115,10 +115,10 @@ class RecordingGuard:
         self.calls.append(("host_release", name))
         self.layer.flag.host_reset()
 
-    def before_stream_wait(self, name, num_tokens):  # GPU path only
+    def before_stream_wait(self, name, num_tokens, captured):  # GPU path only
         raise AssertionError("not on the CPU path")
 
-    def before_stream_release(self, name):
+    def before_stream_release(self, name, captured):
         raise AssertionError("not on the CPU path")
 
 
