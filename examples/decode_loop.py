@@ -150,22 +150,26 @@ class Built(NamedTuple):
     runtime: ple_ops.OffloadRuntime | None
     engine: kv_ops.OffloadEngine  # host memory: the pressure runs' and the LayerwiseLoads'
     loads: kv_ops.LayerwiseLoads  # named LOADS: every run's waits resolve to it
+    shared: bool = False  # caches, engine and loads are another Built's (build's share=)
 
     def close(self) -> None:
-        self.loads.close()
-        self.engine.close()
+        if not self.shared:
+            self.loads.close()
+            self.engine.close()
         if self.runtime is not None:
             self.runtime.close()
 
 
-def build(transport: str, cfg: Config, device: torch.device) -> Built:
+def build(transport: str, cfg: Config, device: torch.device, share: Built | None = None) -> Built:
     """``process``: PLE table in an offload process; ``gather``: in page-locked host memory;
     ``gpu``: on the GPU (the local model, the reference for tokens).
 
     Every model gets a host-memory engine and the LayerwiseLoads its layers wait on, made before
     the step is compiled, warmed up and captured: the waits need a live instance of the name
     in every run (with no pressure nothing is started, and they find the last start's layers
-    landed), and a captured graph waits on the flags of the instance that was live at its capture."""
+    landed), and a captured graph waits on the flags of the instance that was live at its capture.
+    With ``share`` the model takes that Built's caches, engine and LayerwiseLoads (one instance
+    of the name may live at a time), for steps run in turn with its own (``alternate``)."""
     runtime = None
     if transport == "process":
         runtime = ple_ops.OffloadRuntime(functools.partial(make_model, cfg), max_tokens=cfg.batch, device=device)
@@ -174,6 +178,9 @@ def build(transport: str, cfg: Config, device: torch.device) -> Built:
         model = ple_ops.gather_from_host(make_model(cfg), device)
     else:
         model = make_model(cfg).to(device)
+    if share is not None:
+        caches = model.attach_kv_cache(blocks_needed(cfg) + 1, device, shared=share.caches)
+        return Built(model, caches, runtime, share.engine, share.loads, shared=True)
     caches = model.attach_kv_cache(blocks_needed(cfg) + 1, device)
     try:
         engine = make_engine(caches, cfg, None)
@@ -196,6 +203,30 @@ def compiled_step(built: Built, cfg: Config, device: torch.device, save_to: str 
         fn = kv_ops.tools.aot.compile_step(decode_step, built.model, *example)
         fn.save_compiled_function(save_to)
     return Step(fn, built.model, cfg, device, built.runtime)
+
+
+def alternate(primary: str, model_step: Step, model: Built, cfg: Config, device, rounds: int, tokens, failures):
+    """Step times of the table in the model and of ``primary``'s step, decoding the workload with
+    each in turn, ``rounds`` times: ``{"gpu": [round's step seconds, ...], primary: [...]}``.
+
+    Each placement's own run above is minutes from the other's, and the host's speed drifts
+    between such phases by more than what the PLE step costs (README); decoded in turn, both
+    meet the same phases. ``primary`` gets a fresh model (its own offload process) over the
+    model's caches, engine and LayerwiseLoads; between its rounds its offload process is idle.
+    """
+    built = build(primary, cfg, device, share=model)
+    try:
+        steps = {"gpu": model_step, primary: compiled_step(built, cfg, device)}
+        times: dict[str, list[list[float]]] = {name: [] for name in steps}
+        for r in range(rounds):
+            for name, step in steps.items():
+                run = decode(step, model.caches, cfg, blocks_needed(cfg), label=f"{name}, in turn {r + 1}/{rounds}")
+                if run.tokens != tokens:
+                    failures.append(f"{name}, in turn: tokens differ from the {primary} transport's")
+                times[name].append(run.step_seconds)
+    finally:
+        built.close()
+    return times
 
 
 # --- the two processes ---------------------------------------------------------------------------
@@ -313,6 +344,14 @@ def main(argv=None) -> int:
         "that reads them (default), or load, flush, then step. Process B runs this one; the main process "
         "runs both, this one first, for the report",
     )
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=3,
+        metavar="ROUNDS",
+        help="decode with the table in the model and with the first PLE transport in turn, ROUNDS times "
+        "each, for a step-time ratio from one stretch of the host's time (default 3; 0 skips)",
+    )
     parser.add_argument("--role", choices=["main", "load"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--artifact", help=argparse.SUPPRESS)
     parser.add_argument("--expect", help=argparse.SUPPRESS)
@@ -404,8 +443,10 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
         if subprocess.run(cmd, timeout=1800).returncode != 0:
             failures.append("the AOT-loaded step in a fresh process did not reproduce the reference")
 
-    # 3. The PLE table on the GPU, and the other transports: same tokens.
+    # 3. The PLE table on the GPU, and the other transports: same tokens. Then the table on the
+    #    GPU and the primary transport in turn, for the step-time comparison.
     max_diff = 0.0
+    alternated = None
     for transport in ["gpu"] + args.ple_transport[1:]:
         built = build(transport, cfg, device)
         try:
@@ -419,6 +460,8 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
                 label=f"{transport} transport" if transport != "gpu" else "PLE table on the GPU",
             )
             waits, waits_ok = check_waits(built, step)
+            if transport == "gpu" and args.alternate:
+                alternated = alternate(primary, step, built, cfg, device, args.alternate, reference.tokens, failures)
         finally:
             built.close()
         if not waits_ok:
@@ -428,7 +471,7 @@ def run_demo(args, cfg: Config, device: torch.device) -> int:
             failures.append(f"{transport}: tokens differ from the {primary} transport's")
         if transport == "gpu":
             max_diff = max((run.logits[k] - v).abs().max().item() for k, v in reference.logits.items())
-    report(cfg, device, results, pressured, max_diff)
+    report(cfg, device, results, pressured, max_diff, alternated)
     if failures:
         print("decode loop: MISMATCH " + "; ".join(failures))
         return 1

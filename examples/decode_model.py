@@ -216,12 +216,16 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden, 2)
         self.lm_head = Linear(cfg.hidden, cfg.vocab, 3)
 
-    def attach_kv_cache(self, num_blocks: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Give every layer a zeroed cache (finite bytes everywhere); returns them by layer name."""
+    def attach_kv_cache(self, num_blocks: int, device: torch.device, shared=None) -> dict[str, torch.Tensor]:
+        """Give every layer a zeroed cache (finite bytes everywhere), or another model's caches
+        (``shared``, as returned here), used in turn; returns them by layer name."""
         cfg = self.cfg
         caches = {}
         for i, layer in enumerate(self.layers):
-            cache = torch.zeros(2, num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim, device=device)
+            if shared is None:
+                cache = torch.zeros(2, num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim, device=device)
+            else:
+                cache = shared[f"layers.{i}"]
             layer.attn.register_buffer("kv_cache", cache, persistent=False)
             caches[f"layers.{i}"] = cache
         return caches

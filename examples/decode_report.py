@@ -23,10 +23,37 @@ def _us(values: list[float]) -> str:
     return f"{percentile(values, 0.5) * 1e6:.0f} ({max(values) * 1e6:.0f})" if values else "-"
 
 
-def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured, max_diff: float) -> None:
+def _report_alternated(device: torch.device, alternated: dict[str, list[list[float]]]) -> None:
+    """Step p50 over every round of each placement, and each round's p50 ratio to the model's."""
+    rounds = len(alternated["gpu"])
+    print(f"\nthe same placements decoding in turn, {rounds} rounds each (one stretch of the host's time)")
+    print(f"\n| PLE table ({device.type}), in turn | steps | step p50 (us) | p50 ratio | p50 ratio per round |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    base = percentile([t for r in alternated["gpu"] for t in r], 0.5)
+    labels = {"gpu": "in the model", "process": "offload process", "gather": "host gather"}
+    for name, runs in alternated.items():
+        steps = [t for r in runs for t in r]
+        per_round = " / ".join(
+            f"{percentile(r, 0.5) / percentile(m, 0.5):.3f}" for r, m in zip(runs, alternated["gpu"])
+        )
+        print(
+            f"| {labels[name]} | {len(steps)} | {percentile(steps, 0.5) * 1e6:.0f} | "
+            f"{percentile(steps, 0.5) / base:.3f} | {per_round if name != 'gpu' else '-'} |"
+        )
+
+
+def report(
+    cfg: Config,
+    device: torch.device,
+    results: dict[str, Run],
+    pressured,
+    max_diff: float,
+    alternated: dict[str, list[list[float]]] | None = None,
+) -> None:
     """The table the README quotes: step time per PLE placement as a ratio to the table in the
-    model, tokens/s, the memory moved off the GPU; the KV traffic of each pressure run; and the
-    resume-step time with layer-wise loads against load-then-step."""
+    model, tokens/s, the memory moved off the GPU; the same placements decoded in turn
+    (``alternated``, rounds of step seconds per placement); the KV traffic of each pressure run;
+    and the resume-step time with layer-wise loads against load-then-step."""
     table_bytes = cfg.vocab * cfg.layers * cfg.ple_dim * 4
     print(f"\nlargest logit difference against the model that holds its PLE table: {max_diff:.3g}")
     print(f"{device.type.upper()} memory the offloaded PLE table no longer takes: {_size(table_bytes)}")
@@ -52,6 +79,8 @@ def report(cfg: Config, device: torch.device, results: dict[str, Run], pressured
         )
     if device.type == "cpu":
         print("(on the CPU the offload process and this one share two cores and spin: times say nothing)")
+    if alternated:
+        _report_alternated(device, alternated)
     if not pressured:
         return
     link = None

@@ -67,5 +67,19 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
     assert all(int(calls) == 10 * int(n) >= 10 and float(x) > 0 for n, calls, x in replays), out
     # Both transports ran against the model that holds its table.
     assert "| offload process |" in out and "| host gather |" in out, out
+    # ... and the table in the model and the first transport (the offload process) decoded the
+    # workload in turn, 3 rounds each (tokens checked: a difference is a MISMATCH), each round's
+    # ratio reported: the same workload three times each, so as many steps, a multiple of 3.
+    assert "decoding in turn, 3 rounds each" in out, out
+    in_turn, steps = out[out.index("decoding in turn") :], {}
+    for label in ["in the model", "offload process"]:
+        row = re.search(rf"^\| {label} \| (\d+) \| \d+ \| ([\d.]+) \| (.*) \|$", in_turn, re.MULTILINE)
+        assert row, out
+        steps[label] = int(row.group(1))
+        if label == "in the model":
+            assert row.group(2) == "1.000" and row.group(3) == "-", out
+        else:
+            assert len(row.group(3).split(" / ")) == 3 and float(row.group(2)) > 0, out
+    assert steps["in the model"] == steps["offload process"] > 0 and steps["in the model"] % 3 == 0, out
     assert "MISMATCH" not in out, out
     assert list(tmp_path.iterdir()) == []  # the disk tier left nothing behind
