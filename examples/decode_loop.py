@@ -356,6 +356,8 @@ def main(argv=None) -> int:
     parser.add_argument("--artifact", help=argparse.SUPPRESS)
     parser.add_argument("--expect", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.alternate < 0:
+        parser.error(f"--alternate must be 0 (skip) or a number of rounds, got {args.alternate}")
     args.ple_transport = args.ple_transport or ["process", "gather"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = CONFIGS[args.config or ("gemma" if device.type == "cuda" else "small")]

@@ -26,7 +26,8 @@ def _us(values: list[float]) -> str:
 def _report_alternated(device: torch.device, alternated: dict[str, list[list[float]]]) -> None:
     """Step p50 over every round of each placement, and each round's p50 ratio to the model's."""
     rounds = len(alternated["gpu"])
-    print(f"\nthe same placements decoding in turn, {rounds} rounds each (one stretch of the host's time)")
+    each = f"{rounds} round{'s' if rounds != 1 else ''} each"
+    print(f"\nthe same placements decoding in turn, {each} (one stretch of the host's time)")
     print(f"\n| PLE table ({device.type}), in turn | steps | step p50 (us) | p50 ratio | p50 ratio per round |")
     print("| --- | ---: | ---: | ---: | --- |")
     base = percentile([t for r in alternated["gpu"] for t in r], 0.5)
