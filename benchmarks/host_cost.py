@@ -17,7 +17,10 @@ drawn before any timing, distinct destinations, consecutive calls on disjoint bl
   host p50 / baseline host p50 and baseline call-to-done / call-to-done (a bandwidth ratio).
   ``copy_`` is measured again at each engine, after its settle (rows ``copy_`` with the engine's
   path): the engine's rows are divided by that floor, so that a host whose speed drifts during
-  the run (on the H200 it ran twice as slow for a whole engine's rows) gives honest ratios.
+  the run (on the H200 it ran twice as slow for a whole engine's rows) gives honest ratios. The
+  engine's store/load rows also time that ``copy_`` right before each call, in the same state
+  (``copy_ just before``, column ``paired_copy_host_p50_us``): the drift within an engine's rows
+  (seconds) is larger than between a call and the copy before it.
 
 Rows (the cache: 8 layers K/V-first, ``{f"layer{i}": torch.empty(2, num_blocks, 16, 8, 256,
 bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 64 blocks):
@@ -110,7 +113,8 @@ COLUMNS = [
     "call", "path", "dir", "ids", "checks", "blocks", "bytes", "family", "regime", "status", "picked", "reps",
     "host_p50_us", "host_p90_us", "done_p50_us", "done_p90_us",
     "copy_host_p50_us", "copy_done_p50_us", "torch_host_p50_us", "torch_done_p50_us",
-    "host_vs_copy", "host_vs_torch", "bw_vs_copy", "bw_vs_torch", "note",
+    "paired_copy_host_p50_us", "host_vs_copy", "host_vs_paired_copy", "host_vs_torch", "bw_vs_copy", "bw_vs_torch",
+    "note",
 ]  # fmt: skip
 
 
@@ -328,12 +332,16 @@ class Bench:
 
     # --- baselines -----------------------------------------------------------------------
 
-    def copy_baseline(self, direction: str, nbytes: int, family: str = "kv", regime: str = "") -> dict:
+    def floor_call(self, direction: str, nbytes: int):
+        """The floor: ``call(i)``, one bare non_blocking ``copy_`` of ``nbytes`` (GPU to page-locked
+        host memory for a store, back for a load)."""
         dev, host = self.dev_flat[:nbytes], self.host_flat[:nbytes]
         if direction == "store":
-            call = lambda i: host.copy_(dev, non_blocking=True)  # noqa: E731
-        else:
-            call = lambda i: dev.copy_(host, non_blocking=True)  # noqa: E731
+            return lambda i: host.copy_(dev, non_blocking=True)
+        return lambda i: dev.copy_(host, non_blocking=True)
+
+    def copy_baseline(self, direction: str, nbytes: int, family: str = "kv", regime: str = "") -> dict:
+        call = self.floor_call(direction, nbytes)
 
         def idle():
             self.sync()
@@ -465,8 +473,19 @@ class Bench:
         else:
             call = lambda i: engine.load(calls[i][1], calls[i][0])  # noqa: E731
 
+        # Before each call, in the same state, the floor of its bytes (the paired floor): the
+        # host's speed drifts within a run, even between an engine's floor rows and its own rows
+        # seconds later (the fourteenth session's run: 8x the engine's floor for one engine, 3.3x
+        # for the next), but hardly between two calls a copy apart.
+        floor, floors = self.floor_call(direction, n * self.width), []
+
         def idle():
             engine.flush()
+            self.sync()
+            self.disturb(regime)
+            t0 = time.perf_counter_ns()
+            floor(0)
+            floors.append(time.perf_counter_ns() - t0)
             self.sync()
             self.disturb(regime)
 
@@ -487,7 +506,11 @@ class Bench:
             print(f"FAILED: {what}", flush=True)
             traceback.print_exc()
             return self.row(**base, status="failed", note=f"{type(e).__name__}: {e}".splitlines()[0][:200])
-        return self.row(**base, picked=picked(before, engine.path_counts), **stats)
+        paired = statistics.median(floors[self.cfg.warm :]) / 1e3
+        return self.row(
+            **base, picked=picked(before, engine.path_counts), paired_copy_host_p50_us=paired,
+            host_vs_paired_copy=stats["host_p50_us"] / paired, **stats,
+        )  # fmt: skip
 
     def poll_flush_rows(self, engine, path: str, n: int) -> list[dict]:
         calls = self.draw(n)
@@ -739,7 +762,7 @@ def num(x, ratio: bool = False) -> str:
 
 HEADER = (
     "| call | path | dir | ids | checks | blocks | host p50 us | host p90 us | call-to-done us "
-    "| host p50 / copy_ | host p50 / torch | copy_ done / done | torch done / done |"
+    "| host p50 / copy_ | host p50 / copy_ just before | host p50 / torch | copy_ done / done | torch done / done |"
 )
 
 
@@ -766,10 +789,12 @@ def markdown(rows: list[dict], cfg: Config, note: str) -> str:
         "Python lists; PLE rows: eager steps, or prepare / graph.replay() / release(enqueue=False) of a",
         "captured step (step: all three). checks: kv_ops.set_id_checks for the ops; engine: the",
         "engine's own, as it comes. refused: the call raised ValueError (host_cost.csv has the message).",
+        "copy_ just before (engine store/load rows): the same floor timed before each call, in the same",
+        "state (after the flush, the sync and the regime's disturbance), its p50 over the row's calls.",
         "Full per-row figures (p90 of call-to-done too) are in host_cost.csv.",
         "",
         HEADER,
-        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (family, call, path, direction, ids, checks), group in groups.items():
         group.sort(key=lambda r: r.get("blocks") or 0)
@@ -786,7 +811,8 @@ def markdown(rows: list[dict], cfg: Config, note: str) -> str:
         lines.append(
             f"| {call} | {path} | {direction} | {ids} | {checks} | {blocks} | {cells('host_p50_us')} "
             f"| {cells('host_p90_us')} | {cells('done_p50_us')} | {cells('host_vs_copy', True)} "
-            f"| {cells('host_vs_torch', True)} | {cells('bw_vs_copy', True)} | {cells('bw_vs_torch', True)} |"
+            f"| {cells('host_vs_paired_copy', True)} | {cells('host_vs_torch', True)} | {cells('bw_vs_copy', True)} "
+            f"| {cells('bw_vs_torch', True)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -51,6 +51,12 @@ def test_host_cost_quick_on_the_cpu_writes_every_call(tmp_path):
         if r["call"] in ("store", "load", "copy_blocks") and r["status"] == "ok" and not r["regime"]:
             assert float(r["copy_host_p50_us"]) > 0 and float(r["torch_host_p50_us"]) > 0, r
             assert float(r["bw_vs_copy"]) > 0, r
+        if r["call"] in ("store", "load") and r["status"] == "ok":
+            # ... and beside the floor timed right before each of its calls (regimes included).
+            paired = float(r["paired_copy_host_p50_us"])
+            assert paired > 0 and math.isclose(
+                float(r["host_vs_paired_copy"]), float(r["host_p50_us"]) / paired, rel_tol=1e-3
+            ), r  # the CSV keeps 4 digits
 
     # The regime rows (on the CPU: after a host sweep), each engine's with its own floor.
     for path in ("kernel", "staged", "dma", "auto"):
@@ -68,6 +74,7 @@ def test_host_cost_quick_on_the_cpu_writes_every_call(tmp_path):
     table = (tmp_path / "host_cost.md").read_text()
     assert table.startswith("# Host cost per call"), table[:200]
     assert "| call | path | dir | ids | checks | blocks | host p50 us | host p90 us | call-to-done us |" in table
+    assert "| host p50 / copy_ | host p50 / copy_ just before |" in table
     assert "# Host cost per call" in out  # printed too
 
 
