@@ -318,9 +318,11 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
     return Crossover(shape_key(device, widths, ring_bytes), cells)
 
 
-def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = 2) -> float:
+def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = CALLS) -> float:
     """Seconds per call, ``calls`` issued back to back until the last copy ends; best of ``reps``
-    after a warm-up."""
+    after a warm-up. As many samples as :func:`_single` takes: with two, a host hiccup in both
+    made a path's sustained rate 0.73x its single rate (on the H200, 10 measurements in a row
+    swung the dma path's 256-row store between 4.0 and 5.3 GB/s), and the pick moved with it."""
     best = math.inf
     for rep in range(reps + 1):
         torch.cuda.synchronize(device)
