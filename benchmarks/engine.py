@@ -95,7 +95,7 @@ def kib(n: int) -> str:
 
 def guard(what: str, fn, *args):
     """``fn(*args)``, or None after printing the traceback: one failed measurement must not cost
-    the others (the run is one shot on a lent device)."""
+    the others (a GPU run measures everything in one go)."""
     try:
         return fn(*args)
     except Exception:

@@ -42,14 +42,14 @@ bfloat16)}``, 64 KiB per region, 16 regions, 1 MiB per packed block; 1, 4, 16, 6
   of host memory read and written by numpy (the host work of a step, which evicts the engine's
   code and data from the caches). Each regime has its own ``copy_`` floor at that engine, timed
   after the same disturbance. The decode loop's stores cost 3.3-3.7x inside the loop what they
-  cost replayed back to back on the H200 (2026-12-01); these rows take that apart.
+  cost replayed back to back on the H200; these rows take that apart.
 * ``poll``: ids ``after store``: one ``poll()`` right after a store of the blocks (CPU-tensor ids),
   call-to-done from the store's call to the first ``poll()`` that reports it; ``idle``: nothing
   in flight. ``flush``: ``after store``: ``flush()`` right after such a store (its host time
   includes the wait for the copy); ``idle``: nothing in flight.
 * ``prepare`` / ``forward`` / ``release``: ``ple_ops.OffloadRuntime`` (8 PLE layers of 256
   float32 per token, 8 tokens: 64 KiB of rows per step; pure lookups, gathered by the offload
-  process since the tenth session), eager steps; prepare's call-to-done ends when the offload
+  process), eager steps; prepare's call-to-done ends when the offload
   process has served the step (``served_steps()``): the wait a step's first PLE layer may meet;
   the forward (its rows already served: the host cost of enqueuing every layer's wait and pull)
   and release's at ``torch.cuda.synchronize()``.
@@ -98,7 +98,7 @@ PATHS = ("kernel", "staged", "dma", "auto")
 REPS, QUICK_REPS = 40, 10
 WARM, QUICK_WARM = 3, 2
 SERVE_TIMEOUT = 30.0  # seconds a poll or an offload step may take before the row fails
-# Untimed store/flush pairs after each engine is made, before its rows. On the H200 (2026-12-01)
+# Untimed store/flush pairs after each engine is made, before its rows. On the H200
 # the host thread ran about twice as slow for the first rows after the auto engine's crossover
 # sweep, its idle poll() too, then recovered: without this its rows charged that to the path.
 SETTLE_S, QUICK_SETTLE_S = 2.0, 0.0
@@ -475,8 +475,8 @@ class Bench:
 
         # Before each call, in the same state, the floor of its bytes (the paired floor): the
         # host's speed drifts within a run, even between an engine's floor rows and its own rows
-        # seconds later (the fourteenth session's run: 8x the engine's floor for one engine, 3.3x
-        # for the next), but hardly between two calls a copy apart.
+        # seconds later (8x the engine's floor for one engine, 3.3x for the next, seen on the H200),
+        # but hardly between two calls a copy apart.
         floor, floors = self.floor_call(direction, n * self.width), []
 
         def idle():

@@ -3,8 +3,7 @@
 The step: ``--layers`` layers (32 by default) of Llama-3-8B's matmuls over ``--tokens`` tokens
 in bf16: RMSNorm, the QKV projection ``[4096, 6144]``, the read of the layer's blocks (the
 stand-in for attention, which scales the queries), the output projection ``[4096, 4096]``,
-RMSNorm and the gated MLP ``[4096, 2 x 14336]``, ``[14336, 4096]``, with the residual adds. (Until
-the eleventh session it ran the ungated MLP alone, about half these FLOPs.)
+RMSNorm and the gated MLP ``[4096, 2 x 14336]``, ``[14336, 4096]``, with the residual adds.
 The cache is Llama-3-8B's: per layer K/V-first ``[2, blocks, 16, 8, 128]`` bf16, so a block packs
 64 KiB per layer and 2 MiB over 32 layers. The step is ``torch.compile(fullgraph=True)``, then
 captured in a ``torch.cuda.CUDAGraph``, once with a ``kv_ops.wait_layer`` before each layer and

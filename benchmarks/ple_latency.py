@@ -96,7 +96,7 @@ def round_trips(variants: dict, a: ple_ops.CpuGpuSemaphore, b: ple_ops.CpuGpuSem
             start = time.perf_counter()
             a.host_signal()
             while b.host_value() != ple_ops.semaphore.DONE:
-                if time.perf_counter() - start > 5.0:  # a benchmark must not hang the lease either
+                if time.perf_counter() - start > 5.0:  # a benchmark must not hang either
                     raise RuntimeError("the stream never raised flag b")
             if rep >= 20:
                 times[name].append(time.perf_counter() - start)

@@ -92,9 +92,8 @@ class Step:
             self.runtime.prepare(host.inputs.tokens)
         t1 = launch = time.perf_counter()
         if self.graph is not None and self._gpu_span is not None:
-            # Outside the timed pieces: this record is the measurement's own cost (the thirteenth
-            # session's column timed it inside prepare's: tens of microseconds in the loop), and both
-            # tables' steps pay it alike.
+            # Outside the timed pieces: this record is the measurement's own cost (timed inside
+            # prepare's, it added tens of microseconds in the loop), and both tables' steps pay it alike.
             self._gpu_span[0].record()
             launch = time.perf_counter()
         if self.graph is not None:

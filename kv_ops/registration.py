@@ -1,0 +1,32 @@
+"""The one way both packages register an operator: its schema, fake, CPU and CUDA implementations.
+
+Not ``torch.library.custom_op``: its Python dispatch wrappers cost 30-44 us per eager call before
+the implementation runs (a no-op with 16 + 16 regions), a plain library op 5-7 us, and an eager
+copy must cost tens of microseconds in all (docs/design.md). ``torch.compile`` treats the op as
+opaque and keeps it because its schema mutates an input (``Tensor(a!)``); ``opcheck`` checks that
+the declared mutations are the real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# One library per namespace, kept for the life of the process: dropping a Library unregisters its ops.
+_libraries: dict[str, torch.library.Library] = {}
+# As custom_op gives them: the compiler may trust the schema.
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+
+
+def register_op(namespace: str, schema: str, *, fake: Callable, cpu: Callable, cuda: Callable | None = None) -> None:
+    """Define ``namespace::schema`` with ``fake`` (shape rules, ``torch._check``s built from the same
+    conditions as the eager checks), ``cpu`` and ``cuda`` (``cpu`` serves CUDA too when omitted)."""
+    lib = _libraries.get(namespace)
+    if lib is None:
+        lib = _libraries[namespace] = torch.library.Library(namespace, "DEF")
+    name = schema.split("(", 1)[0]
+    lib.define(schema, tags=_TAGS)
+    torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
+    lib.impl(name, cpu, "CPU")
+    lib.impl(name, cpu if cuda is None else cuda, "CUDA")
