@@ -2,18 +2,27 @@
 
 Where each piece lives, by floor (a module imports only the floors below it):
 
-The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and nothing above it.
+The shared CUDA floor, at the bottom: the modules both kv_ops and ple_ops build on. ple_ops imports
+them by the public names in their ``__all__`` only, so what they keep private may change freely.
 
-* ``driver``      -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
-                     ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
-* ``capture``     -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture;
-                     ``captured_into``: the ops' own captures.
-* ``host_memory`` -- ``pinned_empty`` (exact-size page-locked memory), ``device_view``.
+* ``arguments``    -- ``positive_int``, ``device``, ``cuda_device``: the count and device rules of every entry point.
+* ``registration`` -- ``register_op``: the one way both packages register an operator.
+* ``driver``       -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
+                      ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
+* ``capture``      -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture;
+                      ``captured_into``: the ops' own captures.
+* ``host_memory``  -- ``pinned_empty`` (exact-size page-locked memory), ``pin_mapping``, ``device_view``,
+                      ``check_host_bytes`` (a size refused before anything is allocated).
+* ``kernels``      -- the Triton block-copy kernel and its launcher; ``NUM_PROGRAMS``, ``NUM_WARPS``,
+                      ``TILE_BYTES``, the tile ple_ops sizes its own kernels by.
+
+The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and nothing above it; the
+shared CUDA floor is part of it.
+
 * ``reference``   -- pure-torch copies: the CPU path and the test oracle.
 * ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
                      to block-strided byte regions ``[num_blocks, block_bytes]``.
 * ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
-* ``kernels``     -- the Triton block-copy kernel and its launcher.
 * ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
 
 The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the ops.

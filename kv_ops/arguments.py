@@ -1,4 +1,4 @@
-"""The plain arguments every public entry point of both packages shares: counts and devices, one rule each."""
+"""The plain arguments every public entry point of kv_ops and ple_ops shares: counts and devices, one rule each."""
 
 from __future__ import annotations
 
@@ -37,17 +37,29 @@ def device(owner: str, value, what: str = "device") -> torch.device:
     if found.type != "cuda":
         return found
     if not torch.cuda.is_available():
-        raise ValueError(f"{owner}: {what} is {value!r}, but this machine has no CUDA device (torch.cuda.is_available() is False)")
+        raise ValueError(
+            f"{owner}: {what} is {value!r}, but this machine has no CUDA device (torch.cuda.is_available() is False)"
+        )
     index = torch.cuda.current_device() if found.index is None else found.index
     if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(f"{owner}: {what} is {value!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ValueError(
+            f"{owner}: {what} is {value!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     return torch.device("cuda", index)
 
 
 def cuda_device(owner: str, value, what: str = "device") -> torch.device:
     """:func:`device`, for an entry point that only works on CUDA: ``None`` is the current GPU and a
     CPU device is a ``ValueError``."""
+    if value is None and not torch.cuda.is_available():
+        raise ValueError(
+            f"{owner}: {what} defaults to the current CUDA device, but this machine has none "
+            "(torch.cuda.is_available() is False)"
+        )
     found = device(owner, "cuda" if value is None else value, what)
     if found.type != "cuda":
         raise ValueError(f"{owner}: {what} must be a CUDA device, got {value!r}")
     return found
+
+
+__all__ = ["positive_int", "device", "cuda_device"]

@@ -1,4 +1,7 @@
-"""Whether a CUDA graph is being captured, the one refusal of work that must not be captured, and the ops' own captures."""
+"""CUDA-graph capture for kv_ops and ple_ops: whether one is under way, the one refusal of what it must not record.
+
+And :func:`captured_into`, the ops' own captures.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def captured_into(graph: torch.cuda.CUDAGraph):
     hundreds). Thread-local, so other threads' CUDA calls stay legal meanwhile. With the
     garbage collector off: a collection inside the capture can destroy an old ``CUDAGraph``,
     whose teardown frees memory, which the driver refuses during a capture, and the capture is
-    then invalidated (seen on the H200 once a test run had left hundreds of graphs behind).
+    then invalidated, which grows likely once a process holds hundreds of old graphs.
     """
     enabled = gc.isenabled()
     gc.disable()

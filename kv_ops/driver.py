@@ -133,7 +133,7 @@ def _bind_primary_context(index: int) -> None:
     On a fresh thread whose runtime device already is ``index`` (device 0, by default), torch
     never calls ``cudaSetDevice`` and the runtime binds its context only inside runtime calls:
     the thread's driver context stays null, and a driver call that resolves addresses through it
-    fails (``cuMemcpyBatchAsync`` returns ``CUDA_ERROR_INVALID_VALUE``). Measured on the H200.
+    fails (``cuMemcpyBatchAsync`` returns ``CUDA_ERROR_INVALID_VALUE``).
     """
     drv = driver()
     (current,) = check_driver(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import positive_int
 from .host_memory import bytes_at
 
 
@@ -18,8 +19,8 @@ def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     aliases of the same storage. That is the point: regions handed to a compiled graph as views
     of one storage make AOTAutograd rebuild them from a synthetic base, and Inductor then clones
     the mutated ones around every call (a KV cache's worth of bytes per step on torch 2.13) or
-    writes them back at wrong offsets (torch 2.11, seen on the H200 machine). Regions are checked
-    disjoint where they are made, so nothing is lost by hiding their common storage.
+    writes them back at wrong offsets (torch 2.11). Regions are checked disjoint where they are
+    made, so nothing is lost by hiding their common storage.
     """
     storage = base.untyped_storage()
     if offset < 0 or offset + nbytes > storage.nbytes():
@@ -100,9 +101,26 @@ class _Placement:
         return (num_blocks - 1) * self.stride + self.width
 
 
-def _check_num_blocks(num_blocks: int) -> None:
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+def check_kv_caches(owner: str, kv_caches) -> None:
+    """Raise a ``ValueError`` naming ``owner`` unless ``kv_caches`` is a non-empty mapping of layer
+    names (``str``) to ``torch.Tensor``s: a list, a numpy array, ``{}``, a non-str key or a value
+    that is not a tensor is refused here, before its first use would fail with an unrelated error.
+
+    Examples
+    --------
+    >>> check_kv_caches("OffloadEngine", {"layer.0": torch.empty(4, 2, 16)})
+    """
+    if not isinstance(kv_caches, Mapping):
+        raise ValueError(
+            f"{owner}: kv_caches must be a mapping of layer name to torch.Tensor, got {type(kv_caches).__name__}"
+        )
+    if not kv_caches:
+        raise ValueError(f"{owner}: kv_caches must hold at least one layer, got an empty {type(kv_caches).__name__}")
+    for key, value in kv_caches.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{owner}: kv_caches keys must be layer names (str), got {key!r} ({type(key).__name__})")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{owner}: kv_caches[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _unique(placements: list[_Placement]) -> list[_Placement]:
@@ -169,8 +187,10 @@ def resolve_regions(
     Raises
     ------
     ValueError
-        A spec names no tensor in ``kv_caches``, its layers' tensors do not share one storage,
-        it does not fit its storage, it does not divide into whole regions, or two regions overlap.
+        ``kv_caches`` is not a non-empty mapping of str to Tensor (:func:`check_kv_caches`),
+        ``num_blocks`` is not a positive integer, a spec names no tensor in ``kv_caches``, its
+        layers' tensors do not share one storage, it does not fit its storage, it does not divide
+        into whole regions, or two regions overlap.
 
     Examples
     --------
@@ -181,7 +201,8 @@ def resolve_regions(
     >>> sorted(regions)
     ['l0.0', 'l0.1', 'l1.0', 'l1.1']
     """
-    _check_num_blocks(num_blocks)
+    check_kv_caches("resolve_regions", kv_caches)
+    num_blocks = positive_int("resolve_regions", "num_blocks", num_blocks)
     found: list[_Placement] = []
     for spec in specs:
         present = [name for name in spec.layers if name in kv_caches]
@@ -276,7 +297,8 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
     Raises
     ------
     ValueError
-        A tensor's layout is none of the above; the message says which tensor and why.
+        ``kv_caches`` or ``num_blocks`` is malformed (as :func:`resolve_regions` says), or a
+        tensor's layout is none of the above; the message says which tensor and why.
 
     Examples
     --------
@@ -284,7 +306,8 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
     >>> sorted(infer_regions(kv, num_blocks))[:2]
     ['l0.0', 'l0.1']
     """
-    _check_num_blocks(num_blocks)
+    check_kv_caches("infer_regions", kv_caches)
+    num_blocks = positive_int("infer_regions", "num_blocks", num_blocks)
     found: list[_Placement] = []
     for name, t in kv_caches.items():
         shape = tuple(t.shape)
@@ -336,4 +359,4 @@ def block_bytes(regions: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) ->
     return sum(r.shape[1] for r in values)
 
 
-__all__ = ["alias_bytes", "KVCacheTensorSpec", "resolve_regions", "infer_regions", "block_bytes"]
+__all__ = ["alias_bytes", "check_kv_caches", "KVCacheTensorSpec", "resolve_regions", "infer_regions", "block_bytes"]

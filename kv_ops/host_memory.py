@@ -1,17 +1,22 @@
-"""Exact-size page-locked host memory registered with the CUDA driver, device views of it, and the
-long-lived device tensors the ops cache (kept out of CUDA-graph memory pools)."""
+"""Page-locked host memory for kv_ops and ple_ops: exact-size, registered with the CUDA driver, and device views of it.
+
+Also the long-lived device tensors the ops cache (kept out of CUDA-graph memory pools).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import math
 import mmap
+import numbers
+import os
 import threading
 import warnings
 from collections.abc import Sequence
 
 import torch
 
+from .arguments import cuda_device
 from .driver import check_driver, device_pointer, driver, driver_context
 
 # cuMemHostRegister pins page by page; very large single registrations have failed on some
@@ -20,6 +25,60 @@ from .driver import check_driver, device_pointer, driver, driver_context
 # (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, every x86-64 and Grace system
 # we know) the device addresses are adjacent too, so one tensor may span several pieces.
 REGISTER_CHUNK_BYTES = 64 << 30
+
+_GIB = 1 << 30
+
+
+def host_memory_bytes() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of host memory: ``MemAvailable`` and ``MemTotal`` from
+    ``/proc/meminfo``, else ``os.sysconf``'s available and physical pages; None where neither
+    exists."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        # The kernel reports these in kB (KiB).
+        return int(fields["MemAvailable"].split()[0]) << 10, int(fields["MemTotal"].split()[0]) << 10
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _too_much(owner: str, what: str, nbytes: int, memory: tuple[int, int] | None, why: str) -> ValueError:
+    have = (
+        "this machine's host memory is unknown"
+        if memory is None
+        else f"this machine has {memory[0]} bytes ({memory[0] / _GIB:.2f} GiB) available of "
+        f"{memory[1]} bytes ({memory[1] / _GIB:.2f} GiB) in all"
+    )
+    return ValueError(
+        f"{owner}: {what} asks for {nbytes} bytes ({nbytes / _GIB:.2f} GiB) of page-locked host memory, but {have}{why}"
+    )
+
+
+def check_host_bytes(owner: str, what: str, nbytes: int) -> None:
+    """Raise a ``ValueError`` naming ``owner``, ``what``, the bytes asked and the bytes this machine
+    has when ``nbytes`` is more than it can give as page-locked host memory, before anything is
+    allocated.
+
+    The bound is ``MemAvailable`` (what the kernel can hand out without swapping): page-locked
+    memory cannot be swapped, so asking for more fails in ``mmap`` or in the driver's pinning, or
+    succeeds and starves the rest of the machine. The figure can overstate what a cgroup allows, so
+    the allocation itself is still checked (:func:`pinned_empty` does).
+
+    Examples
+    --------
+    >>> check_host_bytes("OffloadEngine", "capacity_bytes", num_host_blocks * block_bytes)
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
+        raise ValueError(f"{owner}: {what} must be a byte count >= 0, got {nbytes!r}")
+    memory = host_memory_bytes()
+    if memory is not None and nbytes > memory[0]:
+        raise _too_much(owner, what, int(nbytes), memory, "")
+
 
 # Whether pinned_empty has warned that CUDA is missing (once per process); public so that tests
 # reset it and see the warning again.
@@ -121,6 +180,13 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     torch.Tensor
         A contiguous CPU tensor; ``is_pinned()`` is True where CUDA exists.
 
+    Raises
+    ------
+    ValueError
+        A negative dimension, or more bytes than the machine can page-lock: refused before
+        anything is mapped (:func:`check_host_bytes`), or when the mapping or the pinning itself
+        runs out of memory.
+
     Examples
     --------
     >>> mirror = kv_ops.pinned_empty((num_host_blocks, block_bytes))
@@ -133,6 +199,7 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    check_host_bytes("pinned_empty", f"size {shape}", nbytes)
     if not torch.cuda.is_available() and not warned_no_cuda:
         warned_no_cuda = True
         warnings.warn(
@@ -142,7 +209,15 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
         )
     if _unreleased:
         _release_refused()
-    flat = pin_mapping(mmap.mmap(-1, nbytes), nbytes, register=torch.cuda.is_available())
+    try:
+        flat = pin_mapping(mmap.mmap(-1, nbytes), nbytes, register=torch.cuda.is_available())
+    except OSError as error:  # mmap's ENOMEM: overcommit rules or a cgroup limit said no
+        raise _too_much("pinned_empty", f"size {shape}", nbytes, host_memory_bytes(), f" (mmap: {error})") from None
+    except RuntimeError as error:
+        # The driver could not pin the pages; any other driver failure is not about size.
+        if "OUT_OF_MEMORY" not in str(error):
+            raise
+        raise _too_much("pinned_empty", f"size {shape}", nbytes, host_memory_bytes(), f" ({error})") from None
     return flat.view(dtype).view(shape)
 
 
@@ -151,7 +226,7 @@ def pin_mapping(mapping: mmap.mmap, nbytes: int, register: bool) -> torch.Tensor
     the driver first if ``register``. The tensor (and its views) own the mapping and the
     registration: both are released, registration first, when the last view dies."""
     if register:
-        with driver_context(torch.device("cuda", torch.cuda.current_device())):
+        with driver_context(cuda_device("pin_mapping", None)):
             owner = _Pinned(mapping, nbytes, register=True)
     else:
         owner = _Pinned(mapping, nbytes, register=False)
@@ -262,11 +337,7 @@ def device_view(host: torch.Tensor, device: torch.device | str | int | None = No
     """
     if host.device.type != "cpu" or not host.is_contiguous():
         raise ValueError(f"device_view needs a contiguous CPU tensor, got {host.device} stride {host.stride()}")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device_view: device must be a CUDA device, got {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = cuda_device("device_view", device)
     nbytes = host.numel() * host.element_size()
     if nbytes == 0:
         return torch.empty(host.shape, dtype=host.dtype, device=device)
@@ -277,6 +348,8 @@ def device_view(host: torch.Tensor, device: torch.device | str | int | None = No
 
 
 __all__ = [
+    "check_host_bytes",
+    "host_memory_bytes",
     "pinned_empty",
     "pin_mapping",
     "device_view",

@@ -1,4 +1,4 @@
-"""The Triton kernel that copies blocks between byte regions, and its launcher.
+"""The Triton kernel that copies blocks between byte regions, and its launcher; ple_ops sizes its kernels by its tiles.
 
 One kernel serves all three ops. Each side of a copy is either a list of regions (a block is
 row ``id`` of region ``r``) or a packed buffer (row ``i`` holds pair ``i``'s blocks of every
@@ -33,10 +33,9 @@ from .capture import captured_into, refuse_capture
 NUM_PROGRAMS = 8
 # Bytes one program moves per loop iteration, and the warps that move them. Host->GPU is the
 # hard direction: every load crosses PCIe (~1-2 us) before its store can issue, so each program
-# needs many bytes in flight. 32 KiB over 16 warps (16 B per thread per access, 4 accesses) was
-# the best of the tile x warps grid on the H200 (benchmarks/block_copy.py --tune): with 8
-# programs it reached 0.88-0.93 of memcpy host->GPU and 0.91-0.95 GPU->host for 256 B-64 KiB
-# blocks, where 16 KiB over 4 warps left host->GPU at 0.62-0.83.
+# needs many bytes in flight: 32 KiB over 16 warps (16 B per thread per access, 4 accesses) is the
+# best of the grid benchmarks/block_copy.py --tune sweeps, 0.88-0.93 of memcpy host->GPU with 8
+# programs where 16 KiB over 4 warps reaches 0.62-0.83.
 TILE_BYTES = 32768
 NUM_WARPS = 16
 # Ids checked per step in the kernel's counting phase.

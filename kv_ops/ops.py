@@ -1,15 +1,9 @@
 """The block-copy operators ``torch.ops.kv_ops.*``: schema, fake, CPU and CUDA implementations.
 
-Registration pattern, used for every op in this project: the schema is defined on a
-``torch.library.Library`` (mutations annotated, ``Tensor(a!)``), ``register_fake`` right under
-it, then the CPU and CUDA implementations, then a public wrapper with the docstring. Why not
-``torch.library.custom_op``: its Python dispatch wrappers cost 30-44 us per eager call before
-the implementation runs (measured: a no-op with 16 + 16 regions), the plain library op 5-7 us,
-and an eager copy must cost tens of microseconds in all. ``torch.compile`` treats the op as
-opaque and keeps it because its schema mutates an input, and ``opcheck`` checks that the
-schema's declared mutations are the real ones. Mixed-device calls (GPU regions with host
-regions) dispatch to the CUDA kernel, because the dispatcher picks the highest-priority backend
-among all tensor arguments.
+Each op is registered through :func:`kv_ops.registration.register_op` (why not ``custom_op``
+is said there), with a public wrapper carrying the docstring. Mixed-device calls (GPU regions
+with host regions) dispatch to the CUDA implementation: the dispatcher picks the
+highest-priority backend among all tensor arguments.
 
 Ops carry tensors and counts only. Addresses (including the device address of page-locked host
 memory) are resolved inside the implementation at call time, so nothing process-specific is
@@ -31,11 +25,9 @@ import torch
 
 from . import capture, kernels, reference
 from . import validation as V
+from .registration import register_op
 
 Regions = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
-
-_lib = torch.library.Library("kv_ops", "DEF")  # kept for the life of the process
-_TAGS = (torch.Tag.pt2_compliant_tag,)  # as custom_op gave them: compile may trust the schema
 
 
 def _kernel_device(*groups: Sequence[torch.Tensor]) -> torch.device:
@@ -150,11 +142,8 @@ def _check_fake_packed(op: str, regions, ids: torch.Tensor, what: str, packed: t
 
 # --- copy_blocks ---------------------------------------------------------------------------------
 
-_lib.define("copy_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor src_ids, Tensor dst_ids) -> ()", tags=_TAGS)
 
-
-@torch.library.register_fake("kv_ops::copy_blocks", lib=_lib)
-def _(src, dst, src_ids, dst_ids):
+def _copy_blocks_fake(src, dst, src_ids, dst_ids):
     op = "kv_ops.copy_blocks"
     torch._check(V.same_count(src, dst), lambda: V.region_count_message(op, len(src), len(dst)))
     for i, (a, b) in enumerate(zip(src, dst)):
@@ -198,7 +187,6 @@ def _check_copy_values(entry: _RegionSet, src_ids, dst_ids) -> None:
         V.check_disjoint_ids(op, src_ids, dst_ids)
 
 
-@torch.library.impl(_lib, "copy_blocks", "CPU")
 def _copy_blocks_cpu(src, dst, src_ids, dst_ids) -> None:
     device = torch.device("cpu")
     entry = _copy_set(src, dst, device)
@@ -210,7 +198,6 @@ def _copy_blocks_cpu(src, dst, src_ids, dst_ids) -> None:
         V.error_counter(device).add_(skipped)
 
 
-@torch.library.impl(_lib, "copy_blocks", "CUDA")
 def _copy_blocks_cuda(src, dst, src_ids, dst_ids) -> None:
     device = _kernel_device([src_ids, dst_ids], src, dst)
     entry = _copy_set(src, dst, device)
@@ -220,6 +207,15 @@ def _copy_blocks_cuda(src, dst, src_ids, dst_ids) -> None:
     # The kernel reads the ids where they are: no copy of them, no graph (a capture records the
     # launch as a kernel node), and after the first call no Triton binder either.
     entry.bound(None, src_ids, dst_ids, src_ids.shape[0], V.error_counter(device))
+
+
+register_op(
+    "kv_ops",
+    "copy_blocks(Tensor[] src, Tensor(a!)[] dst, Tensor src_ids, Tensor dst_ids) -> ()",
+    fake=_copy_blocks_fake,
+    cpu=_copy_blocks_cpu,
+    cuda=_copy_blocks_cuda,
+)
 
 
 def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
@@ -264,11 +260,8 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
 
 # --- gather_blocks -------------------------------------------------------------------------------
 
-_lib.define("gather_blocks(Tensor[] regions, Tensor ids, Tensor(a!) out) -> ()", tags=_TAGS)
 
-
-@torch.library.register_fake("kv_ops::gather_blocks", lib=_lib)
-def _(regions, ids, out):
+def _gather_blocks_fake(regions, ids, out):
     _check_fake_packed("kv_ops.gather_blocks", regions, ids, "out", out)
 
 
@@ -303,7 +296,6 @@ def _check_packed_call(kind: str, regions, ids, packed, device: torch.device) ->
     return entry
 
 
-@torch.library.impl(_lib, "gather_blocks", "CPU")
 def _gather_blocks_cpu(regions, ids, out) -> None:
     device = torch.device("cpu")
     _check_packed_call("gather", regions, ids, out, device)
@@ -312,11 +304,19 @@ def _gather_blocks_cpu(regions, ids, out) -> None:
         V.error_counter(device).add_(skipped)
 
 
-@torch.library.impl(_lib, "gather_blocks", "CUDA")
 def _gather_blocks_cuda(regions, ids, out) -> None:
     device = _kernel_device([ids, out], regions)
     entry = _check_packed_call("gather", regions, ids, out, device)
     entry.bound(out, ids, None, ids.shape[0], V.error_counter(device))
+
+
+register_op(
+    "kv_ops",
+    "gather_blocks(Tensor[] regions, Tensor ids, Tensor(a!) out) -> ()",
+    fake=_gather_blocks_fake,
+    cpu=_gather_blocks_cpu,
+    cuda=_gather_blocks_cuda,
+)
 
 
 def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -345,15 +345,11 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
 
 # --- scatter_blocks ------------------------------------------------------------------------------
 
-_lib.define("scatter_blocks(Tensor packed, Tensor ids, Tensor(a!)[] regions) -> ()", tags=_TAGS)
 
-
-@torch.library.register_fake("kv_ops::scatter_blocks", lib=_lib)
-def _(packed, ids, regions):
+def _scatter_blocks_fake(packed, ids, regions):
     _check_fake_packed("kv_ops.scatter_blocks", regions, ids, "packed", packed)
 
 
-@torch.library.impl(_lib, "scatter_blocks", "CPU")
 def _scatter_blocks_cpu(packed, ids, regions) -> None:
     device = torch.device("cpu")
     _check_packed_call("scatter", regions, ids, packed, device)
@@ -362,11 +358,19 @@ def _scatter_blocks_cpu(packed, ids, regions) -> None:
         V.error_counter(device).add_(skipped)
 
 
-@torch.library.impl(_lib, "scatter_blocks", "CUDA")
 def _scatter_blocks_cuda(packed, ids, regions) -> None:
     device = _kernel_device([ids, packed], regions)
     entry = _check_packed_call("scatter", regions, ids, packed, device)
     entry.bound(packed, None, ids, ids.shape[0], V.error_counter(device))
+
+
+register_op(
+    "kv_ops",
+    "scatter_blocks(Tensor packed, Tensor ids, Tensor(a!)[] regions) -> ()",
+    fake=_scatter_blocks_fake,
+    cpu=_scatter_blocks_cpu,
+    cuda=_scatter_blocks_cuda,
+)
 
 
 def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Regions) -> None:

@@ -30,3 +30,6 @@ def register_op(namespace: str, schema: str, *, fake: Callable, cpu: Callable, c
     torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
     lib.impl(name, cpu, "CPU")
     lib.impl(name, cpu if cuda is None else cuda, "CUDA")
+
+
+__all__ = ["register_op"]

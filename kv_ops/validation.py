@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import host_memory
+from . import arguments, host_memory
 from .capture import capturing, refuse_capture
 from .driver import check_code, copy_calls, current_stream_handle, driver_context
 
@@ -69,15 +69,6 @@ def should_check_ids(device: torch.device) -> bool:
     return _id_checks and not capturing(device)
 
 
-def _normalize(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def error_counter(device: torch.device | str | int | None = None) -> torch.Tensor:
     """The int64 ``[1]`` tensor in which kernels on ``device`` count skipped pairs.
 
@@ -85,7 +76,10 @@ def error_counter(device: torch.device | str | int | None = None) -> torch.Tenso
     (any op's warm-up does) before capturing a graph; creating it during capture would record
     its zero-fill into the graph.
     """
-    device = _normalize(device)
+    counter = _counters.get(device)  # a device seen before, as the ops pass it on every call
+    if counter is not None:
+        return counter
+    device = arguments.device("kv_ops.error_counter", device)
     counter = _counters.get(device)
     if counter is None:
         refuse_capture(
@@ -261,9 +255,8 @@ def _host_values(*sides: torch.Tensor) -> list[np.ndarray]:
 
     CUDA ids are copied on the current stream into this thread's page-locked buffer, then that
     stream is waited for: what ``.cpu()`` waits for too, but two driver copies instead of torch's
-    concatenation, allocation and pageable copy. (On the H200, back to back: an eager
-    ``copy_blocks`` of 1-64 GPU ids costs 59-66 us with the checks, 26-27 us without; the
-    difference holds the wait for the stream, on which the call before may still be copying.)
+    concatenation, allocation and pageable copy. The wait is most of what the checks cost an
+    eager call: the call before may still be copying on that stream (:func:`set_id_checks`).
     """
     device = sides[0].device
     if device.type != "cuda":

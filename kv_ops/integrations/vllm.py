@@ -51,6 +51,7 @@ import torch
 
 import kv_ops
 
+from ..arguments import positive_int
 from . import VLLM_VERSION
 
 
@@ -120,10 +121,8 @@ class OffloadOpsWorker(OffloadingWorker):
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int, **engine_kwargs):
-        if blocks_per_chunk < 1 or num_chunks < 1:
-            raise ValueError(
-                f"OffloadOpsWorker: blocks_per_chunk ({blocks_per_chunk}) and num_chunks ({num_chunks}) must be >= 1"
-            )
+        blocks_per_chunk = positive_int("OffloadOpsWorker", "blocks_per_chunk", blocks_per_chunk)
+        num_chunks = positive_int("OffloadOpsWorker", "num_chunks", num_chunks)
         regions: dict[str, torch.Tensor] = {}
         num_blocks = None
         for i, t in enumerate(kv_caches.tensors):

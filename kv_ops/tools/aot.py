@@ -61,7 +61,7 @@ def compile_step(step: Callable[..., Any], model: nn.Module, *example_args: Any)
     >>> compiled.save_compiled_function("step.aot")
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"compile_step: model must be an nn.Module, got {type(model).__name__}")
+        raise ValueError(f"compile_step: model must be an nn.Module, got {type(model).__name__}")
     _enable()
     return torch.compile(step, fullgraph=True).aot_compile(((model, *example_args), {}))
 

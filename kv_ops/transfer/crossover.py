@@ -25,9 +25,7 @@ The pick, in the nearest measured cell:
   the model;
 * a call that has the engine to itself (nothing in flight): of the paths within
   :data:`TOLERANCE` of the fastest single rate, the one with the least host time. The host is
-  then the scarce part: its time is the serving loop's, and nothing hides it. (On the H200 the
-  staged path came within 5% of the kernel path's single rate at 16-64 blocks of 1 MiB while
-  costing 2-3 times its host time; the copy-engine rule picked it, at 150-300 us a call.)
+  then the scarce part: its time is the serving loop's, and nothing hides it (docs/design.md).
 """
 
 from __future__ import annotations
@@ -42,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..host_memory import pinned_empty
-from .paths import COPY_ENGINES, PATH_NAMES, Blocks, Direction, low_priority_streams, make_paths
+from .blocks import Blocks, Direction, low_priority_streams
+from .paths import COPY_ENGINES, PATH_NAMES, make_paths
 
 # Bumped when what is measured changes, so that a kept file of an older measurement is not used.
 MEASUREMENT = 3
@@ -320,9 +319,8 @@ def measure(device: torch.device, widths: list[int], ring_bytes: int, paths=PATH
 
 def _sustained(path, calls: list[Blocks], device: torch.device, reps: int = CALLS) -> float:
     """Seconds per call, ``calls`` issued back to back until the last copy ends; best of ``reps``
-    after a warm-up. As many samples as :func:`_single` takes: with two, a host hiccup in both
-    made a path's sustained rate 0.73x its single rate (on the H200, 10 measurements in a row
-    swung the dma path's 256-row store between 4.0 and 5.3 GB/s), and the pick moved with it."""
+    after a warm-up. As many samples as :func:`_single` takes: with fewer, one host hiccup per
+    sample moves the sustained rate, and the pick with it."""
     best = math.inf
     for rep in range(reps + 1):
         torch.cuda.synchronize(device)

@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import reference
+from ..arguments import positive_int
 from ..host_memory import pinned_empty
 from ..ops import gather_blocks, scatter_blocks
 from ..validation import check_ids_meta, check_ids_values, id_checks
-from .paths import Blocks, Direction
+from .blocks import Blocks, Direction
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block size; 4 KiB covers every common device, and pages are 4 KiB anyway.
@@ -140,8 +141,8 @@ class BlockFile:
     """
 
     def __init__(self, directory: str, tag: str, slot_bytes: int, num_slots: int, page_cache: bool = False):
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ValueError(f"BlockFile: slot_bytes {slot_bytes} and num_slots {num_slots} must be > 0")
+        slot_bytes = positive_int("BlockFile", "slot_bytes", slot_bytes)
+        num_slots = positive_int("BlockFile", "num_slots", num_slots)
         self.fd: int | None = None
         self.directory = directory
         # What error messages call the file; it has no name on disk.
@@ -530,8 +531,8 @@ class DiskPath:
         gpu_ids, disk_ids = torch.from_numpy(blocks.gpu_ids.copy()), torch.from_numpy(blocks.host_ids.copy())
         return self.tier.submit(blocks.direction, gpu_ids, disk_ids, ready)
 
-    def reported(self, direction: Direction, job: DiskJob) -> BaseException | None:
-        return job.error
+    def reported(self, direction: Direction, done: DiskJob) -> BaseException | None:
+        return done.error
 
     def close(self) -> None:
         """Run every job submitted so far, stop the I/O thread and close the file; at most once

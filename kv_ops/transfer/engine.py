@@ -28,7 +28,6 @@ moment it is open, so even a process killed with SIGKILL leaves nothing in ``dis
 
 from __future__ import annotations
 
-import numbers
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,35 +35,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..arguments import positive_int
 from ..capture import refuse_capture
 from ..driver import current_stream_handle, driver_context, record_event
-from ..geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions
-from ..host_memory import pinned_empty
+from ..geometry import KVCacheTensorSpec, block_bytes, check_kv_caches, infer_regions, resolve_regions
+from ..host_memory import check_host_bytes, pinned_empty
 from . import crossover as crossover_mod
 from . import ids as ids_mod
+from .blocks import Blocks, Direction, Events, low_priority_streams, mirror_views
 from .disk import DiskPath, DiskTier, aligned
-from .paths import (
-    COPY_ENGINES,
-    PATH_NAMES,
-    Blocks,
-    Direction,
-    Events,
-    Path,
-    low_priority_streams,
-    make_paths,
-    mirror_views,
-)
+from .paths import COPY_ENGINES, PATH_NAMES, TransferPath, make_paths
 
 PATHS = ("auto", *PATH_NAMES)
 # GPU memory of each direction's staging ring, by default (the staged path's chunks pipeline
 # through it; a ring never holds more rows than one transfer can have).
 RING_BYTES = 128 << 20
-
-
-def _check_positive_int(what: str, value) -> None:
-    # bool is an int to Python, but True blocks or bytes is a mistake, never a size.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"OffloadEngine: {what} must be a positive integer, got {value!r}")
 
 
 class EngineClosedError(RuntimeError):
@@ -94,9 +79,9 @@ class _Lane:
 
     def __init__(self, direction: Direction):
         self.direction = direction
-        self.pending: deque[tuple[int, Path | DiskPath, object, object]] = deque()
+        self.pending: deque[tuple[int, TransferPath, object, object]] = deque()
 
-    def add(self, tid: int, path: Path | DiskPath, done, keep=None) -> None:
+    def add(self, tid: int, path: TransferPath, done, keep=None) -> None:
         self.pending.append((tid, path, done, keep))
 
     def poll(self, out: Completed, done_ids: list[int], wait: bool = False) -> None:
@@ -159,17 +144,20 @@ class OffloadEngine:
     Raises
     ------
     ValueError
-        Before anything is allocated: ``num_blocks``, ``capacity_bytes``, ``ring_bytes``,
-        ``staging_slots`` or ``staging_blocks`` not a positive integer, an unknown ``path``,
-        caches on several devices, or a capacity that holds no block.
+        Before anything is allocated: ``kv_caches`` not a non-empty mapping of names to tensors,
+        ``num_blocks``, ``capacity_bytes``, ``ring_bytes``, ``staging_slots`` or
+        ``staging_blocks`` not a positive integer, an unknown ``path``, caches on several
+        devices, a capacity that holds no block, or page-locked memory (the mirror, or the
+        disk tier's staging buffers) beyond what this machine has available.
 
     Notes
     -----
     One thread drives an engine: the calls are not safe to make concurrently. An engine dropped
     without :meth:`close` frees its mirror as any tensor; a disk tier's I/O thread and file are
-    released once the engine is garbage collected (close it to know when). Ids are integer
-    sequences, numpy arrays, or int32/int64 tensors on the CPU or the engine's device; anything
-    else (floats, booleans, meta tensors) is refused with ``ValueError`` before any byte moves.
+    released once the engine is garbage collected (close it to know when). Ids are 1-D: a list
+    or tuple of ints, an int32/int64 numpy array, or an int32/int64 tensor on the CPU or the
+    engine's device; anything else (floats, booleans, other integer dtypes, 2-D ids, meta
+    tensors) is refused with ``ValueError`` naming the argument, before any byte moves.
     Host ids are checked on the host (numpy). GPU ids are never read by the host: the transfer
     copies them on its own stream after the caller's current stream, and the kernel skips and
     counts a pair with an invalid id (:func:`kv_ops.error_count`); only the kernel path (what
@@ -197,6 +185,7 @@ class OffloadEngine:
         ring_bytes: int = RING_BYTES,
         crossover_file: str | None = None,
     ):
+        check_kv_caches("OffloadEngine", kv_caches)
         if path not in PATHS:
             raise ValueError(f"OffloadEngine: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
         for what, value in (
@@ -205,7 +194,7 @@ class OffloadEngine:
             ("staging_slots", staging_slots),
             ("staging_blocks", staging_blocks),
         ):
-            _check_positive_int(what, value)
+            positive_int("OffloadEngine", what, value)
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
             raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
@@ -218,6 +207,16 @@ class OffloadEngine:
         self.num_host_blocks = int(capacity_bytes) // slot_bytes
         if self.num_host_blocks < 1:
             raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
+        # Page-locked memory cannot be swapped: more than the machine has is refused here, naming
+        # the bytes, rather than as an ENOMEM from mmap or the driver.
+        if disk_dir is None:
+            check_host_bytes("OffloadEngine", "capacity_bytes", self.num_host_blocks * self.block_bytes)
+        else:
+            check_host_bytes(
+                "OffloadEngine",
+                "staging_slots x staging_blocks (the disk tier's staging buffers)",
+                int(staging_slots) * int(staging_blocks) * slot_bytes,
+            )
         self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
         self.path = path
         self.crossover: crossover_mod.Crossover | None = None
@@ -236,7 +235,7 @@ class OffloadEngine:
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
-        self.paths: dict[str, Path | DiskPath] = {}
+        self.paths: dict[str, TransferPath] = {}
         if disk_dir is None:
             self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
             # Each region's columns of the mirror, by the region's name.
@@ -276,13 +275,40 @@ class OffloadEngine:
         # picked), and the disk tier on a disk engine.
         self.path_counts = dict.fromkeys((*PATH_NAMES, *self.paths), 0)
 
-    # --- transfers ---------------------------------------------------------------------------
+    # --- the interface LayerwiseLoads builds on ----------------------------------------------
+    # A mechanism that moves a load its own way (kv_ops.LayerwiseLoads) is one more path: it is
+    # issued through load_through, on the engine's load stream, with the engine's completion
+    # events, so it is ordered, counted and reported with every other load.
 
-    def _check_open(self, call: str) -> None:
+    def check_open(self, call: str) -> None:
+        """Raise :class:`EngineClosedError` naming ``OffloadEngine.<call>`` once the engine is closed."""
         if self._closed:
             raise EngineClosedError(
                 f"OffloadEngine.{call}: the engine is closed (close() was called); create a new engine"
             )
+
+    @property
+    def load_stream(self) -> torch.cuda.Stream | None:
+        """The engine's low-priority load copy stream (None on a CPU engine). Copies issued on it
+        land in issue order with the engine's other loads."""
+        return None if self._streams is None else self._streams[Direction.LOAD]
+
+    @property
+    def load_events(self) -> Events:
+        """Where a load path takes its completion events from; the engine gives each back there
+        (through the path's ``reported``) once the transfer is reported."""
+        return self._events[Direction.LOAD]
+
+    def load_through(self, path: TransferPath, host_ids, gpu_ids, after=None, *, op: str, instead: str) -> int:
+        """One load issued on ``path`` and tracked as :meth:`load` tracks its own: the ids checked
+        and taken in as :meth:`load` documents, ordered after ``after``, enqueued on ``path``
+        (:class:`~kv_ops.transfer.paths.TransferPath`), reported by :meth:`poll` and counted in
+        ``path_counts[path.name]`` (a key the caller adds once). ``op`` names the caller in errors and
+        ``instead`` is the advice given when a CUDA-graph capture is refused. Returns the
+        transfer id."""
+        return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, path=path, op=op, instead=instead)
+
+    # --- transfers ---------------------------------------------------------------------------
 
     def _ready(self, op: str, after, fresh: bool) -> torch.cuda.Event | None:
         """The event the transfer waits for: ``after`` itself, or recorded now on ``after`` (a
@@ -324,7 +350,7 @@ class OffloadEngine:
         ready.record(stream)
         return ready
 
-    def _pick(self, blocks: Blocks) -> Path:
+    def _pick(self, blocks: Blocks) -> TransferPath:
         name = self.path
         if name == "auto":
             name = None
@@ -348,7 +374,7 @@ class OffloadEngine:
                 return False
         return True
 
-    def _refuse_gpu_ids(self, op: str, blocks: Blocks, path: Path | DiskPath) -> None:
+    def _refuse_gpu_ids(self, op: str, blocks: Blocks, path: TransferPath) -> None:
         """GPU ids are never read by the host (that would wait for the caller's stream): only a
         path whose kernel reads them takes them."""
         for what, ids in (("gpu_ids", blocks.gpu_ids), ("host_ids", blocks.host_ids)):
@@ -369,10 +395,10 @@ class OffloadEngine:
         instead: str = "capture kv_ops.copy_blocks instead",
     ) -> int:
         """One store or load: ids checked, ordered after ``after``, enqueued on ``path`` (picked
-        here unless given), tracked in its lane. :class:`kv_ops.LayerwiseLoads` passes its own
-        path, and its own name (``op``) and advice (``instead``) for the errors."""
+        here unless given), tracked in its lane. :meth:`load_through` passes a path, and its
+        caller's name (``op``) and advice (``instead``) for the errors."""
         kind = direction.value
-        self._check_open(kind)
+        self.check_open(kind)
         op = op or f"OffloadEngine.{kind}"
         load = direction is Direction.LOAD
         # Destinations must not repeat (which copy would win is undefined); sources may.
@@ -428,9 +454,9 @@ class OffloadEngine:
 
         Parameters
         ----------
-        gpu_ids : sequence of int or int32/int64 tensor
+        gpu_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
             Source blocks in ``[0, num_blocks)``; may repeat.
-        host_ids : sequence of int or int32/int64 tensor
+        host_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
             Destination host blocks (disk-tier slots) in ``[0, num_host_blocks)``; distinct, as
             many as ``gpu_ids``.
         after : torch.cuda.Event or torch.cuda.Stream, optional
@@ -446,10 +472,10 @@ class OffloadEngine:
         Raises
         ------
         ValueError
-            Bad host ids (out of range, repeated destination, float or meta, length mismatch),
-            before any byte moves and without using up a transfer id; GPU ids given to a path
-            or tier that plans on the host (``dma``, the disk tier, ``host_ids`` on ``staged``);
-            a bad ``after``.
+            Bad ids (not 1-D, not int32/int64, meta; host ids out of range, a repeated
+            destination, a length mismatch), before any byte moves and without using up a
+            transfer id; GPU ids given to a path or tier that plans on the host (``dma``, the
+            disk tier, ``host_ids`` on ``staged``); a bad ``after``.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
@@ -468,9 +494,9 @@ class OffloadEngine:
 
         Parameters
         ----------
-        host_ids : sequence of int or int32/int64 tensor
+        host_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
             Source host blocks (disk-tier slots) in ``[0, num_host_blocks)``; may repeat.
-        gpu_ids : sequence of int or int32/int64 tensor
+        gpu_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
             Destination blocks in ``[0, num_blocks)``; distinct, as many as ``host_ids``.
         after : torch.cuda.Event or torch.cuda.Stream, optional
             Order the copy after this event, or after the work enqueued on this stream so far,
@@ -485,10 +511,10 @@ class OffloadEngine:
         Raises
         ------
         ValueError
-            Bad host ids (out of range, repeated destination, float or meta, length mismatch),
-            before any byte moves and without using up a transfer id; GPU ids given to a path
-            or tier that plans on the host (``dma``, the disk tier, ``host_ids`` on ``staged``);
-            a bad ``after``.
+            Bad ids (not 1-D, not int32/int64, meta; host ids out of range, a repeated
+            destination, a length mismatch), before any byte moves and without using up a
+            transfer id; GPU ids given to a path or tier that plans on the host (``dma``, the
+            disk tier, ``host_ids`` on ``staged``); a bad ``after``.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
@@ -518,7 +544,7 @@ class OffloadEngine:
         EngineClosedError
             After :meth:`close`.
         """
-        self._check_open("poll")
+        self.check_open("poll")
         return self._collect(wait=False)
 
     def flush(self) -> Completed:
@@ -534,7 +560,7 @@ class OffloadEngine:
         EngineClosedError
             After :meth:`close`.
         """
-        self._check_open("flush")
+        self.check_open("flush")
         return self._collect(wait=True)
 
     def close(self) -> Completed:
@@ -598,9 +624,7 @@ class AllRanks:
     """
 
     def __init__(self, world_size: int):
-        if world_size < 1:
-            raise ValueError(f"AllRanks: world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
+        self.world_size = positive_int("AllRanks", "world_size", world_size)
         self._seen: dict[tuple[str, int], int] = {}
 
     def add(self, reports: Sequence[Completed]) -> Completed:

@@ -1,10 +1,11 @@
-"""Block ids on the engine's hot path: taken in once (lists, arrays or tensors) and checked on
-the host, and the pool of what the GPU reads (id blocks, the graphs fed from them) reused only
-after it has.
+"""Block ids on the engine's hot path: their intake and host-side check, and the pool of what the GPU reads.
+
+Ids are taken in once (lists, arrays or tensors) and checked on the host; what the GPU reads (id
+blocks, the graphs fed from them) is reused only after it has.
 
 A scheduler hands the engine Python lists. Turning one into a torch tensor and checking it with
-torch costs a dozen tiny torch operations (3-4 us each on the H200's host); the same in numpy
-is a few microseconds in all, and up to :data:`kv_ops.validation.SMALL_IDS` ids Python's own
+torch costs a dozen tiny torch operations of microseconds each; the same in numpy is a few
+microseconds in all, and up to :data:`kv_ops.validation.SMALL_IDS` ids Python's own
 min, max and set on a list are faster still (a short tensor or array is checked as a list).
 Ids already on the GPU are never read by the host (that would wait for the caller's stream):
 they go to a path whose kernel reads them, which skips and counts an invalid pair
@@ -21,53 +22,65 @@ import torch
 from ..host_memory import pinned_empty
 from ..validation import SMALL_IDS, check_host_ids, check_ids_meta, ids_message, ids_ok
 
-# What numpy makes of integers and what the ops take: anything else is refused.
+# What numpy makes of a list of integers: anything else is refused.
 _INTEGER_KINDS = "iu"
+# The dtypes an id array may have, as the ops' id tensors (kv_ops.validation.ids_ok).
+_ARRAY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device) -> np.ndarray | torch.Tensor:
     """``ids`` as a 1-D int64 numpy array checked against ``[0, limit)`` (and for repeats with
     ``unique``), or, for a tensor on ``device`` (CUDA), as that tensor in int64, unchecked.
 
-    The rule and the words are the ops' (:mod:`kv_ops.validation`): float ids would be truncated
-    to another block (0.7 -> 0) and booleans become block 0 or 1, so both are refused; so are
-    meta tensors, which hold no values. The array may share memory with the caller's; the
-    engine copies what it keeps beyond the call.
+    Accepted: a flat list, tuple or other sequence of ints; a 1-D int32 or int64 numpy array;
+    a 1-D int32 or int64 tensor on the CPU or on ``device``. Anything else is a ``ValueError``
+    naming ``what`` and the dtype or shape: float ids would be truncated to another block
+    (0.7 -> 0) and booleans become block 0 or 1; a 2-D id array is a caller's slip, never a
+    transfer; meta tensors hold no values. The test is a dtype and ndim check, no conversion.
+    The array may share memory with the caller's; the engine copies what it keeps beyond the call.
     """
     if isinstance(ids, torch.Tensor):
         # is_meta / is_cpu, not device.type: each device query makes a torch.device (0.5 us).
         if ids.is_meta:
             raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
-        flat = ids if ids.dim() == 1 else ids.reshape(-1)
-        if not ids_ok(flat):
-            raise ValueError(ids_message(op, what, flat))
+        if not ids_ok(ids):
+            raise ValueError(ids_message(op, what, ids))
         if ids.is_cpu:
-            if flat.numel() <= SMALL_IDS:  # a list is faster to make and to check (4 us less for 16)
-                values = flat.tolist()
+            if ids.numel() <= SMALL_IDS:  # a list is faster to make and to check (4 us less for 16)
+                values = ids.tolist()
                 check_host_ids(op, what, values, limit, unique)
                 return np.array(values, dtype=np.int64)
-            array = flat.numpy()
+            array = ids.numpy()
         elif ids.device == device:
             # int64 and contiguous, what the kernel path's compiled kernel was made for; each
             # conversion only where needed (a no-op .to is still a dispatched operation).
-            if flat.dtype != torch.int64:
-                flat = flat.to(torch.int64)
-            return flat.contiguous()
+            if ids.dtype != torch.int64:
+                ids = ids.to(torch.int64)
+            return ids.contiguous()
         else:
             raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
+    elif isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype not in _ARRAY_DTYPES:
+            raise ValueError(
+                f"{op}: {what} must be a 1-D int32 or int64 array, got a numpy {ids.dtype} array of shape {ids.shape}"
+            )
+        array = ids
     else:
         try:
             array = np.asarray(ids)
         except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
-        if array.size == 0:
-            array = array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
-        elif array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64:
+        if array.size and (array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64):
             _refuse(op, what, ids)
-        elif array.ndim == 1 and type(ids) in (list, tuple):
+        if array.ndim != 1:
+            raise ValueError(
+                f"{op}: {what} must be a flat sequence of ids, got {type(ids).__name__} of shape {array.shape}"
+            )
+        if array.size == 0:
+            return array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
+        if type(ids) in (list, tuple):
             check_host_ids(op, what, ids, limit, unique)  # on the list itself: its fast form
             return array.astype(np.int64, copy=False)
-        array = array.reshape(-1)
     array = array.astype(np.int64, copy=False)
     check_host_ids(op, what, array, limit, unique)
     return array
@@ -104,15 +117,14 @@ class Pool:
     more. The pool grows to the number of calls in flight, once, and no further.
 
     Growing is not free: making a page-locked block (``cuMemHostRegister``) or capturing a graph
-    waits for the device's default stream, whose queue may be the model's whole forward (25-45
-    ms on the H200 behind a long kernel, measured). So a pool must not grow spuriously, and the
-    events it is handed are often the engine's recycled completion events
-    (:class:`kv_ops.transfer.paths.Events`), recorded again for a later transfer once reported.
-    Such an event would look busy until that later transfer ends, and the pool would grow under
-    every sustained stream of calls (measured: one 22-25 ms stall per 31 ms of matmuls). Hence
-    the count: an event's ``records`` (set by ``Events``) changes only when it is recorded again,
-    which happens only after its transfer was reported complete, so a changed count means the
-    record this item waited for has run.
+    waits for the device's default stream, whose queue may be the model's whole forward. So a
+    pool must not grow spuriously, and the events it is handed are often the engine's recycled
+    completion events (:class:`kv_ops.transfer.blocks.Events`), recorded again for a later
+    transfer once reported. Such an event would look busy until that later transfer ends, and
+    the pool would grow (and stall) under every sustained stream of calls. Hence the count: an
+    event's ``records`` (set by ``Events``) changes only when it is recorded again, which
+    happens only after its transfer was reported complete, so a changed count means the record
+    this item waited for has run.
     """
 
     def __init__(self, make, initial: int = 2):

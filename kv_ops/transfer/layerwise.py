@@ -1,89 +1,36 @@
 """LayerwiseLoads and ``torch.ops.kv_ops.wait_layer``: host-to-GPU block loads that a compiled,
 captured step waits for layer by layer, so that layer i computes while layer i+1 loads.
 
-The mechanism, and why:
+:meth:`LayerwiseLoads.start` issues every layer's copies on the engine's load stream, by
+``copies=``: the zero-copy kernel as one CUDA graph per start (the default), one copy-engine
+descriptor per block and region (``"dma"``), or the copy engines into a GPU ring and a short
+scatter kernel per layer (``"staged"``, :mod:`kv_ops.transfer.layerwise_ring`). After a layer's
+copies the start's generation is written to that layer's flag word on the GPU, and last the
+generation the step waits for (``wanted``) on the caller's current stream. ``wait_layer`` holds
+the step's stream until its layer's flag reaches ``wanted``: captured, a one-program kernel that
+reads ``wanted`` at each replay; eagerly, one ``cuStreamWaitValue32``. It takes the layer's input
+and declares the layer's caches mutated, so the compiler keeps it after the previous layer and
+before any reader of the cache. docs/design.md gives the reasons for each choice.
 
-* **The copies run outside the step's graph**, on the engine's load stream, each layer's followed
-  by the publication of that layer (below); the ids change every step, so they cannot live in it. Three
-  ways, by ``copies=``, shaped by two facts measured on the H200: the step's big matmuls are
-  persistent cuBLAS kernels (a grid of one CTA per SM, 132, each holding an SM for the whole
-  matmul), so a copy kernel beside them gets SMs only in the gaps between kernels; and the copy
-  engines need no SMs but cost 0.5-1.1 us of host time per descriptor, all of it inside
-  ``start``, before the replay.
-
-  - ``"staged"`` (:mod:`kv_ops.transfer.layerwise_ring`): per layer, the copy
-    engines copy the layer's pieces of the mirror rows into a slot of a GPU ring (a layer's
-    regions side by side in the row as one piece; a run of consecutive host ids as one 2-D copy),
-    then a short device-to-device kernel scatters the slot into the cache blocks, on a stream
-    of its own, and the layer's publication follows it. The scatter needs the SMs for about 5% of the
-    link time, which the gaps give. With a sequence's blocks stored to consecutive host ids it
-    hid 0.86-0.87 of a 1 GiB load in a 32-layer prefill step (at most 0.91-0.93), with 1.3-1.5 ms
-    of host time in ``start``; with scattered host ids one descriptor per (block, layer), 0.45.
-    But ``start`` costs about 70-100 us of host time per layer whatever the load (a plan and
-    8-9 driver calls per layer), before the replay can launch: a small load loses (a 10 MiB
-    resume of 8 layers took 1.24x load-flush-step in the decode loop).
-  - ``"dma"``: the copy engines. :meth:`LayerwiseLoads.start` plans one descriptor per (block,
-    region) in one numpy broadcast and issues one ``cuMemcpyBatchAsync`` per layer, each
-    followed by that layer's publication. No SMs, but the driver costs about 0.5-1 us of
-    host time per descriptor (measured on the H200: 16 ms for 512 blocks of 32 layers), and that
-    time sits between ``start`` and the replay. Issuing from a worker thread after ``start``
-    returned, behind gates the step waited on (``cuStreamWaitValue32``), was built and measured
-    on the H200, and deadlocked: a host thread that blocks on the step (``.cpu()`` of its output)
-    while a gate is shut keeps the worker's ``cuMemcpyBatchAsync`` from returning. So the
-    descriptors are issued by ``start`` itself, on the caller's thread.
-  - ``"kernel"`` (the default): the zero-copy block-copy kernel, reading the mirror through its device
-    address, on at most 8 SMs. One CUDA graph per start: the id block copied in from a
-    page-locked twin, then per layer the captured kernel and a 4-byte copy of the start's
-    generation into the layer's flag. A start writes the twin and launches the graph: one driver
-    call whatever the layers and blocks. (A high-priority
-    stream of their own, for the block scheduler to place the copy's few blocks before the
-    matmuls', was measured on the H200: no more of the load hidden, 0.48 against 0.55 at 512
-    blocks.) The default: its ``start`` costs 55 us of host time for 32 layers on the H200
-    back to back, 60-376 us right after a sync on a long step (574-617 us with a graph and an
-    event per layer before), and it hid as much as
-    ``"staged"`` or more in every measured case but one, a large load with host ids in runs
-    (0.48 against 0.87 at 512 blocks; at 1024 blocks both reach the 0.42 that can hide).
-* **The step waits on flags.** Each instance keeps int32 words on the GPU: ``wanted``, the
-  generation the step waits for, and per layer the generation whose blocks have landed. A start
-  takes the next generation, publishes it per layer after that layer's copies (a
-  ``cuStreamWriteValue32``, which fences first, or the kernel graph's copy), and last writes
-  ``wanted`` on the caller's current stream. During a capture ``wait_layer`` records a
-  one-program kernel that reads ``wanted`` when it runs and spins until the layer's flag has
-  reached it; eagerly it is one ``cuStreamWaitValue32`` on the value the host knows. So a replay
-  waits for the last start enqueued before it on its stream, and a start made while that replay
-  is still queued writes ``wanted`` behind it and is never waited for by it. Why not event
-  waits (``cuStreamWaitEvent`` with ``CU_EVENT_WAIT_EXTERNAL``, an event-wait node when
-  captured): on the H200 each such node cost 5.2 us of host time at every replay's launch (a
-  32-layer short step launched in 171 us, 5.6 us without waits; with the wait kernels, 5.9 us),
-  and on the GPU both cost about 6 us per wait on a short step.
-* **The wait cannot move.** The op reads the layer's input and declares the layer's cache
-  tensors mutated, so the compiler must place it after the previous layer's output and before
-  any reader of the cache (a wait tied to nothing was hoisted to the top of the graph, and then
-  nothing was hidden).
-
-Contracts. WAR: a start's copies are ordered after an event on the caller's current stream (or
-``after=``), so they overwrite GPU blocks only after their readers, as ``OffloadEngine.load``
-does. The step runs on the stream that was current at its start (or one ordered after it):
-``wanted`` is written there. A replay or eager forward with no start since the last one finds
-the last start's generation, landed or on its way: it never hangs, and it reads the blocks as
-they are. A start that fails halfway is not waited for (``wanted`` is written last), and the
-next start takes a new generation. A captured wait that has not seen its layer land after
-:data:`WAIT_TIMEOUT_S` returns and counts one error (:func:`kv_ops.error_count`): a backstop
-that no start reaches, since each publishes every layer.
-On a CPU engine ``start`` copies at call time, as the CPU engine does, and ``wait_layer`` only
-counts (:attr:`LayerwiseLoads.waits`).
+Contracts. A start's copies are ordered after ``after=`` (by default the caller's current
+stream), as ``OffloadEngine.load``'s are; run the step on the stream current at the start (or
+one ordered after it). A step with no start since the last one reads the last start's blocks
+and never hangs; a start that fails halfway is never waited for (``wanted`` is written last). A
+captured wait that has not seen its layer land after :data:`WAIT_TIMEOUT_S` returns and counts
+one error (:func:`kv_ops.error_count`), a backstop no start reaches. On a CPU engine ``start``
+copies at once and ``wait_layer`` only counts (:attr:`LayerwiseLoads.waits`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .. import capture, kernels
+from ..arguments import positive_int
 from ..driver import (
     c_function,
     check_code,
@@ -94,10 +41,11 @@ from ..driver import (
     write_value,
 )
 from ..host_memory import lasting_copy, pinned_empty
+from ..registration import register_op
 from ..validation import error_counter
 from . import dma, layerwise_ring
+from .blocks import Blocks, Direction, EventPath
 from .ids import Pool
-from .paths import Blocks, Direction, EventPath
 
 COPIES = ("dma", "kernel", "staged")
 
@@ -171,8 +119,11 @@ class _LayerPath(EventPath):
 
     def __init__(self, loads: LayerwiseLoads):
         self.loads = loads
-        self.copy_engines = loads.copies != "kernel"
-        self._events = loads.engine._events  # where its completion events come from, and go back
+        self._events = {Direction.LOAD: loads.engine.load_events}  # where its completion events come from, and go back
+
+    @property
+    def copy_engines(self) -> bool:
+        return self.loads.copies != "kernel"
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready)
@@ -207,9 +158,9 @@ class LayerwiseLoads:
         ring, then a short scatter kernel per layer (``"staged"``: a 2-D copy per layer for a
         run of consecutive host ids, otherwise a descriptor per block and layer); or the copy
         engines straight into the cache (a descriptor per block and region, issued by
-        ``start``: about 0.5-1 us of host time each). See the module's docstring; ``benchmarks/layerwise.py`` measures all three.
-        Choose ``"staged"`` for large loads (hundreds of blocks) whose host ids are in runs, as
-        a sequence stored in one piece: it hid 0.87 where the kernel hid 0.48.
+        ``start``: about 0.5-1 us of host time each). ``benchmarks/layerwise.py`` measures all
+        three. Choose ``"staged"`` for large loads (hundreds of blocks) whose host ids are in
+        runs, as a sequence stored in one piece: it hides more of such a load than the kernel.
     ring_bytes : int
         With ``copies="staged"``: GPU memory of the ring (128 MiB by default; no larger than
         :data:`~kv_ops.transfer.layerwise_ring.SLOTS` slots of one layer's pieces of
@@ -252,13 +203,12 @@ class LayerwiseLoads:
     ):
         if copies not in COPIES:
             raise ValueError(f"LayerwiseLoads: copies must be one of {', '.join(map(repr, COPIES))}, got {copies!r}")
-        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, numbers.Integral) or ring_bytes < 1:
-            raise ValueError(f"LayerwiseLoads: ring_bytes must be a positive integer, got {ring_bytes!r}")
+        ring_bytes = positive_int("LayerwiseLoads", "ring_bytes", ring_bytes)
         if not isinstance(name, str) or not name:
             raise ValueError(f"LayerwiseLoads: name must be a non-empty string, got {name!r}")
         if name in _registry:
             raise ValueError(f"LayerwiseLoads: the name {name!r} is taken; close() that instance or pick another")
-        engine._check_open("LayerwiseLoads")
+        engine.check_open("LayerwiseLoads")
         if engine.disk is not None:
             raise ValueError(
                 "LayerwiseLoads: this engine keeps its blocks on disk (disk_dir=); layer-wise loads read "
@@ -288,7 +238,7 @@ class LayerwiseLoads:
             self._staged = layerwise_ring.StagedLayers(self, ring_bytes)
         self._stream = None
         if self.device.type == "cuda":
-            load_stream = engine._streams[Direction.LOAD]
+            load_stream = engine.load_stream
             # Every mechanism's copies run on the engine's load stream: in issue order with its
             # other loads, so a later load of the same GPU blocks lands after this one's (the
             # staged scatters follow on a stream of their own, and the engine orders its next
@@ -329,7 +279,7 @@ class LayerwiseLoads:
 
         Parameters
         ----------
-        host_ids, gpu_ids : sequence of int, numpy array or CPU tensor
+        host_ids, gpu_ids : sequence of int, or 1-D int32/int64 numpy array or CPU tensor
             As :meth:`OffloadEngine.load`: host ids in ``[0, num_host_blocks)``, GPU ids in
             ``[0, num_blocks)`` and distinct, of equal length (zero is allowed). GPU tensors are
             refused: the copies are planned on the host.
@@ -353,16 +303,10 @@ class LayerwiseLoads:
             After the engine or this object was closed.
         """
         if self.name not in _registry or _registry[self.name] is not self:
-            self.engine._check_open("LayerwiseLoads.start")
+            self.engine.check_open("LayerwiseLoads.start")
             raise ValueError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
-        return self.engine._transfer(
-            Direction.LOAD,
-            gpu_ids,
-            host_ids,
-            after,
-            path=self._path,
-            op="LayerwiseLoads.start",
-            instead="start it before the replay",
+        return self.engine.load_through(
+            self._path, host_ids, gpu_ids, after, op="LayerwiseLoads.start", instead="start it before the replay"
         )
 
     def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event | None:
@@ -375,9 +319,7 @@ class LayerwiseLoads:
         generation = self._issued = self._issued + 1
         with driver_context(self.device):
             if self._staged is not None:
-                done = self._staged.enqueue(
-                    host, gpu, ready, self._landed, generation, self.engine._events[Direction.LOAD]
-                )
+                done = self._staged.enqueue(host, gpu, ready, self._landed, generation, self.engine.load_events)
             elif self.copies == "kernel":
                 done = self._enqueue_kernels(host, gpu, ready, generation)
             else:
@@ -412,7 +354,7 @@ class LayerwiseLoads:
         for plan, landed in zip(self._dma_plans(host, gpu), self._landed):
             launcher(plan)
             write_value(handle, landed, generation)  # layer i's copies, and every earlier layer's
-        return self.engine._events[Direction.LOAD].record(self._stream, handle)
+        return self.engine.load_events.record(self._stream, handle)
 
     def _enqueue_kernels(self, host: np.ndarray, gpu: np.ndarray, ready, generation: int) -> torch.cuda.Event:
         n, handle = host.size, self._handle
@@ -424,7 +366,7 @@ class LayerwiseLoads:
         words[copies.generation_word] = generation & 0xFFFFFFFF
         wait_event(handle, ready)
         check_code(self._graph_launch(copies.exec, handle), "cuGraphLaunch")
-        done = self.engine._events[Direction.LOAD].record(self._stream, handle)
+        done = self.engine.load_events.record(self._stream, handle)
         self._kernel_copies.give(copies, done)
         return done
 
@@ -516,11 +458,6 @@ def _graph_launch():
 
 # --- wait_layer ----------------------------------------------------------------------------------
 
-_lib = torch.library.Library("kv_ops", "FRAGMENT")
-_lib.define(
-    "wait_layer(Tensor(a!)[] caches, Tensor dep, str name, int layer) -> ()", tags=(torch.Tag.pt2_compliant_tag,)
-)
-
 
 def _wait_condition(caches, layer) -> bool:
     """What the fake can check, and the eager op with it (the rest needs the named instance)."""
@@ -533,8 +470,7 @@ def _wait_message(caches, layer) -> str:
     )
 
 
-@torch.library.register_fake("kv_ops::wait_layer", lib=_lib)
-def _(caches, dep, name, layer):
+def _wait_layer_fake(caches, dep, name, layer):
     torch._check(_wait_condition(caches, layer), lambda: _wait_message(caches, layer))
 
 
@@ -544,8 +480,12 @@ def _wait_layer_impl(caches, dep, name, layer) -> None:
     lookup(name)._wait(layer, caches)
 
 
-torch.library.impl(_lib, "wait_layer", "CPU")(_wait_layer_impl)
-torch.library.impl(_lib, "wait_layer", "CUDA")(_wait_layer_impl)
+register_op(
+    "kv_ops",
+    "wait_layer(Tensor(a!)[] caches, Tensor dep, str name, int layer) -> ()",
+    fake=_wait_layer_fake,
+    cpu=_wait_layer_impl,
+)
 
 
 def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,18 +1,9 @@
 """The staged layer-wise copies: per layer, copy engines into a GPU ring slot, then a short scatter kernel.
 
-Why this shape (measured on the H200, docs in :mod:`kv_ops.transfer.layerwise`):
-
-* The step's big matmuls are persistent kernels (cuBLAS's, one CTA per SM, all SMs for their
-  whole duration), so a copy kernel beside them runs only in the gaps between kernels. The
-  zero-copy kernel needs SMs for the whole load; a device-to-device scatter needs them for about
-  5% of the link time, which the gaps can give.
-* The copy engines need no SMs but cost about 0.5 us of host time per descriptor, and
-  ``start`` issues them all before the replay it feeds: one descriptor per block and region
-  (``copies="dma"``) is 32,768 descriptors, 17 ms, for 512 blocks of a 32-layer model. Into a
-  slot of packed layer rows, a layer's regions that sit side by side in the mirror row move as
-  one piece, and a run of consecutive host ids moves as one 2-D copy (3.5-4 us, at the link's
-  rate), whatever the GPU ids: a sequence stored to consecutive host blocks comes back in one
-  copy per layer.
+The scatter needs the SMs for a small part of the link time, which the gaps between the step's
+kernels give; the copy engines need none, and in a slot of packed layer rows a layer's regions
+that sit side by side in the mirror row move as one piece and a run of consecutive host ids as
+one 2-D copy, whatever the GPU ids (docs/design.md).
 
 Per layer and chunk of :attr:`StagedLayers.chunk` pairs, round-robin over :data:`SLOTS` slots of
 one ring (``ring_bytes`` of GPU memory): the engine's load stream waits until the slot's last
@@ -34,8 +25,9 @@ from .. import host_memory, kernels, reference
 from ..driver import record_event, wait_event, write_value
 from ..validation import error_counter
 from . import dma
+from .blocks import recorded
 from .ids import IdBlock, Pool
-from .paths import STAGE_PROGRAMS, Direction, recorded
+from .staged import STAGE_PROGRAMS
 
 # Slots of the ring: the copy engines may run this many (layer, chunk) copies ahead of the
 # scatters, which wait for gaps between the model's kernels.
@@ -220,7 +212,7 @@ class StagedLayers:
         self.copy_stream = None
         if self.device.type != "cuda":
             return
-        self.copy_stream = engine._streams[Direction.LOAD]
+        self.copy_stream = engine.load_stream
         lowest, _ = torch.cuda.Stream.priority_range()
         self.kernel_stream = torch.cuda.Stream(self.device, priority=lowest)  # as the engine's own streams
         self._copy = dma.Launcher(self.copy_stream)

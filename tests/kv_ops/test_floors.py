@@ -1,9 +1,11 @@
-"""kv_ops's floors: the op floor never imports the engine floor (kv_ops/transfer/) or the tools,
-and the engine floor never imports the tools; checked in the source and in a fresh interpreter."""
+"""kv_ops's floors: the shared CUDA floor (what ple_ops imports too) imports nothing above it, the
+op floor never imports the engine floor (kv_ops/transfer/) or the tools, and the engine floor never
+imports the tools; checked in the source and in a fresh interpreter."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,10 @@ PACKAGE = Path(kv_ops.__file__).resolve().parent
 ROOT = PACKAGE.parent
 OP_FLOOR = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 TRANSFER = sorted(p.stem for p in (PACKAGE / "transfer").glob("*.py") if p.stem != "__init__")
+# The shared CUDA floor, bottom first: each may import only the ones before it (and torch, triton,
+# the standard library). The first two import no kv_ops module at all.
+SHARED = ("arguments", "registration", "driver", "capture", "host_memory", "kernels")
+BOTTOM = ("arguments", "registration")
 ABOVE = {
     "op": ("kv_ops.transfer", "kv_ops.tools", "kv_ops.integrations"),
     "transfer": ("kv_ops.tools", "kv_ops.integrations"),
@@ -68,3 +74,62 @@ print("OK")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "OK"
+
+
+def _module_uses(path: Path, package: str) -> dict[str, set[str]]:
+    """For each shared-floor module ``path`` uses, the names it takes from it: ``from .m import x``
+    and ``m.x`` after ``from . import m``."""
+    tree = ast.parse(path.read_text())
+    used: dict[str, set[str]] = {}
+    modules: dict[str, str] = {}  # local name -> shared-floor module
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            base = f"{parent}.{base}" if base else parent
+        for alias in node.names:
+            if base.startswith("kv_ops.") and base.removeprefix("kv_ops.") in SHARED:
+                used.setdefault(base.removeprefix("kv_ops."), set()).add(alias.name)
+            elif base == "kv_ops" and alias.name in SHARED:
+                modules[alias.asname or alias.name] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            used.setdefault(modules[node.value.id], set()).add(node.attr)
+    return used
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_every_name_a_shared_module_declares_exists(name):
+    module = importlib.import_module(f"kv_ops.{name}")
+    assert module.__all__ and len(set(module.__all__)) == len(module.__all__)
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert missing == [], f"kv_ops.{name}.__all__ names {missing}, which it does not define"
+    first = (module.__doc__ or "").splitlines()[0]
+    assert "ple_ops" in first or "both packages" in first, f"kv_ops.{name}'s first line says both packages use it"
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_the_shared_floor_imports_only_what_sits_below_it(name):
+    allowed = set() if name in BOTTOM else {f"kv_ops.{m}" for m in SHARED[: SHARED.index(name)]}
+    found = _imports(PACKAGE / f"{name}.py", "kv_ops")
+    ours = sorted(m for m in found if m == "kv_ops" or m.startswith("kv_ops."))
+    # "from . import driver" shows as both "kv_ops" and "kv_ops.driver"; the package itself is fine then.
+    bad = [m for m in ours if m != "kv_ops" and m not in allowed and m.rsplit(".", 1)[0] not in allowed]
+    assert bad == [], f"kv_ops/{name}.py imports {bad}, not below it in the shared floor"
+    if name in BOTTOM:
+        outside = sorted(m for m in found if m.split(".")[0] not in sys.stdlib_module_names | {"torch", "__future__"})
+        assert outside == [], f"kv_ops/{name}.py imports {outside}: the bottom of the floor needs only torch"
+
+
+def test_kv_ops_takes_only_declared_names_from_the_shared_floor():
+    sources = [(p, ".".join(("kv_ops", *p.parent.relative_to(PACKAGE).parts))) for p in PACKAGE.rglob("*.py")]
+    undeclared = []
+    for path, package in sources:
+        for name, names in _module_uses(path, package).items():
+            if path.stem == name and path.parent == PACKAGE:
+                continue
+            public = set(importlib.import_module(f"kv_ops.{name}").__all__)
+            undeclared += [f"{path.relative_to(ROOT)}: kv_ops.{name}.{n}" for n in sorted(names - public)]
+    assert undeclared == [], "names taken from the shared floor that its __all__ does not declare"

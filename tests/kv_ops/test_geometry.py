@@ -2,6 +2,9 @@
 layout places in each block. The oracle is plain indexing of a typed tensor laid over the same
 storage; random bytes make every misplaced byte show."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from byte_checks import as_bytes, assert_inside_and_disjoint, storage_range
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops import KVCacheTensorSpec, infer_regions, resolve_regions
+from kv_ops.geometry import check_kv_caches
 
 DTYPES = [torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -307,3 +311,48 @@ def test_regions_write_through_to_the_cache_and_keep_it_alive():
     del cache
     gc.collect()
     assert torch.equal(regions["l0.1"][2], as_bytes(expected_v2))
+
+
+# --- argument checks -------------------------------------------------------------------------------
+
+BAD_KV_CACHES = [
+    ([torch.zeros(4, 8)], r"kv_caches must be a mapping of layer name to torch.Tensor, got list"),
+    ((torch.zeros(4, 8),), r"kv_caches must be a mapping of layer name to torch.Tensor, got tuple"),
+    (np.zeros((4, 8)), r"kv_caches must be a mapping of layer name to torch.Tensor, got ndarray"),
+    ({}, r"kv_caches must hold at least one layer, got an empty dict"),
+    ({0: torch.zeros(4, 8)}, r"kv_caches keys must be layer names \(str\), got 0 \(int\)"),
+    ({"l0": np.zeros((4, 8))}, r"kv_caches\['l0'\] must be a torch.Tensor, got ndarray"),
+]
+
+
+@pytest.mark.parametrize("kv_caches, message", BAD_KV_CACHES, ids=["list", "tuple", "ndarray", "empty", "key", "value"])
+def test_malformed_kv_caches_are_refused_naming_the_caller(kv_caches, message):
+    check_kv_caches("OffloadEngine", {"l0": torch.zeros(4, 8)})  # the well-formed case passes
+    with pytest.raises(ValueError, match="OffloadEngine: " + message):
+        check_kv_caches("OffloadEngine", kv_caches)
+    with pytest.raises(ValueError, match="infer_regions: " + message):
+        infer_regions(kv_caches, 4)
+    spec = KVCacheTensorSpec(["l0"], block_stride=32, layer_stride=0)
+    with pytest.raises(ValueError, match="resolve_regions: " + message):
+        resolve_regions(kv_caches, [spec], 4)
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.0, "4", None, True])
+def test_a_bad_num_blocks_is_refused_naming_the_caller(value):
+    kv = {"l0": torch.randn(4, 8)}
+    with pytest.raises(
+        ValueError, match=re.escape(f"infer_regions: num_blocks must be a positive integer, got {value!r}")
+    ):
+        infer_regions(kv, value)
+    spec = KVCacheTensorSpec(["l0"], block_stride=32, layer_stride=0)
+    with pytest.raises(
+        ValueError, match=re.escape(f"resolve_regions: num_blocks must be a positive integer, got {value!r}")
+    ):
+        resolve_regions(kv, [spec], value)
+
+
+def test_a_numpy_num_blocks_is_a_count():
+    kv = {"l0": torch.randn(4, 8)}
+    regions = infer_regions(kv, np.int64(4))
+    assert tuple(regions["l0"].shape) == (4, 32)
+    assert torch.equal(regions["l0"], as_bytes(kv["l0"]).view(4, 32))

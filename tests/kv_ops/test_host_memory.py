@@ -35,6 +35,63 @@ def test_pinned_empty_rejects_negative_sizes():
         kv_ops.pinned_empty((4, -1))
 
 
+GIB = 1 << 30
+
+
+def test_check_host_bytes_names_owner_argument_bytes_and_the_machine(monkeypatch):
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (3 * GIB, 8 * GIB))
+    host_memory.check_host_bytes("OffloadEngine", "capacity_bytes", 3 * GIB)  # exactly what is there
+    with pytest.raises(ValueError) as info:
+        host_memory.check_host_bytes("OffloadEngine", "capacity_bytes", 5 * GIB)
+    text = str(info.value)
+    assert text.startswith("OffloadEngine: capacity_bytes asks for 5368709120 bytes (5.00 GiB)")
+    assert "3221225472 bytes (3.00 GiB) available of 8589934592 bytes (8.00 GiB)" in text
+
+
+@pytest.mark.parametrize("nbytes", [-1, True, 2.0, "8"])
+def test_check_host_bytes_refuses_what_is_not_a_byte_count(nbytes):
+    with pytest.raises(ValueError, match=r"OffloadEngine: capacity_bytes must be a byte count >= 0, got"):
+        host_memory.check_host_bytes("OffloadEngine", "capacity_bytes", nbytes)
+
+
+def test_host_memory_bytes_reads_meminfo_and_falls_back_to_sysconf(monkeypatch):
+    available, total = host_memory.host_memory_bytes()
+    assert 0 < available <= total
+
+    def no_meminfo(*args, **kwargs):
+        raise FileNotFoundError("/proc/meminfo")
+
+    monkeypatch.setattr(host_memory, "open", no_meminfo, raising=False)
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 1000, "SC_PHYS_PAGES": 3000}
+    monkeypatch.setattr(host_memory.os, "sysconf", pages.__getitem__)
+    assert host_memory.host_memory_bytes() == (1000 * 4096, 3000 * 4096)
+
+
+def test_pinned_empty_refuses_more_than_the_machine_has_before_mapping_anything(monkeypatch):
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (GIB, 2 * GIB))
+
+    def no_mmap(*args):
+        raise AssertionError("mapped memory after the size check should have refused it")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", no_mmap)
+    with pytest.raises(ValueError, match=r"pinned_empty: size \(100, 1073741824\) asks for 107374182400 bytes"):
+        kv_ops.pinned_empty((100, GIB))
+
+
+def test_pinned_empty_turns_a_refused_mapping_into_the_same_value_error(monkeypatch):
+    # MemAvailable can promise more than a cgroup or the overcommit rules let one mmap take.
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (64 * GIB, 64 * GIB))
+
+    def refused(*args):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", refused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"pinned_empty: size \(4, 1073741824\) asks .*Cannot allocate memory"):
+            kv_ops.pinned_empty((4, GIB))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
 def test_without_cuda_pinned_empty_warns_once_and_returns_plain_memory(monkeypatch):
     monkeypatch.setattr(host_memory, "warned_no_cuda", False)
@@ -44,6 +101,25 @@ def test_without_cuda_pinned_empty_warns_once_and_returns_plain_memory(monkeypat
         warnings.simplefilter("error")  # a second warning would raise here
         b = kv_ops.pinned_empty(16)
     assert a.device.type == b.device.type == "cpu" and not a.is_pinned()
+
+
+def test_device_view_refuses_a_device_that_is_not_cuda_naming_it():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        host = kv_ops.pinned_empty(16)
+    with pytest.raises(ValueError, match=r"^device_view: device must be a CUDA device, got 'cpu'"):
+        kv_ops.device_view(host, "cpu")
+    with pytest.raises(ValueError, match=r"^device_view: device must be a torch.device, a string or a CUDA index"):
+        kv_ops.device_view(host, 1.5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_device_view_without_cuda_says_so_before_touching_the_driver():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        host = kv_ops.pinned_empty(16)
+    with pytest.raises(ValueError, match=r"^device_view: device defaults to the current CUDA device, but this machine"):
+        kv_ops.device_view(host)
 
 
 @gpu

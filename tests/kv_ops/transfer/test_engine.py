@@ -22,7 +22,16 @@ import kv_ops
 from kv_ops.transfer import crossover as crossover_mod
 from kv_ops.transfer.crossover import Cell, Crossover
 from kv_ops.transfer.disk import DiskPath
-from kv_ops.transfer.paths import PATH_NAMES, RING_SLOTS, Blocks, DirectDmaPath, Direction, KernelPath, StagedPath
+from kv_ops.transfer.paths import (
+    PATH_NAMES,
+    RING_SLOTS,
+    Blocks,
+    DirectDmaPath,
+    Direction,
+    KernelPath,
+    StagedPath,
+    TransferPath,
+)
 
 gpu = pytest.mark.gpu
 PATHS = pytest.mark.parametrize("path", ["kernel", "staged", "dma"])
@@ -89,7 +98,7 @@ def test_a_bad_size_is_refused_at_construction_naming_it(tmp_path, tier, what, v
 @pytest.mark.parametrize("value", [0, -3, 2.5, "32", None, True])
 def test_a_bad_num_blocks_is_refused_naming_it(value):
     kv = {"l": torch.randn(32, 352, generator=torch.Generator().manual_seed(6)).to(torch.float16)}
-    with pytest.raises(ValueError, match=re.escape(f"num_blocks must be a positive int, got {value!r}")):
+    with pytest.raises(ValueError, match=re.escape(f"num_blocks must be a positive integer, got {value!r}")):
         kv_ops.OffloadEngine(kv, value, capacity_bytes=1 << 20)
 
 
@@ -257,6 +266,26 @@ def test_poll_reports_each_transfer_once_in_issue_order():
         (lambda e: e.load([0], torch.tensor([1], device="meta")), "OffloadEngine.load: gpu_ids is a meta tensor"),
         (lambda e: e.load([2**70], [0]), "OffloadEngine.load: host_ids must be integer block ids"),
         (lambda e: e.store(["a"], [0]), "OffloadEngine.store: gpu_ids must be integer block ids"),
+        (
+            lambda e: e.store(np.array([1, 2], dtype=np.uint8), [0, 1]),
+            r"OffloadEngine.store: gpu_ids must be a 1-D int32 or int64 array, got a numpy uint8 array",
+        ),
+        (
+            lambda e: e.load(np.array([1, 2], dtype=np.uint8), [0, 1]),
+            r"OffloadEngine.load: host_ids must be a 1-D int32 or int64 array, got a numpy uint8 array",
+        ),
+        (
+            lambda e: e.store(torch.tensor([[1, 2]]), [0, 1]),
+            r"OffloadEngine.store: gpu_ids must be a 1-D int32 or int64 tensor, got torch.int64 \(1, 2\)",
+        ),
+        (
+            lambda e: e.load(np.array([[0], [1]]), [0, 1]),
+            r"OffloadEngine.load: host_ids must be a 1-D int32 or int64 array, got a numpy int64 array of shape \(2, 1\)",
+        ),
+        (
+            lambda e: e.store([0, 1], [[0, 1]]),
+            r"OffloadEngine.store: host_ids must be a flat sequence of ids, got list of shape \(1, 2\)",
+        ),
     ],
     ids=[
         "gpu-id-range",
@@ -272,6 +301,11 @@ def test_poll_reports_each_transfer_once_in_issue_order():
         "meta-load",
         "huge-int",
         "string",
+        "uint8-gpu-ids",
+        "uint8-host-ids",
+        "2-d-tensor",
+        "2-d-array",
+        "nested-list",
     ],
 )
 def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
@@ -286,6 +320,65 @@ def test_bad_ids_are_rejected_before_any_byte_moves(call, message):
     assert all(torch.equal(t.view(torch.uint8), cache[n].view(torch.uint8)) for n, t in kv.items())
     assert engine.poll() == kv_ops.Completed()
     assert engine.store([0], [0]) == 0  # the refused call used up no transfer id
+
+
+@pytest.mark.parametrize(
+    "kv_caches, message",
+    [
+        (
+            [torch.zeros(32, 352, dtype=torch.float16)],
+            "kv_caches must be a mapping of layer name to torch.Tensor, got list",
+        ),
+        (
+            np.zeros((32, 352), dtype=np.float16),
+            "kv_caches must be a mapping of layer name to torch.Tensor, got ndarray",
+        ),
+        ({}, "kv_caches must hold at least one layer, got an empty dict"),
+        ({"l": np.zeros((32, 352), dtype=np.float16)}, r"kv_caches\['l'\] must be a torch.Tensor, got ndarray"),
+    ],
+    ids=["list", "ndarray", "empty", "numpy-cache"],
+)
+def test_kv_caches_that_are_not_a_mapping_of_tensors_are_refused_naming_them(kv_caches, message):
+    # A list or an array used to fail at kv_caches.values() with an AttributeError naming nothing.
+    with pytest.raises(ValueError, match=f"^OffloadEngine: {message}"):
+        kv_ops.OffloadEngine(kv_caches, 32, capacity_bytes=1 << 20)
+
+
+def test_a_mirror_larger_than_the_machine_is_refused_naming_capacity_bytes_and_the_bytes(monkeypatch):
+    from kv_ops import host_memory
+
+    kv = {"l": torch.zeros(32, 352, dtype=torch.float16)}  # 704-byte blocks
+    available = 10 * 704 * 1024
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (available, 2 * available))
+    allocated = []
+    monkeypatch.setattr(
+        "kv_ops.transfer.engine.pinned_empty", lambda *a, **k: allocated.append(a) or torch.empty(*a, dtype=torch.uint8)
+    )
+    capacity = 64 << 30
+    asked = (capacity // 704) * 704  # the mirror's bytes: whole blocks of the capacity
+    with pytest.raises(
+        ValueError, match=rf"^OffloadEngine: capacity_bytes asks for {asked} bytes .* {available} bytes"
+    ):
+        kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity)
+    assert allocated == []  # refused before the mirror was allocated
+    # Within what the machine has, the same call makes its mirror.
+    with kv_ops.OffloadEngine(kv, 32, capacity_bytes=available // 2) as engine:
+        assert allocated == [((engine.num_host_blocks, 704),)]
+
+
+def test_disk_staging_larger_than_the_machine_is_refused_before_the_file_is_made(monkeypatch, tmp_path):
+    from kv_ops import host_memory
+
+    monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (1 << 20, 1 << 21))
+    made = []
+    monkeypatch.setattr("kv_ops.transfer.engine.DiskPath", lambda *a: made.append(a))
+    kv = {"l": torch.zeros(32, 352, dtype=torch.float16)}  # 704-byte blocks, 4 KiB slots
+    asked = 2 * 1024 * 4096
+    with pytest.raises(ValueError, match=rf"^OffloadEngine: staging_slots x staging_blocks .* asks for {asked} bytes"):
+        kv_ops.OffloadEngine(
+            kv, 32, capacity_bytes=1 << 20, disk_dir=str(tmp_path), page_cache=True, staging_blocks=1024
+        )
+    assert made == []  # neither the file nor its staging buffers were made
 
 
 def test_ids_may_be_lists_int32_or_int64_tensors_or_numpy_arrays():
@@ -527,11 +620,9 @@ def test_disk_tier_round_trips_through_a_real_file(tmp_path):
 def test_the_disk_tier_is_a_path_of_the_same_interface(tmp_path):
     # The engine has one way to submit, order, collect, flush and close a transfer: the disk tier
     # answers every member a path does, and counts its transfers as one.
-    members = ("name", "label", "copy_engines", "host_planned", "fresh_ready", "enqueue", "reported", "close")
-    for cls in (KernelPath, StagedPath, DirectDmaPath, DiskPath):
-        assert all(hasattr(cls, m) for m in members), cls
     engine = make_disk_engine(tmp_path)
     assert list(engine.paths) == ["disk"] and isinstance(engine.paths["disk"], DiskPath)
+    assert isinstance(engine.paths["disk"], TransferPath)  # the contract, member by member: test_paths.py
     tids = [engine.store([0, 1], [0, 1]), engine.load([0], [5]), engine.store([], [])]
     assert engine.path_counts["disk"] == 3  # counted at the call, before the I/O thread ran them
     assert engine.close() == kv_ops.Completed(stores=[tids[0], tids[2]], loads=[tids[1]])

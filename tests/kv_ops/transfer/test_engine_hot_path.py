@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops import kernels
-from kv_ops.transfer import dma, paths
+from kv_ops.transfer import blocks, dma, staged
 from kv_ops.transfer import engine as engine_mod
 from kv_ops.transfer import ids as ids_mod
 from kv_ops.transfer.paths import RING_SLOTS
@@ -59,16 +59,16 @@ def rows(engine) -> torch.Tensor:
         (3, 1, 2),
         range(3, 0, -1),
         np.array([3, 1, 2], dtype=np.int32),
-        np.array([[3], [1], [2]]),  # flattened, as torch.reshape(-1) did
+        np.array([3, 1, 2], dtype=np.int64)[::1],
         torch.tensor([3, 1, 2], dtype=torch.int32),
-        torch.tensor([3, 1, 2])[None],
+        torch.tensor([9, 3, 9, 1, 9, 2])[1::2],  # strided, 1-D
     ],
-    ids=["list", "tuple", "range", "int32-array", "2-d-array", "int32-tensor", "2-d-tensor"],
+    ids=["list", "tuple", "range", "int32-array", "int64-array", "int32-tensor", "strided-tensor"],
 )
 def test_ids_of_every_host_form_come_out_as_int64_arrays(ids):
     got = ids_mod.take("op", "ids", ids, 4, unique=True, device=torch.device("cpu"))
     assert isinstance(got, np.ndarray) and got.dtype == np.int64
-    assert got.tolist() == np.asarray(ids).reshape(-1).tolist()
+    assert got.tolist() == np.asarray(ids).tolist()
 
 
 def test_an_empty_list_is_no_ids_not_a_float_tensor():
@@ -83,9 +83,19 @@ def test_an_empty_list_is_no_ids_not_a_float_tensor():
         (np.array([-1]), r"op: ids\[0\] = -1 is outside \[0, 4\)"),
         ([1, 2, 1], r"op: ids names block 1 more than once \(positions \[0, 2\]\)"),
         ([0.5], r"op: ids must be a 1-D int32 or int64 tensor, got torch.float32"),
-        (np.array([1.0]), r"op: ids must be a 1-D int32 or int64 tensor, got torch.float64"),
+        (np.array([1.0]), r"op: ids must be a 1-D int32 or int64 array, got a numpy float64 array of shape \(1,\)"),
         ([True], r"op: ids must be a 1-D int32 or int64 tensor, got torch.bool"),
-        (np.array([1], dtype=np.uint64), r"op: ids must be a 1-D int32 or int64 tensor, got torch.uint64"),
+        (np.array([1], dtype=np.uint64), r"op: ids must be a 1-D int32 or int64 array, got a numpy uint64 array"),
+        (np.array([1, 2], dtype=np.uint8), r"op: ids must be a 1-D int32 or int64 array, got a numpy uint8 array"),
+        (np.array([1], dtype=np.int16), r"op: ids must be a 1-D int32 or int64 array, got a numpy int16 array"),
+        (
+            np.array([[3], [1]]),
+            r"op: ids must be a 1-D int32 or int64 array, got a numpy int64 array of shape \(2, 1\)",
+        ),
+        (np.array(3), r"op: ids must be a 1-D int32 or int64 array, got a numpy int64 array of shape \(\)"),
+        ([[3], [1]], r"op: ids must be a flat sequence of ids, got list of shape \(2, 1\)"),
+        (torch.tensor([[3, 1]]), r"op: ids must be a 1-D int32 or int64 tensor, got torch.int64 \(1, 2\)"),
+        (torch.tensor(3), r"op: ids must be a 1-D int32 or int64 tensor, got torch.int64 \(\)"),
         ([2**70], "op: ids must be integer block ids, got list"),
         (["a"], "op: ids must be integer block ids, got list"),
         (torch.tensor([1], dtype=torch.int16), r"op: ids must be a 1-D int32 or int64 tensor, got torch.int16"),
@@ -99,6 +109,13 @@ def test_an_empty_list_is_no_ids_not_a_float_tensor():
         "float-array",
         "bool",
         "uint64",
+        "uint8-array",
+        "int16-array",
+        "2-d-array",
+        "0-d-array",
+        "nested-list",
+        "2-d-tensor",
+        "0-d-tensor",
         "huge",
         "string",
         "int16-tensor",
@@ -294,7 +311,8 @@ class Counts:
             ("record", torch.cuda.Event, "record"),
             ("pinned", ids_mod.IdBlock, "__init__"),
             ("graphs", kernels.GraphedCopy, "__init__"),
-            ("record", paths, "record_event"),  # the raw records of events made before
+            ("record", blocks, "record_event"),  # the raw records of events made before
+            ("record", staged, "record_event"),
             ("record", engine_mod, "record_event"),
         ]:
             monkeypatch.setattr(owner, attr, self._counting(name, getattr(owner, attr)))
@@ -394,7 +412,7 @@ def test_pooled_graphs_are_never_rewritten_before_their_replay_ran_under_a_queue
 
 
 def pool_sizes(engine, path):
-    return [p.made for d in paths.Direction for p in engine.paths[path].host_fed[d]]
+    return [p.made for d in blocks.Direction for p in engine.paths[path].host_fed[d]]
 
 
 @gpu

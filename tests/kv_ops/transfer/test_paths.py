@@ -17,6 +17,7 @@ a stream being captured), and the staged ring allocated with the engine rather t
 first transfer.
 """
 
+import inspect
 import math
 import time
 import warnings
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops.transfer import dma, paths
+from kv_ops.transfer import staged as staged_mod
 from kv_ops.transfer.paths import RING_SLOTS, Blocks, Direction
 
 gpu = pytest.mark.gpu
@@ -578,9 +580,9 @@ def test_the_staged_ring_is_allocated_with_the_engine_not_by_its_first_transfer(
     direction=st.sampled_from(list(Direction)),
 )
 def test_the_staged_plan_of_a_few_pairs_in_python_equals_the_numpy_plan(ring_rows, host, sort, first_slot, direction):
-    # Up to paths.SMALL_PLAN pairs the descriptors are planned in plain Python: every chunk's
+    # Up to staged_mod.SMALL_PLAN pairs the descriptors are planned in plain Python: every chunk's
     # descriptors must be exactly the numpy plan's (runs within a chunk merged, none across).
-    staged = paths.StagedPath(
+    staged = staged_mod.StagedPath(
         [torch.empty(200, 64, dtype=torch.uint8)],
         torch.empty(300, 64, dtype=torch.uint8),
         None,
@@ -591,8 +593,68 @@ def test_the_staged_plan_of_a_few_pairs_in_python_equals_the_numpy_plan(ring_row
     blocks = Blocks(direction, np.arange(len(host), dtype=np.int64), np.array(host, dtype=np.int64))
     small = staged.small_plans(host, ring, first_slot, direction)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(paths, "SMALL_PLAN", 0)
+        patch.setattr(staged_mod, "SMALL_PLAN", 0)
         vectorised = staged.plans(blocks, ring, first_slot)
     assert [(p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) for p in small] == [
         (p.dsts.tolist(), p.srcs.tolist(), p.sizes.tolist()) for p in vectorised
     ]
+
+
+# --- the path contract ----------------------------------------------------------------------
+
+PROTOCOL_DATA = tuple(paths.TransferPath.__annotations__)
+PROTOCOL_METHODS = tuple(
+    n for n, v in vars(paths.TransferPath).items() if inspect.isfunction(v) and not n.startswith("_")
+)
+
+
+def every_path_class():
+    from kv_ops.transfer import layerwise
+    from kv_ops.transfer.disk import DiskPath
+
+    return [paths.KernelPath, staged_mod.StagedPath, paths.DirectDmaPath, DiskPath, layerwise._LayerPath]
+
+
+def test_the_protocol_names_what_the_engine_calls_on_a_path():
+    assert set(PROTOCOL_DATA) == {"name", "label", "copy_engines", "host_planned", "fresh_ready"}
+    assert set(PROTOCOL_METHODS) == {"enqueue", "reported", "close"}
+
+
+@pytest.mark.parametrize("cls", every_path_class(), ids=lambda c: c.__name__)
+def test_every_path_class_defines_every_protocol_member_with_its_signature(cls):
+    for member in PROTOCOL_DATA:
+        assert hasattr(cls, member), f"{cls.__name__} lacks {member}"
+    for member in PROTOCOL_METHODS:
+        want = list(inspect.signature(getattr(paths.TransferPath, member)).parameters)
+        got = list(inspect.signature(getattr(cls, member)).parameters)
+        assert got == want, f"{cls.__name__}.{member}{got} is not {want}"
+
+
+def test_real_paths_built_on_the_cpu_satisfy_the_protocol_and_a_partial_one_does_not(tmp_path):
+    from layerwise_models import make_caches
+
+    from kv_ops.transfer import layerwise
+
+    caches = make_caches(2, 8, "cpu", seed=4)
+    row = sum(c[0, 0].nbytes * 2 for c in caches.values())
+    with kv_ops.OffloadEngine(caches, 8, capacity_bytes=16 * row, path="auto") as engine:
+        assert sorted(engine.paths) == sorted(paths.PATH_NAMES)
+        for path in engine.paths.values():
+            assert isinstance(path, paths.TransferPath), type(path).__name__
+        with kv_ops.LayerwiseLoads(engine, "protocol") as loads:
+            assert isinstance(layerwise._LayerPath(loads), paths.TransferPath)
+    with kv_ops.OffloadEngine(caches, 8, capacity_bytes=16 * 4096, disk_dir=str(tmp_path), page_cache=True) as disk:
+        assert isinstance(disk.paths["disk"], paths.TransferPath)
+
+    class NoFreshReady:
+        name, label, copy_engines, host_planned = "x", "x", False, frozenset()
+
+        def enqueue(self, blocks, ready): ...
+
+        def reported(self, direction, done): ...
+
+        def close(self): ...
+
+    assert not isinstance(NoFreshReady(), paths.TransferPath)
+    NoFreshReady.fresh_ready = False
+    assert isinstance(NoFreshReady(), paths.TransferPath)
