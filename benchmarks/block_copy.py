@@ -11,16 +11,15 @@ For each direction, block size and block count it times, on one H2D/D2H link:
 
 The first three are captured in a CUDA graph and timed by replay with CUDA events (median), so
 launch overhead from Python does not count; ``per_block`` is timed eagerly because its Python
-loop is the point. Writes CSV, a PNG plot and a Markdown table.
+loop is the point. Writes block_copy.csv, block_copy.png and block_copy.md (the table, also
+printed) to --out; with --tune, block_copy_tuning.csv too. Needs a CUDA device.
 
 Usage: python benchmarks/block_copy.py --out DIR [--quick] [--tune]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -29,8 +28,7 @@ import kv_ops
 from kv_ops import kernels
 from kv_ops.driver import driver as cuda_driver
 
-from common import time_graph  # this script's own directory
-from report import can_plot, figure, save_figure, write_csv
+from common import figure, finish, parse, parser, save, save_figure, table_head, time_graph, write_csv
 
 BLOCK_BYTES = [256, 1024, 4096, 16384, 65536, 262144, 2 << 20]
 COUNTS = [16, 256, 2048, 16384]
@@ -208,10 +206,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def markdown(rows: list[dict], count: int = 2048) -> str:
-    lines = [
-        "| block | direction | memcpy GB/s | kernel | naive (no host scatter) | per-block memcpy |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
+    lines = table_head(
+        "block:", "direction", "memcpy GB/s:", "kernel:", "naive (no host scatter):", "per-block memcpy:"
+    )
     for block in sorted({r["block_bytes"] for r in rows}):
         for direction in ("gpu_to_host", "host_to_gpu"):
             sel = {
@@ -231,26 +228,17 @@ def markdown(rows: list[dict], count: int = 2048) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--quick", action="store_true", help="three block sizes, 2048 blocks")
-    parser.add_argument("--tune", action="store_true", help="also sweep the kernel's launch parameters")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("block_copy.py needs a CUDA device")
-    args.out.mkdir(parents=True, exist_ok=True)
+    p = parser(__doc__, quick="three block sizes, 2048 blocks")
+    p.add_argument("--tune", action="store_true", help="also sweep the kernel's launch parameters")
+    args = parse(p, cuda=True)
     kv_ops.set_id_checks(False)  # time the copy, not the eager host-sync checks
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.tune:
         rows = tune(args)
         write_csv(args.out / "block_copy_tuning.csv", rows, list(rows[0]))
     rows = sweep(args)
-    write_csv(args.out / "block_copy.csv", rows, list(rows[0]))
-    if can_plot(args.out / "block_copy.png"):
-        plot(rows, args.out / "block_copy.png")
-    table = markdown(rows)
-    (args.out / "block_copy.md").write_text(table + "\n")
-    print(table)
+    save(args.out, "block_copy", rows, list(rows[0]), table=markdown(rows) + "\n", plot=plot)
+    finish()
 
 
 if __name__ == "__main__":

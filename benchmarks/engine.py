@@ -39,40 +39,35 @@ Usage: python benchmarks/engine.py --out DIR [--quick] [--sizes 4096,65536]
 from __future__ import annotations
 
 import argparse
-import gc
-import statistics
-import sys
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
 
-import kv_ops
-from kv_ops import kernels
 from kv_ops.transfer import dma, paths
 
-from common import time_graph  # this script's own directory
-from report import can_plot, columns, figure, save_figure, write_csv
+import common  # this script's own directory
+from common import PATH_COLORS, columns, figure, finish, guard, kib, parse, parser, save_figure, table_head, write_csv
+from engine_bandwidth import (
+    CALL_BYTES,
+    CALLS,
+    FIXED,
+    IDS,
+    LAYERS,
+    PATHS,
+    QUICK_REPS,
+    QUICK_SIZES,
+    REPS,
+    SIZES,
+    Memcpy,
+    State,
+    build_rows,
+    call_shape,
+    measure_size,
+    target,
+)
+from engine_overlap import IN_FLIGHT, MATMUL_N, MATMULS, OVERLAP_BLOCK, OVERLAP_REPS, overlap
 
-LAYERS = 8  # K/V-first: 2 regions per layer
-SIZES = (4096, 16384, 65536, 262144)  # bytes of one region's block
-QUICK_SIZES = (4096, 65536)
-PATHS = ("kernel", "staged", "dma", "auto")
-FIXED = ("kernel", "staged", "dma")  # the paths auto chooses from
-IDS = ("random", "run")
-DIRECTIONS = ("store", "load", "duplex")
-CALLS = 8  # calls per measurement, back to back
-CALL_BYTES = 64 << 20  # bytes per call (a whole number of packed blocks): 64 blocks of 1 MiB
-RUN = 16  # ids per run in the "run" pattern
-REPS = 5
-QUICK_REPS = 3
-OVERLAP_BLOCK = 65536  # per region: 1 MiB packed
-OVERLAP_REPS = 7
-MATMULS = 20
-MATMUL_N = 8192
-IN_FLIGHT = 3  # store+load pairs in flight beside the matmuls
 COLUMNS = [
     "kind", "block_bytes", "packed_bytes", "ids", "direction", "path", "picked", "calls", "ids_per_call",
     "bytes", "seconds", "gbps", "memcpy_gbps", "ratio", "memcpy_duplex_ratio", "auto_vs_best",
@@ -82,519 +77,9 @@ COLUMNS = [
     "run", "matmul_ms", "baseline_ms", "slowdown", "duplex_ratio",
     "blocks", "runs", "single_gbps", "host_us",
 ]  # fmt: skip
-FAILURES: list[str] = []
 
 
-def kib(n: int) -> str:
-    if n >= 1 << 20 and n % (1 << 20) == 0:
-        return f"{n >> 20} MiB"
-    if n >= 1024 and n % 1024 == 0:
-        return f"{n >> 10} KiB"
-    return f"{n} B"
-
-
-def guard(what: str, fn, *args):
-    """``fn(*args)``, or None after printing the traceback: one failed measurement must not cost
-    the others (a GPU run measures everything in one go)."""
-    try:
-        return fn(*args)
-    except Exception:
-        FAILURES.append(what)
-        print(f"FAILED: {what}", flush=True)
-        traceback.print_exc()
-        sys.stderr.flush()
-        return None
-
-
-def close_quietly(engine) -> None:
-    try:
-        engine.close()
-    except Exception:
-        traceback.print_exc()
-
-
-def wall(fn, reps: int) -> float:
-    """Median seconds of ``fn()`` (which returns synchronised), after one untimed warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def picked(before: dict, after: dict) -> str:
-    """Which paths served the calls between two snapshots of ``engine.path_counts``."""
-    diff = {p: n - before.get(p, 0) for p, n in after.items() if n > before.get(p, 0)}
-    if len(diff) <= 1:
-        return next(iter(diff), "")
-    total = sum(diff.values())
-    return " + ".join(f"{p} {round(100 * n / total)}%" for p, n in sorted(diff.items(), key=lambda kv: -kv[1]))
-
-
-def call_shape(block: int) -> tuple[int, int, int]:
-    """(packed bytes per id, ids per call, ids per direction) for ``block`` bytes per region."""
-    per_id = 2 * LAYERS * block
-    per_call = max(1, CALL_BYTES // per_id)
-    if per_call >= RUN:
-        per_call -= per_call % RUN  # whole runs per call
-    return per_id, per_call, CALLS * per_call
-
-
-def pattern(kind: str, n: int, run: int, gen: torch.Generator) -> torch.Tensor:
-    """A permutation of ``range(n)``: random order, or runs of ``run`` consecutive ids in random order."""
-    if kind == "random":
-        return torch.randperm(n, generator=gen)
-    starts = torch.randperm(n // run, generator=gen) * run
-    return (starts[:, None] + torch.arange(run)).flatten()
-
-
-class Cache:
-    """An 8-layer K/V-first cache of ``block`` bytes per region, and each call's ids.
-
-    Stores read GPU blocks ``[0, n)`` into mirror rows ``[0, n)``; loads read mirror rows
-    ``[n, 2n)`` into GPU blocks ``[n, 2n)``: the two directions never touch the same memory, so
-    duplex is two independent streams of work. Ids are drawn here, outside the timed loops.
-    """
-
-    def __init__(self, block: int, device="cuda"):
-        self.block = block
-        self.per_id, self.per_call, self.n = call_shape(block)
-        self.bytes = self.n * self.per_id  # per direction per measurement
-        self.call_bytes = self.per_call * self.per_id
-        self.num_blocks = 2 * self.n
-        self.tensors = {
-            f"layer{i}": torch.empty((2, self.num_blocks, block // 2), dtype=torch.bfloat16, device=device)
-            for i in range(LAYERS)
-        }
-        gen = torch.Generator().manual_seed(block)
-        run = min(RUN, self.per_call)
-        pc = self.per_call
-        self.calls: dict[tuple[str, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for ids in IDS:
-            for direction, offset in (("store", 0), ("load", self.n)):
-                gpu = pattern(ids, self.n, run, gen) + offset
-                host = pattern(ids, self.n, run, gen) + offset
-                # (GPU ids, host ids) of every call
-                self.calls[ids, direction] = [
-                    (gpu[c * pc : (c + 1) * pc].clone(), host[c * pc : (c + 1) * pc].clone()) for c in range(CALLS)
-                ]
-
-    def engine(self, path: str) -> kv_ops.OffloadEngine:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return kv_ops.OffloadEngine(
-                self.tensors, self.num_blocks, capacity_bytes=self.num_blocks * self.per_id, path=path
-            )
-
-
-# Host seconds spent inside the store/load calls of each issue() (flush excluded): when they are
-# close to the whole wall time, the host's issue time, not the link, limits the row.
-ISSUED: list[float] = []
-
-
-def issue(engine, store_calls, load_calls) -> None:
-    """Every call back to back (stores and loads interleaved when both), then ``flush()``."""
-    start = time.perf_counter()
-    for c in range(CALLS):
-        if store_calls is not None:
-            gpu_ids, host_ids = store_calls[c]
-            engine.store(gpu_ids, host_ids)
-        if load_calls is not None:
-            gpu_ids, host_ids = load_calls[c]
-            engine.load(host_ids, gpu_ids)
-    ISSUED.append(time.perf_counter() - start)
-    engine.flush()
-
-
-class Memcpy:
-    """Contiguous pinned memcpy each way, on created streams: the baseline and the ceiling."""
-
-    def __init__(self, nbytes: int):
-        self.gpu = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
-        self.host = [kv_ops.pinned_empty(nbytes) for _ in range(2)]
-        self.streams = {"store": torch.cuda.Stream(), "load": torch.cuda.Stream()}
-
-    def run(self, directions, nbytes: int) -> None:
-        for d in directions:
-            with torch.cuda.stream(self.streams[d]):
-                if d == "store":
-                    self.host[0][:nbytes].copy_(self.gpu[0][:nbytes], non_blocking=True)
-                else:
-                    self.gpu[1][:nbytes].copy_(self.host[1][:nbytes], non_blocking=True)
-        for d in directions:
-            self.streams[d].synchronize()
-
-    def seconds(self, nbytes: int, reps: int) -> dict[str, float]:
-        """Seconds to move ``nbytes`` GPU to host, host to GPU, and both at once."""
-        return {
-            "store": wall(lambda: self.run(("store",), nbytes), reps),
-            "load": wall(lambda: self.run(("load",), nbytes), reps),
-            "duplex": wall(lambda: self.run(("store", "load"), nbytes), reps),
-        }
-
-
-class State:
-    """Everything measured, by key; rows and tables are built from it at the end (and after
-    every block size, so a crash later still leaves a CSV)."""
-
-    def __init__(self, reps: int):
-        self.reps = reps
-        self.shape: dict[int, Cache] = {}  # block -> its cache's shape (tensors dropped)
-        self.memcpy: dict[int, list[dict[str, float]]] = {}  # block -> [before, after]
-        self.sustained: dict[tuple[int, str, str, str], tuple[float, str]] = {}  # (block, ids, direction, path)
-        self.stage: dict[tuple[int, str, str], tuple[float, float]] = {}  # (block, ids, dir) -> gather s, DMA s
-        self.ring: dict[int, tuple[int, int]] = {}  # block -> staged chunk rows, ring bytes
-        self.crossover: dict[int, object] = {}  # block -> kv_ops.transfer.crossover.Crossover
-        self.overlap: list[dict] = []
-        self.issued: dict[tuple[int, str, str, str], float] = {}  # (block, ids, direction, path) -> host issue s
-
-    def base(self, block: int) -> dict[str, float] | None:
-        """The memcpy baseline of a size: the mean of its before and after runs."""
-        runs = self.memcpy.get(block)
-        if not runs:
-            return None
-        return {d: statistics.fmean(r[d] for r in runs) for d in runs[0]}
-
-
-# --- measurements ----------------------------------------------------------------------------
-
-
-def attribution(engine, cache: Cache, state: State) -> None:
-    """The staged path's two halves alone, on the same blocks and mirror rows: the gather (or
-    scatter) device to device, and the packed-row DMA."""
-    regions = list(engine.regions.values())
-    mirror = engine.mirror  # kept alive here: the DMA plans hold its addresses
-    errors = kv_ops.error_counter(engine.device)
-    buf = torch.empty((cache.per_call, cache.per_id), dtype=torch.uint8, device=engine.device)
-    rows = torch.arange(cache.per_call)
-    stream = torch.cuda.Stream(engine.device)
-    staged = engine.paths.get("staged")
-    if staged is not None:
-        state.ring[cache.block] = (staged.chunk, staged.ring_bytes)
-    for ids in IDS:
-        for direction in ("store", "load"):
-            calls = cache.calls[ids, direction]
-            gpu_ids = [g.to(engine.device) for g, _ in calls]
-            if direction == "store":
-
-                def stage(gpu_ids=gpu_ids):
-                    for g in gpu_ids:
-                        kernels.block_copy(regions, buf, g, None, g.numel(), errors, num_programs=paths.STAGE_PROGRAMS)
-
-                plans = [dma.plan_copies([buf], [mirror], rows[: h.numel()], h) for _, h in calls]
-            else:
-
-                def stage(gpu_ids=gpu_ids):
-                    for g in gpu_ids:
-                        kernels.block_copy(buf, regions, None, g, g.numel(), errors, num_programs=paths.STAGE_PROGRAMS)
-
-                plans = [dma.plan_copies([mirror], [buf], h, rows[: h.numel()]) for _, h in calls]
-
-            def copy(plans=plans):
-                for plan in plans:
-                    dma.launch(plan, stream)
-                stream.synchronize()
-
-            gather_s = time_graph(stage, state.reps)
-            dma_s = wall(copy, state.reps)
-            state.stage[cache.block, ids, direction] = (gather_s, dma_s)
-            print(
-                f"  staged halves, {kib(cache.block)}/region {ids} {direction}: gather {gather_s * 1e6:.0f} us, "
-                f"DMA alone {cache.bytes / dma_s / 1e9:.1f} GB/s",
-                flush=True,
-            )
-
-
-def measure_path(cache: Cache, path: str, state: State) -> None:
-    base = state.base(cache.block)
-    engine = cache.engine(path)
-    try:
-        for ids in IDS:
-            for direction in DIRECTIONS:
-                stores = cache.calls[ids, "store"] if direction != "load" else None
-                loads = cache.calls[ids, "load"] if direction != "store" else None
-                before = dict(engine.path_counts)
-                ISSUED.clear()
-                seconds = wall(lambda s=stores, ld=loads: issue(engine, s, ld), state.reps)
-                state.sustained[cache.block, ids, direction, path] = (seconds, picked(before, engine.path_counts))
-                state.issued[cache.block, ids, direction, path] = statistics.median(ISSUED[1:])  # after the warm-up
-                moved = cache.bytes * (2 if direction == "duplex" else 1)
-                ratio = ""
-                if base is not None:
-                    ratio = f" = {base[direction] / seconds:.2f} of memcpy" if direction != "duplex" else ""
-                print(
-                    f"{kib(cache.block)}/region {ids:6s} {direction:6s} {path:6s}: {moved / seconds / 1e9:6.1f} GB/s"
-                    f"{ratio}  [{state.sustained[cache.block, ids, direction, path][1]}]",
-                    flush=True,
-                )
-        if path == "staged":
-            attribution(engine, cache, state)
-        if path == "auto" and engine.crossover is not None:
-            state.crossover[cache.block] = engine.crossover
-    finally:
-        close_quietly(engine)
-
-
-def measure_size(block: int, memcpy: Memcpy, state: State) -> None:
-    cache = Cache(block)
-    state.shape[block] = cache
-    try:
-        state.memcpy[block] = [memcpy.seconds(cache.bytes, state.reps)]
-        for path in PATHS:
-            guard(f"{path} path, {kib(block)} per region", measure_path, cache, path, state)
-            gc.collect()
-        state.memcpy[block].append(memcpy.seconds(cache.bytes, state.reps))
-    finally:
-        cache.tensors = {}  # keep the shape and ids, free the cache
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-def overlap(memcpy: Memcpy, state: State, reps: int) -> None:
-    """Full-GPU bf16 matmuls alone, and while each path moves both directions throughout."""
-    cache = Cache(OVERLAP_BLOCK)
-    base = memcpy.seconds(cache.bytes, state.reps)
-    one_way = max(cache.bytes / base["store"], cache.bytes / base["load"]) / 1e9
-    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    stores, loads = cache.calls["random", "store"], cache.calls["random", "load"]
-
-    def run(engine=None) -> tuple[float, float]:
-        """Matmul milliseconds, and the GB/s moved both ways meanwhile (bytes issued while the
-        matmuls ran, over the time from the first issue until the last of them finished)."""
-        torch.cuda.synchronize()
-        go = torch.cuda.Event()
-        go.record()  # before the matmuls: the transfers are ordered after nothing that runs
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(MATMULS):
-            torch.matmul(a, b, out=c)
-        end.record()
-        if engine is None:
-            end.synchronize()
-            return start.elapsed_time(end), 0.0
-        began = time.perf_counter()
-        issued = stored = loaded = 0
-        while not end.query():
-            if issued - min(stored, loaded) < IN_FLIGHT:
-                gpu_ids, host_ids = stores[issued % CALLS]
-                engine.store(gpu_ids, host_ids, after=go)
-                gpu_ids, host_ids = loads[issued % CALLS]
-                engine.load(host_ids, gpu_ids, after=go)
-                issued += 1
-            else:
-                done = engine.poll()
-                stored += len(done.stores)
-                loaded += len(done.loads)
-                time.sleep(20e-6)
-        engine.flush()
-        seconds = time.perf_counter() - began
-        torch.cuda.synchronize()
-        return start.elapsed_time(end), 2 * issued * cache.call_bytes / seconds / 1e9
-
-    def alone() -> float:
-        ms = statistics.median(run()[0] for _ in range(reps))
-        state.overlap.append(
-            dict(
-                kind="overlap",
-                block_bytes=cache.block,
-                packed_bytes=cache.per_id,
-                ids="-",
-                path="none",
-                run=len(alone_ms) + 1,
-                matmul_ms=ms,
-            )
-        )
-        alone_ms.append(ms)
-        print(f"matmuls alone ({len(alone_ms)}): {ms:.2f} ms", flush=True)
-        return ms
-
-    run()
-    run()  # warm-up: cuBLAS, clocks
-    alone_ms: list[float] = []
-    alone()
-    for path in PATHS:
-
-        def beside(path=path):
-            engine = cache.engine(path)
-            try:
-                run(engine)  # warm-up: compiles, the ring
-                before = dict(engine.path_counts)
-                results = [run(engine) for _ in range(reps)]
-                return results, picked(before, engine.path_counts)
-            finally:
-                close_quietly(engine)
-
-        got = guard(f"matmul overlap beside {path}", beside)
-        gc.collect()
-        alone()
-        if got is None:
-            continue
-        results, pick = got
-        ms = statistics.median(r[0] for r in results)
-        gbps = statistics.median(r[1] for r in results)
-        ref = (alone_ms[-2] + alone_ms[-1]) / 2
-        state.overlap.append(
-            dict(
-                kind="overlap",
-                block_bytes=cache.block,
-                packed_bytes=cache.per_id,
-                ids="random",
-                path=path,
-                picked=pick,
-                matmul_ms=ms,
-                baseline_ms=ref,
-                slowdown=ms / ref - 1,
-                gbps=gbps,
-                memcpy_gbps=one_way,
-                duplex_ratio=gbps / one_way,
-            )
-        )
-        print(
-            f"matmuls beside {path}: {ms:.2f} ms ({100 * (ms / ref - 1):+.1f}%), {gbps:.1f} GB/s both ways "
-            f"= {gbps / one_way:.2f}x one-way memcpy  [{pick}]",
-            flush=True,
-        )
-    for row in state.overlap:
-        if row["path"] == "none":
-            row["slowdown"] = row["matmul_ms"] / alone_ms[0] - 1  # drift against the first run
-
-
-# --- rows and tables -------------------------------------------------------------------------
-
-
-def target(packed: int) -> tuple[float, float | None]:
-    """(per-direction ratio, duplex ratio) the issue asks of random ids at this packed size."""
-    if packed >= 1 << 20:
-        return 0.93, 1.70
-    if packed >= 256 << 10:
-        return 0.88, 1.60
-    return 0.88, None
-
-
-def limit(staged: float, dma_only: float, link_fraction: float, needed: float, issue_fraction: float) -> str:
-    if staged >= needed:
-        return "meets"
-    if issue_fraction > 0.85:
-        return "host issue time"  # the calls took nearly the whole wall time to issue
-    if dma_only < needed:
-        return "descriptors"  # the copy engines alone fall short on these rows
-    if link_fraction > 0.5:
-        return "gather SMs"
-    return "ring/pipeline"
-
-
-def build_rows(state: State) -> list[dict]:
-    rows: list[dict] = []
-    stage_rows: list[dict] = []
-    for block, cache in state.shape.items():
-        base = state.base(block)
-        if base is None:
-            continue
-        shape = dict(block_bytes=block, packed_bytes=cache.per_id, calls=CALLS, ids_per_call=cache.per_call)
-        one_way = max(cache.bytes / base["store"], cache.bytes / base["load"]) / 1e9
-        runs = state.memcpy[block]
-        for d in DIRECTIONS:
-            moved = cache.bytes * (2 if d == "duplex" else 1)
-            rows.append(
-                dict(
-                    kind="memcpy",
-                    **shape,
-                    ids="contiguous",
-                    direction=d,
-                    path="memcpy",
-                    bytes=moved,
-                    seconds=base[d],
-                    gbps=moved / base[d] / 1e9,
-                    ratio=1.0 if d != "duplex" else moved / base[d] / 1e9 / one_way,
-                    seconds_before=runs[0][d],
-                    seconds_after=runs[-1][d] if len(runs) > 1 else "",
-                    drift=runs[-1][d] / runs[0][d] - 1 if len(runs) > 1 else "",
-                )
-            )
-        for ids in IDS:
-            for d in DIRECTIONS:
-                moved = cache.bytes * (2 if d == "duplex" else 1)
-                found = {}
-                for path in PATHS:
-                    if (block, ids, d, path) not in state.sustained:
-                        continue
-                    seconds, pick = state.sustained[block, ids, d, path]
-                    gbps = moved / seconds / 1e9
-                    row = dict(
-                        kind="bandwidth",
-                        **shape,
-                        ids=ids,
-                        direction=d,
-                        path=path,
-                        picked=pick,
-                        bytes=moved,
-                        seconds=seconds,
-                        gbps=gbps,
-                        issue_fraction=state.issued[block, ids, d, path] / seconds,
-                    )
-                    if d == "duplex":
-                        row.update(
-                            memcpy_gbps=one_way,
-                            ratio=gbps / one_way,
-                            memcpy_duplex_ratio=moved / base["duplex"] / 1e9 / one_way,
-                        )
-                    else:
-                        row.update(memcpy_gbps=cache.bytes / base[d] / 1e9, ratio=base[d] / seconds)
-                    found[path] = row
-                    rows.append(row)
-                best = max((found[p]["gbps"] for p in FIXED if p in found), default=None)
-                if "auto" in found and best:
-                    found["auto"]["auto_vs_best"] = found["auto"]["gbps"] / best
-                if (block, ids, d) in state.stage and "staged" in found:  # store and load rows only
-                    gather_s, dma_s = state.stage[block, ids, d]
-                    staged, fraction = found["staged"]["ratio"], gather_s / base[d]
-                    chunk, ring = state.ring.get(block, ("", ""))
-                    issue_fraction = state.issued[block, ids, d, "staged"] / found["staged"]["seconds"]
-                    stage_rows.append(
-                        dict(
-                            kind="stage",
-                            **shape,
-                            ids=ids,
-                            direction=d,
-                            path="staged",
-                            bytes=cache.bytes,
-                            staged_ratio=staged,
-                            gather_us=gather_s * 1e6,
-                            sm_us_per_gb=paths.STAGE_PROGRAMS * gather_s * 1e6 / (cache.bytes / 1e9),
-                            link_fraction=fraction,
-                            dma_only_gbps=cache.bytes / dma_s / 1e9,
-                            dma_only_ratio=base[d] / dma_s,
-                            chunk_rows=chunk,
-                            ring_bytes=ring,
-                            issue_us_per_call=state.issued[block, ids, d, "staged"] / CALLS * 1e6,
-                            issue_fraction=issue_fraction,
-                            limit=limit(staged, base[d] / dma_s, fraction, target(cache.per_id)[0], issue_fraction),
-                        )
-                    )
-    rows += stage_rows + state.overlap
-    for block, cross in state.crossover.items():
-        per_id = state.shape[block].per_id
-        for cell in cross.cells:
-            rows.append(
-                dict(
-                    kind="crossover",
-                    block_bytes=block,
-                    packed_bytes=per_id,
-                    path=cell.path,
-                    direction=cell.direction,
-                    blocks=cell.blocks,
-                    runs=cell.runs,
-                    gbps=cell.gbps,
-                    single_gbps=cell.single_gbps,
-                    host_us=cell.host_us,
-                )
-            )
-    return rows
+# --- tables ----------------------------------------------------------------------------------
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -622,8 +107,19 @@ def markdown(rows: list[dict], state: State) -> str:
     out += [
         "One direction (ratio to memcpy of that direction):",
         "",
-        "| per region | packed | ids | direction | memcpy GB/s | kernel | staged | dma | auto | auto picks | auto / best |",
-        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        *table_head(
+            "per region:",
+            "packed:",
+            "ids",
+            "direction",
+            "memcpy GB/s:",
+            "kernel:",
+            "staged:",
+            "dma:",
+            "auto:",
+            "auto picks",
+            "auto / best:",
+        ),
     ]
     for block in blocks:
         for ids in IDS:
@@ -639,8 +135,20 @@ def markdown(rows: list[dict], state: State) -> str:
         "Both directions at once (bytes both ways / time / the faster one-direction memcpy rate; 2.0 at most; "
         "'memcpy' is contiguous memcpy both ways at once, the hardware's figure):",
         "",
-        "| per region | packed | ids | one-way memcpy GB/s | memcpy | kernel | staged | dma | auto | auto picks | auto / best | staged: issue / wall |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        *table_head(
+            "per region:",
+            "packed:",
+            "ids",
+            "one-way memcpy GB/s:",
+            "memcpy:",
+            "kernel:",
+            "staged:",
+            "dma:",
+            "auto:",
+            "auto picks",
+            "auto / best:",
+            "staged: issue / wall:",
+        ),
     ]
     for block in blocks:
         for ids in IDS:
@@ -668,8 +176,15 @@ def markdown(rows: list[dict], state: State) -> str:
             f"({kib(ov[0]['block_bytes'])} per region, random ids, {IN_FLIGHT} store+load pairs in flight); "
             "slowdown against the mean of the alone runs before and after:",
             "",
-            "| matmuls beside | matmul ms | baseline ms | slowdown | GB/s both ways | ratio to one-way memcpy | auto picks |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+            *table_head(
+                "matmuls beside",
+                "matmul ms:",
+                "baseline ms:",
+                "slowdown:",
+                "GB/s both ways:",
+                "ratio to one-way memcpy:",
+                "auto picks",
+            ),
         ]
         for r in ov:
             if r["path"] == "none":
@@ -695,8 +210,21 @@ def markdown(rows: list[dict], state: State) -> str:
             "'host issue time' when issuing the calls (host microseconds per call, flush excluded) took over 85% of "
             "the wall time, else 'ring/pipeline'.",
             "",
-            "| per region | packed | ids | direction | staged | DMA alone | gather us | SM-us/GB | gather / link | chunk rows | issue us/call | issue / wall | limit |",
-            "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            *table_head(
+                "per region:",
+                "packed:",
+                "ids",
+                "direction",
+                "staged:",
+                "DMA alone:",
+                "gather us:",
+                "SM-us/GB:",
+                "gather / link:",
+                "chunk rows:",
+                "issue us/call:",
+                "issue / wall:",
+                "limit",
+            ),
         ]
         for r in st:
             out.append(
@@ -709,8 +237,7 @@ def markdown(rows: list[dict], state: State) -> str:
         "",
         "Targets (random ids; best of kernel/staged/dma, and auto):",
         "",
-        "| target | needed | best path | auto | best meets | auto meets |",
-        "| --- | ---: | --- | ---: | --- | --- |",
+        *table_head("target", "needed:", "best path", "auto:", "best meets", "auto meets"),
     ]
     for block in blocks:
         packed = 2 * LAYERS * block
@@ -754,7 +281,7 @@ def markdown(rows: list[dict], state: State) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    colors = {"kernel": "tab:blue", "staged": "tab:green", "dma": "tab:orange", "auto": "tab:red"}
+    colors = PATH_COLORS
     bw = [r for r in rows if r["kind"] == "bandwidth"]
     fig, axes = figure(4, (21, 4.8))
     for ax, ids in zip(axes[:2], IDS):
@@ -809,14 +336,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def save(state: State, out: Path, final: bool = False) -> list[dict]:
+    """The CSV (after every block size, so a crash later still leaves one); when ``final``, the
+    table and the figure too."""
     rows = build_rows(state)
-    write_csv(out / "engine.csv", rows, columns(rows, COLUMNS))
     if final:
-        table = markdown(rows, state)
-        (out / "engine.md").write_text(table)
-        print("\n" + table, flush=True)
-        if can_plot(out / "engine.png"):
-            guard("plot", plot, rows, out / "engine.png")
+        common.save(out, "engine", rows, columns(rows, COLUMNS), table=markdown(rows, state), plot=plot)
+    else:
+        write_csv(out / "engine.csv", rows, columns(rows, COLUMNS))
     return rows
 
 
@@ -828,14 +354,9 @@ def sizes_arg(text: str) -> tuple[int, ...]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--quick", action="store_true", help=f"block sizes {QUICK_SIZES}, {QUICK_REPS} reps")
-    parser.add_argument("--sizes", type=sizes_arg, default=None, help="bytes per region's block, comma-separated")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("engine.py needs a CUDA device")
-    args.out.mkdir(parents=True, exist_ok=True)
+    p = parser(__doc__, quick=f"block sizes {QUICK_SIZES}, {QUICK_REPS} reps")
+    p.add_argument("--sizes", type=sizes_arg, default=None, help="bytes per region's block, comma-separated")
+    args = parse(p, cuda=True)
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     state = State(QUICK_REPS if args.quick else REPS)
     began = time.perf_counter()
@@ -851,9 +372,7 @@ def main() -> None:
     guard("matmul overlap", overlap, memcpy, state, QUICK_REPS if args.quick else OVERLAP_REPS)
     guard("writing the results", save, state, args.out, True)
     print(f"engine.py took {time.perf_counter() - began:.0f} s", flush=True)
-    if FAILURES:
-        print("failed: " + "; ".join(FAILURES), flush=True)
-        sys.exit(1)
+    finish()
 
 
 if __name__ == "__main__":

@@ -28,13 +28,14 @@ ops' own cost), taken in turn, on the wall clock, on GPU time, and on GPU time b
 sleep (the launch hidden, as in a serving loop's queue); the steps compared share one set of
 weights. Every layer-wise step's output is checked bitwise against load-then-step's.
 
-Writes layerwise.csv, layerwise.md (also printed) and layerwise.png to --out. On a CPU-only
-machine it exits at once: the measurement needs the GPU.
+Writes layerwise.csv, layerwise.md (also printed) and layerwise.png to --out. Needs a CUDA device.
+Exits non-zero if a layer-wise step's output differs from load-then-step's.
+
+Usage: python benchmarks/layerwise.py --out DIR [--blocks 16,64] [--copies kernel,dma,staged]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -45,7 +46,16 @@ from torch import nn
 
 import kv_ops
 
-from report import can_plot, figure, save_figure, write_csv
+from common import (  # this script's own directory
+    figure,
+    finish,
+    parse,
+    parser,
+    save,
+    save_figure,
+    table_head,
+    write_csv,  # noqa: F401  tests/benchmarks/test_report.py checks each script's writer is report's
+)
 
 NAME = "benchmark-layerwise"
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Llama-3-8B's KV per layer and block
@@ -82,8 +92,8 @@ class PrefillStep(nn.Module):
     the output projection, RMSNorm and the gated MLP, each with its residual add.
 
     ``like``: another step whose weight tensors this one uses. The steps compared with one another
-    share them: two sets of the same values in other memory made the same matmuls differ by up
-    to 4% in GPU time between processes (measured on the H200), more than the waits cost."""
+    share them: the same matmuls over another copy of the same weights can differ in GPU time by
+    more than the waits cost."""
 
     def __init__(self, caches: list[torch.Tensor], hidden: int, mlp: int, name: str | None, like=None):
         super().__init__()
@@ -152,7 +162,7 @@ def timed(fn, reps: int) -> float:
     return interleaved({"fn": fn}, reps)["fn"]
 
 
-# GPU cycles of a sleep queued ahead of a timed step (about 2 ms on the H200): longer than the
+# GPU cycles of a sleep queued ahead of a timed step (about 2 ms at 2 GHz): longer than the
 # host takes to issue the step, so the step's launch is hidden as in a serving loop's queue.
 COVER_CYCLES = 4_000_000
 
@@ -295,8 +305,7 @@ def measure(args) -> tuple[list[dict], dict]:
             torch.cuda.synchronize()
             # Back to back: each start is issued while the step before it runs (its copies still
             # wait for that step's end: they overwrite blocks it may read). Its host time there
-            # too: the one above follows a sync on the whole step, after which the host is slow
-            # (55 against 115 us for the same start, measured on the H200).
+            # too: the one above follows a sync on the whole step, after which the host is slower.
             queued_starts = []
             t0 = time.perf_counter()
             for _ in range(args.reps):
@@ -352,10 +361,21 @@ def markdown(rows: list[dict], once: dict, args) -> str:
         f"layer after a zero-block start adds {once['per_wait_us']:.1f} us per layer "
         f"({once['short_step_us']:.0f} us without, {once['short_step_waits_us']:.0f} us with).",
         "",
-        "| blocks (2 MiB) | host ids | copies | step alone (us) | load alone, GB/s | layer-wise copies alone, GB/s "
-        "| load, flush, step (us) | layer-wise step (us) | load hidden | at most | back-to-back step (us) "
-        "| host time in start, after a sync / back to back (us) | bitwise |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        *table_head(
+            "blocks (2 MiB):",
+            "host ids",
+            "copies",
+            "step alone (us):",
+            "load alone, GB/s:",
+            "layer-wise copies alone, GB/s:",
+            "load, flush, step (us):",
+            "layer-wise step (us):",
+            "load hidden:",
+            "at most:",
+            "back-to-back step (us):",
+            "host time in start, after a sync / back to back (us):",
+            "bitwise",
+        ),
     ]
     for r in rows:
         lines.append(
@@ -395,30 +415,19 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--copies", default="kernel,dma,staged", help="LayerwiseLoads mechanisms to measure")
-    parser.add_argument(
-        "--hosts", default="random,run", help="host id patterns: random, and run (consecutive host blocks)"
-    )
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("layerwise.py: no CUDA device; nothing measured", flush=True)
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    p = parser(__doc__)
+    p.add_argument("--layers", type=int, default=32, help="layers of the step (default 32)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of the step (default 2048)")
+    p.add_argument("--hidden", type=int, default=4096, help="hidden width (default 4096)")
+    p.add_argument("--mlp", type=int, default=14336, help="MLP width (default 14336)")
+    p.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
+    p.add_argument("--reps", type=int, default=7, help="repetitions per figure (default 7)")
+    p.add_argument("--copies", default="kernel,dma,staged", help="LayerwiseLoads mechanisms to measure")
+    p.add_argument("--hosts", default="random,run", help="host id patterns: random, and run (consecutive host blocks)")
+    args = parse(p, cuda=True)
     rows, once = measure(args)
-    write_csv(args.out / "layerwise.csv", rows, COLUMNS, digits=4)
-    table = markdown(rows, once, args)
-    (args.out / "layerwise.md").write_text(table)
-    print(table, flush=True)
-    if can_plot(args.out / "layerwise.png"):
-        plot(rows, args.out / "layerwise.png")
+    save(args.out, "layerwise", rows, COLUMNS, table=markdown(rows, once, args), plot=plot, digits=4)
+    finish()
     return 0 if all(r["bitwise"] for r in rows) else 1
 
 

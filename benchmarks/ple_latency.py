@@ -16,14 +16,15 @@
   by ``OffloadRuntime``; both captured in a CUDA graph, one replay + sync per step (the offload
   step adds prepare and the waits on the offload process).
 
+Writes ple_latency.csv, ple_latency.md (the table, also printed) and ple_latency.png to --out.
+Needs a CUDA device.
+
 Usage: python benchmarks/ple_latency.py --out DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,8 +34,18 @@ from torch import nn
 import ple_ops
 from ple_ops import kernels
 
-from common import time_graph  # this script's own directory
-from report import can_plot, columns, figure, save_figure, write_csv
+from common import (  # this script's own directory
+    columns,
+    figure,
+    finish,
+    parse,
+    parser,
+    save,
+    save_figure,
+    table_head,
+    time_graph,
+    write_csv,  # noqa: F401  tests/benchmarks/test_report.py checks each script's writer is report's
+)
 
 VOCAB, DIM, LAYERS = 1000, 64, 3
 
@@ -278,32 +289,30 @@ def plot(rows, path: Path) -> None:
     save_figure(fig, path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("ple_latency.py needs a CUDA device")
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = latency([1, 2, 4, 8, 32]) + bandwidth([1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192]) + decode_step()
-    write_csv(args.out / "ple_latency.csv", rows, columns(rows))
-    if can_plot(args.out / "ple_latency.png"):
-        plot(rows, args.out / "ple_latency.png")
-    print("| measure | rows of 16 KiB | value | ratio to baseline |\n| --- | ---: | ---: | ---: |")
+def markdown(rows: list[dict]) -> str:
+    lines = table_head("measure", "rows of 16 KiB:", "value:", "ratio to baseline:")
     for r in rows:
         if r["kind"] == "latency":
             extra = f", +{r['extra_us']:.2f} us watched" if "extra_us" in r else ""
-            print(
+            lines.append(
                 f"| {r['what']} latency p50 (p99) | {r['rows']} | {r['p50_us']:.1f} ({r['p99_us']:.1f}) us{extra} | {r['ratio']:.2f} |"
             )
         elif r["kind"] == "bandwidth":
-            print(
+            lines.append(
                 f"| pull bandwidth ({r['route']}) | {r['rows']} | {r['pull_gbps']:.1f} GB/s (memcpy {r['memcpy_gbps']:.1f}); "
                 f"kernel / copy engine / memcpy {r['kernel_us']:.1f} / {r['copy_engine_us']:.1f} / {r['memcpy_us']:.1f} us "
                 f"| {r['ratio']:.2f} |"
             )
         else:
-            print(f"| decode step, {r['what']} (4 tokens) | - | {r['p50_us']:.1f} us | {r['ratio']:.2f} |")
+            lines.append(f"| decode step, {r['what']} (4 tokens) | - | {r['p50_us']:.1f} us | {r['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse(parser(__doc__), cuda=True)
+    rows = latency([1, 2, 4, 8, 32]) + bandwidth([1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192]) + decode_step()
+    save(args.out, "ple_latency", rows, columns(rows), table=markdown(rows), plot=plot)
+    finish()
 
 
 if __name__ == "__main__":

@@ -197,9 +197,9 @@ def main() -> int:
     )
 
     # Both models stay alive and their timed runs alternate (stock, host, host, stock, ...): the
-    # decode step is host-bound (generate()'s Python between replays), and the GPU machine's
-    # host speed was seen to drift by 40% within one minute, so runs minutes apart would compare
-    # two hosts. Both models are built from the same seed: the same weights.
+    # decode step is host-bound (generate()'s Python between replays), and a host's speed can
+    # drift within a minute, so runs minutes apart would compare two hosts. Both models are built
+    # from the same seed: the same weights.
     stock = build(cfg, device, dtype)
     stock_configs = warm(stock, ids, args, device)
 

@@ -1,44 +1,43 @@
-"""ple_ops: per-layer-embedding rows computed in a CUDA-free CPU process, pulled by GPU streams.
+"""ple_ops: per-layer-embedding rows for GPU graphs, computed in a CUDA-free CPU process or gathered from host memory.
 
 Built on kv_ops: its driver helpers (``kv_ops.driver``), page-locking (``kv_ops.host_memory``) and,
 for the gather transport, its zero-copy gather kernel.
 
-Where each piece lives:
+Its layers, bottom up; each imports only the layers below it (tests/ple_ops/test_floors.py checks it):
 
-* ``shared_memory`` -- ``SharedHostBuffer``: page-locked host memory two processes map.
-* ``semaphore``     -- ``CpuGpuSemaphore``: the flag (device or shared host memory) and its
-                       stream and host operations; the host spin-wait and release fence.
-* ``registry``      -- layer name -> this process's live flag, slot and row size.
-* ``ops``           -- ``torch.ops.ple_ops.wait / wait_copy / release``, copy-geometry observation.
-* ``kernels``       -- the wait, copy and release kernels a captured step replays in place of
-                       stream memory operations.
-* ``layer``         -- ``PleOffloadLayer``, the model-side base class.
-* ``control``       -- ``ControlBlock``: the shared words both processes use (steps, flags,
-                       waiting words), and the named messages of their pipe.
-* ``worker``        -- the offload process: the handshake, then the serving loop.
-* ``runtime``       -- ``OffloadRuntime``: starts the offload process; the GPU side of the step
-                       transaction.
-* ``watchdog``      -- ``Watchdog``: the runtime's thread that frees GPU streams no prepared step
-                       will serve, and fails the runtime (a dead process, a late step).
-* ``host_rows``     -- ``pin_rows`` / ``gather_rows``: a table as page-locked rows, and their
-                       zero-copy gather.
-* ``host_table``    -- ``gather_from_host``: the gather transport (lookup tables in page-locked
-                       host memory, gathered zero-copy inside the graph).
-* ``host_embedding`` -- ``host_embedding``: the same for a stock ``nn.Embedding`` (or Gemma 3n's
-                       scaled one) in a transformers model, in one call.
-* ``reference``     -- pure-torch row pull and poison: the CPU path and the test oracle.
+1. the op floor, this folder's modules: what a model's forward runs.
+
+   * ``semaphore`` -- ``CpuGpuSemaphore``: the flag (device or shared host memory), its stream
+                      and host operations, the host spin-wait and release fence.
+   * ``kernels``   -- the wait, copy and release kernels a captured step replays in place of
+                      stream memory operations.
+   * ``reference`` -- pure-torch row pull and poison: the CPU path and the test oracle.
+   * ``registry``  -- layer name -> this process's live flag, slot and row size, and the
+                      ``StepGuard`` protocol the ops ask.
+   * ``ops``       -- ``torch.ops.ple_ops.wait / wait_copy / release``, copy-geometry
+                      observation, and ``gather_rows`` (the gather transport's op).
+   * ``layer``     -- ``PleOffloadLayer``, the model-side base class.
+
+2. the transports, side by side (neither imports the other):
+
+   * ``gather/``   -- tables in page-locked host memory read zero-copy: ``gather_from_host``,
+                      ``host_embedding``.
+   * ``runtime/``  -- the offload process and the step transaction: ``OffloadRuntime``.
+
+From kv_ops it imports only public names: those in the ``__all__`` of ``kv_ops.driver``,
+``capture``, ``host_memory``, ``kernels``, ``arguments``, ``registration`` and ``ops``, and the
+package's ``__version__``.
 """
 
 from kv_ops import __version__  # one version for the distribution, written in kv_ops
 
-from .host_embedding import HostEmbedding, host_embedding
-from .host_table import gather_from_host
+from .gather import HostEmbedding, gather_from_host, host_embedding
 from .layer import PleOffloadLayer, building_placeholders, mark_offload_worker
 from .ops import observe_copy_geometry, release, wait, wait_copy
 from .registry import ArmedLayer, arm, armed_names, disarm, lookup
 from .runtime import OffloadError, OffloadRuntime
+from .runtime.shared_memory import SharedHandle, SharedHostBuffer
 from .semaphore import CpuGpuSemaphore, ProducerFailed
-from .shared_memory import SharedHandle, SharedHostBuffer
 
 __all__ = [
     "__version__",

@@ -2,11 +2,9 @@
 
 Eagerly, a wait is ``cuStreamWaitValue32``, a reset ``cuStreamWriteValue32`` and the rows' copy
 ``cuMemcpyHtoDAsync``: a few microseconds of host time each. Captured, they become memory-operation
-and memcpy nodes, and those make every ``cuGraphLaunch`` slow. On the H200, an 8-layer step with
-six memory operations and one copy per layer took 109-116 us to launch and 257 us of GPU time,
-where the same step with no PLE took 7 us and 70 us. Kernel nodes cost the launch almost nothing. So
-a capture records, per layer, the kernels below instead; the step then launched in 8 us and ran
-in 164 us (docs/design.md). They do what the stream operations did, in the same order:
+and memcpy nodes, and those make every ``cuGraphLaunch`` slow, where kernel nodes cost the launch
+almost nothing (docs/design.md). So a capture records, per layer, the kernels below instead. They
+do what the stream operations do, in the same order:
 
 * wait:    ``waiting = WAITING``; spin until ``flag == DONE``; then the copy (a second kernel;
            a memcpy node from :data:`COPY_ENGINE_FROM` bytes, where the copy engine is faster).
@@ -16,7 +14,7 @@ Memory model. The words live in page-locked host memory mapped for the GPU, or i
 for a hand-armed layer. Loads of the flag are ``ld.volatile`` (relaxed, system scope: each one
 reads memory, never a stale cache line). Each store is followed by ``fence.sc.sys``. That way the
 watchdog sees ``WAITING`` while the program still spins, and a producer that sees ``RESET``
-finds ``IDLE`` already there. The stream operations kept that order: a ``cuStreamWriteValue32``
+finds ``IDLE`` already there. The stream operations keep that order: a ``cuStreamWriteValue32``
 without ``NO_MEMORY_BARRIER`` is fenced. The wait ends with a fence too: the copy after it in
 stream order sees the rows the producer stored before it raised the flag (release fence).
 
@@ -34,15 +32,11 @@ import triton.language as tl
 
 from kv_ops.kernels import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES
 
-from .control import IDLE, WAITING
-from .semaphore import DONE, RESET
+from .semaphore import DONE, IDLE, RESET, WAITING
 
 # Captured copies of at least this many bytes go to the copy engine (a memcpy node after the wait
-# kernel) instead of the copy kernel. Measured on the H200 (benchmarks/ple_latency.py times the
-# captured pull of rows of 16 KiB by both routes, GPU time of one replay; two runs): the kernel
-# wins up to 1 MiB (by 1.6-5.8 us), the two meet at 2 MiB (52.9 / 55.8 and 51.0 / 50.3 us), and
-# the copy engine wins from 4 MiB (by 1.5-7.5 us there, 12-15 at 8 MiB), where the kernel's lower
-# read rate (about 0.88 of the copy engine's) outweighs the memcpy node's fixed cost.
+# kernel) instead of the copy kernel: from there the kernel's lower read rate outweighs the memcpy
+# node's fixed cost (benchmarks/ple_latency.py times both routes; docs/design.md).
 COPY_ENGINE_FROM = 4 << 20
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -135,9 +129,8 @@ def wait_copy(flag: torch.Tensor, waiting: torch.Tensor | None, src: torch.Tenso
     ``src`` and ``dst`` are uint8 CUDA tensors. Returns Triton's handle of the copy kernel (its
     ``asm`` holds the PTX), or None when nothing was copied.
 
-    Two kernels, not one: in a single kernel every warp would spin on the flag, and 16 warps
-    reading host memory that way cost 18-21 us per layer on the H200 where the wait (one warp)
-    and the copy apart cost 2.4 and 3.7 (docs/design.md).
+    Two kernels, not one: in a single kernel every warp would spin on the flag over host memory,
+    several times slower than one warp's wait followed by the copy (docs/design.md).
     """
     _wait_kernel[(1,)](flag, flag if waiting is None else waiting, waiting is not None, WAITING, DONE, num_warps=1)
     if not nbytes:

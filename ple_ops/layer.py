@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .host_rows import gather_rows
+from .ops import gather_rows
 
 # Which role this process plays. "local": offload off, layers are ordinary modules.
 # "placeholder": the GPU process with offload on, while it builds the model: PLE layers skip

@@ -1,12 +1,9 @@
-"""The PLE operators ``torch.ops.ple_ops.wait / wait_copy / release``: schema, fake, CPU and CUDA.
+"""The PLE operators ``torch.ops.ple_ops.wait / wait_copy / release`` (schema, fake, CPU, CUDA) and the rows gather.
 
-Registration: a ``torch.library.Library`` with each schema written out (``Tensor(a0!) out``: the
-op mutates ``out``), a CPU and a CUDA implementation, and ``register_fake`` (its ``torch._check``s
-state the contract), then a public wrapper. Not ``torch.library.custom_op``, the form kv_ops
-used: its Python autograd and ADInplaceOrView wrappers cost 20-30 us of dispatch per eager call
-on a CPU where this form costs about 4 us, and an eager (or compiled, not graph-captured)
-forward makes two op calls per PLE layer. The schemas are the ones custom_op inferred, tags
-included; ``wait_copy`` bumps ``out``'s version counter itself, as torch's in-place ops do.
+Each op is registered through :func:`kv_ops.registration.register_op` with its schema written
+out (``Tensor(a0!) out``: the op mutates ``out``; the schemas are the ones ``custom_op`` would
+infer, tags included); ``wait_copy`` bumps ``out``'s version counter itself, as torch's in-place
+ops do.
 
 Each op mutates ``out``, the layer's output buffer (a module buffer, so a real graph input): that
 keeps compile from deleting the op, orders ``wait``/``wait_copy`` before every reader of ``out``
@@ -35,10 +32,11 @@ import torch
 from kv_ops.capture import capturing
 from kv_ops.driver import check_driver
 from kv_ops.host_memory import device_view
+from kv_ops.ops import gather_blocks
+from kv_ops.registration import register_op
 
 from . import kernels, registry
-from .control import IDLE, WAITING
-from .semaphore import DONE, RESET, bound_driver
+from .semaphore import DONE, IDLE, RESET, WAITING, bound_driver
 
 _observation = threading.local()
 
@@ -132,7 +130,7 @@ def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream, ou
         if layer.waiting is not None:
             # In stream order just before the wait: while the stream is parked on the flag, the
             # runtime's watchdog can see that it waits, and free it if no prepared step will
-            # raise the flag. The step's release clears the word (ple_ops.control).
+            # raise the flag. The step's release clears the word (ple_ops.runtime.control).
             layer.waiting.write_on(stream, WAITING)
         layer.flag.wait_on(stream, DONE)
     if nbytes:
@@ -151,20 +149,6 @@ def _device_out(layer: registry.ArmedLayer, out: torch.Tensor):
     if bound is None or bound[0] != address:
         bound = layer.bound_out = (address, bound_driver().CUdeviceptr(address))
     return bound[1]
-
-
-# --- the registration ----------------------------------------------------------------------------
-
-_lib = torch.library.Library("ple_ops", "DEF")  # kept for the life of the process
-_TAGS = (torch.Tag.pt2_compliant_tag,)
-
-
-def _register(schema: str, cpu, cuda, fake) -> None:
-    name = schema.split("(", 1)[0]
-    _lib.define(schema, tags=_TAGS)
-    _lib.impl(name, cpu, "CPU")
-    _lib.impl(name, cuda, "CUDA")
-    torch.library.register_fake(f"ple_ops::{name}", fake, lib=_lib)
 
 
 # --- wait ----------------------------------------------------------------------------------------
@@ -190,7 +174,9 @@ def wait_cuda(out, dep, name):
     _enqueue_wait(layer, None, bound_driver().current_stream())
 
 
-_register("wait(Tensor(a0!) out, Tensor dep, str name) -> ()", _wait_cpu, wait_cuda, _wait_fake)
+register_op(
+    "ple_ops", "wait(Tensor(a0!) out, Tensor dep, str name) -> ()", fake=_wait_fake, cpu=_wait_cpu, cuda=wait_cuda
+)
 
 
 def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
@@ -246,11 +232,12 @@ def wait_copy_cuda(out, dep, num_tokens, name):
         torch.autograd.graph.increment_version(out)
 
 
-_register(
+register_op(
+    "ple_ops",
     "wait_copy(Tensor(a0!) out, Tensor dep, SymInt num_tokens, str name) -> ()",
-    _wait_copy_cpu,
-    wait_copy_cuda,
-    _wait_copy_fake,
+    fake=_wait_copy_fake,
+    cpu=_wait_copy_cpu,
+    cuda=wait_copy_cuda,
 )
 
 
@@ -325,7 +312,9 @@ def release_cuda(out, name):
     layer.flag.write_on(stream, RESET)
 
 
-_register("release(Tensor(a0!) out, str name) -> ()", _release_cpu, release_cuda, _release_fake)
+register_op(
+    "ple_ops", "release(Tensor(a0!) out, str name) -> ()", fake=_release_fake, cpu=_release_cpu, cuda=release_cuda
+)
 
 
 def release(out: torch.Tensor, name: str) -> None:
@@ -341,4 +330,18 @@ def release(out: torch.Tensor, name: str) -> None:
     torch.ops.ple_ops.release(out, name)
 
 
-__all__ = ["wait", "wait_copy", "release", "observe_copy_geometry"]
+# --- the gather transport ----------------------------------------------------------------------
+
+
+def gather_rows(host_rows: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``host_rows[ids]`` as ``dtype`` ``[len(ids), dim]``: one zero-copy gather kernel.
+
+    The gather transport's op (``host_rows`` uint8 ``[vocab, row_bytes]`` in page-locked host
+    memory, :mod:`ple_ops.gather`): what a gathering ``PleOffloadLayer`` and ``HostEmbedding`` call.
+    """
+    rows = torch.empty(ids.shape[0], host_rows.shape[1], dtype=torch.uint8, device=host_rows.device)
+    gather_blocks([host_rows], ids, rows)
+    return rows.view(dtype)
+
+
+__all__ = ["wait", "wait_copy", "release", "observe_copy_geometry", "gather_rows"]

@@ -60,7 +60,7 @@ class ArmedLayer:
     out : Tensor or None
         The consumer's output buffer ``[max_tokens, dim]`` (on the GPU in the GPU process).
     waiting : CpuGpuSemaphore or None
-        The layer's stream-is-waiting word (see :mod:`ple_ops.control`). When present, a GPU wait
+        The layer's stream-is-waiting word (see :mod:`ple_ops.runtime.control`). When present, a GPU wait
         writes ``WAITING`` to it first, and a GPU release waits for the flag, writes ``IDLE``,
         then resets the flag.
     guard : StepGuard or None

@@ -63,13 +63,22 @@ def test_the_wheel_installs_and_imports_from_outside_the_tree(tmp_path):
     (wheel,) = wheels.glob("offload_ops-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    assert {
-        "kv_ops/py.typed",
-        "ple_ops/py.typed",
-        "kv_ops/ops.py",
-        "ple_ops/runtime.py",
-        "kv_ops/integrations/vllm.py",
-    } <= names
+    # Every module of every declared package ships, so a subpackage missing from pyproject.toml's
+    # list (setuptools would leave it out silently) fails here.
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    on_disk = sorted(
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("kv_ops", "ple_ops")
+        for p in (ROOT / top).rglob("__init__.py")
+    )
+    assert sorted(declared) == on_disk, (
+        "pyproject.toml's [tool.setuptools] packages differ from the packages in the tree"
+    )
+    modules = {
+        str(p.relative_to(ROOT)) for package in declared for p in (ROOT / package.replace(".", "/")).glob("*.py")
+    }
+    missing = sorted((modules | {"kv_ops/py.typed", "ple_ops/py.typed"}) - names)
+    assert missing == [], f"the wheel lacks {missing}"
     assert not any(n.startswith(("tests/", "compile_tests/", "examples/", "benchmarks/")) for n in names)
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)

@@ -10,8 +10,11 @@ A block's first line says how it runs:
   wrote: the AOT artifact). The ``ple_ops`` runtime spawns a process that re-imports its
   script, which is why the blocks run as scripts and not in this process.
 
-A block that imports transformers, where it is absent (the ``hf`` extra), ends its section's
-test as skipped, after the blocks before it ran.
+Every script prints what it did: a block that writes nothing to stdout fails, so a reader who
+runs it sees that it worked, and so does one whose printed check reads ``: False`` or ``= False``.
+
+A block that imports transformers or ``kv_ops.integrations.vllm``, where that is absent (the ``hf``
+and ``vllm`` extras), ends its section's test as skipped, after the blocks before it ran.
 """
 
 import importlib.util
@@ -26,6 +29,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 GPU = "# needs a GPU"
+# What a block imports -> the module that must be installed for it to run (an extra of pyproject.toml).
+EXTRAS = {r"^import .*\btransformers\b": "transformers", r"^import .*\bkv_ops\.integrations\.vllm\b": "vllm"}
 
 
 def blocks(text: str) -> list[tuple[str, str]]:
@@ -63,7 +68,7 @@ def scratch(tmp_path_factory):
     return directory
 
 
-def run(directory: Path, name: str, code: str) -> None:
+def run(directory: Path, name: str, code: str) -> str:
     script = directory / name
     script.write_text(code)
     # This tree first: an installed offload-ops elsewhere must not answer the imports.
@@ -73,6 +78,10 @@ def run(directory: Path, name: str, code: str) -> None:
         [sys.executable, str(script)], cwd=directory, env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, f"README block failed:\n{code}\n--- stderr ---\n{result.stderr[-4000:]}"
+    assert result.stdout.strip(), f"README block printed nothing (every block shows what it did):\n{code}"
+    # The blocks print their checks as "what: True" or "what = True": False there is a failed check.
+    assert not re.search(r"[:=] False\b", result.stdout), f"README block printed a failed check:\n{result.stdout}"
+    return result.stdout
 
 
 def test_the_readme_has_blocks_of_every_kind():
@@ -86,8 +95,9 @@ def test_the_readme_has_blocks_of_every_kind():
 def test_section_blocks_run_as_written(scratch, section):
     codes = [code for s, code in SCRIPTS if s == section and not code.startswith(GPU)]
     for i, code in enumerate(codes):
-        if re.search(r"^import .*\btransformers\b", code, re.M) and importlib.util.find_spec("transformers") is None:
-            pytest.skip(f"block {i + 1} of {len(codes)} needs transformers (the hf extra); the blocks before it ran")
+        for pattern, module in EXTRAS.items():
+            if re.search(pattern, code, re.M) and importlib.util.find_spec(module) is None:
+                pytest.skip(f"block {i + 1} of {len(codes)} needs {module} (an extra); the blocks before it ran")
         run(scratch, f"block_{SECTIONS.index(section)}_{i}.py", code)
 
 

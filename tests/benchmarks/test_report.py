@@ -101,3 +101,35 @@ def test_every_script_imports_and_plots_through_report(script):
     module = importlib.import_module(script)
     assert module.write_csv is report.write_csv
     assert module.figure is report.figure and module.save_figure is report.save_figure
+
+
+def test_readme_performance_section_is_what_the_results_give():
+    readme = report.README.read_text()
+    assert report.BEGIN in readme and report.END in readme
+    assert report.render(readme) == readme, "README.md's Performance section is stale: run python benchmarks/report.py"
+    assert report.main(["--check"]) == 0
+
+
+def test_the_section_has_a_table_and_links_for_every_benchmark():
+    section = report.section()
+    for name in ("block_copy", "engine", "host_cost", "layerwise", "ple_latency"):
+        assert f"(benchmarks/results/{name}.csv)" in section and f"(benchmarks/results/{name}.png)" in section, name
+    assert "(benchmarks/results/decode_loop.txt)" in section
+    assert section.count("### ") == 7 and section.count("| --- ") + section.count("| ---: ") >= 6
+
+
+def test_render_replaces_only_between_the_markers_and_check_fails_on_a_stale_section(tmp_path, monkeypatch, capsys):
+    stale = f"# intro\n\n{report.BEGIN}\nold figures\n{report.END}\n\n## after\n"
+    fresh = report.render(stale)
+    assert fresh.startswith(f"# intro\n\n{report.BEGIN}\n## Performance\n") and fresh.endswith(
+        f"{report.END}\n\n## after\n"
+    )
+    assert "old figures" not in fresh and report.render(fresh) == fresh
+    path = tmp_path / "README.md"
+    path.write_text(stale)
+    monkeypatch.setattr(report, "README", path)
+    assert report.main(["--check"]) == 1 and path.read_text() == stale
+    assert report.main([]) == 0 and path.read_text() == fresh
+    assert report.main(["--check"]) == 0
+    with pytest.raises(ValueError, match="markers"):
+        report.render("# no markers\n")

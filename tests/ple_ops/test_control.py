@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from ple_ops.control import (
+from ple_ops.runtime.control import (
     IDLE,
     LINE,
     WAITING,

@@ -12,7 +12,7 @@ from ple_models import DIM, LAYERS, VOCAB, make_model
 
 import ple_ops
 from ple_ops import ops, semaphore
-from ple_ops.control import IDLE, WAITING, Word
+from ple_ops.runtime.control import IDLE, WAITING, Word
 from ple_ops.semaphore import DONE, RESET
 
 SUCCESS = 0

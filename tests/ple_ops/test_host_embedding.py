@@ -166,7 +166,27 @@ class ScaledOtherwise(nn.Embedding):  # looks like Gemma 3n's, but its forward d
 
 
 def test_a_known_class_whose_forward_differs_is_refused_by_the_conversion_check(monkeypatch):
-    module = sys.modules["ple_ops.host_embedding"]  # the module; ple_ops.host_embedding is the function
+    module = sys.modules["ple_ops.gather.host_embedding"]  # the module; ple_ops.host_embedding is the function
     monkeypatch.setattr(module, "_SCALED", {(ScaledOtherwise.__module__, ScaledOtherwise.__qualname__)})
     with pytest.raises(ValueError, match="ScaledOtherwise.*does not equal"):
         ple_ops.host_embedding(ScaledOtherwise(10, 4))
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 3], (4,), 5], ids=["list", "tuple", "int"])
+def test_ids_that_are_not_a_tensor_are_a_value_error_naming_them(ids):
+    host = ple_ops.host_embedding(nn.Embedding(10, 4))
+    with pytest.raises(
+        ValueError, match=f"HostEmbedding: input_ids must be an integer tensor.*got {type(ids).__name__}"
+    ):
+        host(ids)
+
+
+def test_ids_on_another_device_than_the_rows_are_a_value_error_naming_both():
+    host = ple_ops.host_embedding(nn.Embedding(10, 4))
+    with pytest.raises(ValueError, match=r"input_ids are on meta, but this embedding's rows land on cpu"):
+        host(torch.tensor([1, 2], device="meta"))
+
+
+def test_a_weight_on_a_device_other_than_cuda_or_cpu_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"host_embedding: torch\.nn\.modules\.sparse\.Embedding's weight is on meta"):
+        ple_ops.host_embedding(nn.Embedding(10, 4, device="meta"))

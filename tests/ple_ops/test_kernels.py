@@ -11,7 +11,7 @@ import torch
 
 from kv_ops import device_view, pinned_empty
 from ple_ops import kernels
-from ple_ops.control import IDLE, WAITING
+from ple_ops.runtime.control import IDLE, WAITING
 from ple_ops.semaphore import DONE, RESET, release_fence
 
 ON_GPU = torch.cuda.is_available()

@@ -6,6 +6,7 @@ within step_timeout, never a hang."""
 import ast
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,7 @@ from ple_models import (
 )
 
 import ple_ops
-from ple_ops.control import WAITING, Word
+from ple_ops.runtime.control import WAITING, Word
 from ple_ops.semaphore import DONE, RESET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +192,7 @@ def test_a_death_between_steps_fails_the_next_prepare_once_the_watchdog_looked(l
     """prepare asks no system call whether the offload process lives: the watchdog does, every
     POLL seconds. A death between two steps is therefore the next prepare's error within a few
     POLLs (never a prepared step that nobody serves), and nothing joined the process for it."""
-    from ple_ops.watchdog import POLL
+    from ple_ops.runtime.watchdog import POLL
 
     with ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", step_timeout=2.0) as rt:
         gen = torch.Generator().manual_seed(23)
@@ -464,14 +465,16 @@ def test_close_is_idempotent_and_every_call_after_it_raises():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(max_tokens=0), ValueError, "max_tokens must be an integer >= 1, got 0"),
-        (dict(max_tokens=2.5), ValueError, "max_tokens must be an integer >= 1"),
-        (dict(max_tokens=True), ValueError, "max_tokens must be an integer >= 1"),
+        (dict(max_tokens=0), ValueError, "OffloadRuntime: max_tokens must be a positive integer, got 0"),
+        (dict(max_tokens=2.5), ValueError, "max_tokens must be a positive integer, got 2.5"),
+        (dict(max_tokens=2.0), ValueError, r"max_tokens must be a positive integer, got 2\.0"),
+        (dict(max_tokens=True), ValueError, "max_tokens must be a positive integer, got True"),
         (dict(step_timeout=0), ValueError, "step_timeout must be a finite number of seconds > 0, got 0"),
         (dict(step_timeout=-1.0), ValueError, "step_timeout must be"),
         (dict(step_timeout=float("nan")), ValueError, "step_timeout must be"),
         (dict(start_timeout=float("inf")), ValueError, "start_timeout must be"),
-        (dict(worker_threads=0), ValueError, "worker_threads must be"),
+        (dict(worker_threads=0), ValueError, "worker_threads must be a positive integer, got 0"),
+        (dict(worker_threads=2.0), ValueError, r"worker_threads must be a positive integer, got 2\.0"),
         (
             dict(model_factory=make_model()),
             TypeError,
@@ -483,12 +486,14 @@ def test_close_is_idempotent_and_every_call_after_it_raises():
     ids=[
         "tokens-0",
         "tokens-float",
+        "tokens-float-integral",
         "tokens-bool",
         "timeout-0",
         "timeout-neg",
         "timeout-nan",
         "start-inf",
         "threads-0",
+        "threads-float-integral",
         "module",
         "str",
         "lambda",
@@ -513,12 +518,12 @@ SHM = "/dev/shm"
         pytest.param(
             dict(device="cuda"),
             ValueError,
-            r"device 'cuda' is CUDA, but torch.cuda.is_available\(\) is False here",
+            r"OffloadRuntime: device is 'cuda', but this machine has no CUDA device",
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there"),
             id="cuda-without-cuda",
         ),
         pytest.param(dict(device="meta"), ValueError, r"device must be 'cuda' or 'cpu', got 'meta'", id="meta"),
-        pytest.param(dict(device="gpu0"), ValueError, r"device must be 'cuda' or 'cpu', got 'gpu0'", id="unknown"),
+        pytest.param(dict(device="gpu0"), ValueError, r"OffloadRuntime: device 'gpu0' is not a device", id="unknown"),
         pytest.param(
             dict(model_factory=make_unbuildable_model),
             ple_ops.OffloadError,
@@ -568,16 +573,56 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     )
     assert result.returncode != 0 and "started" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ple_ops.runtime.OffloadError: the offload process exited"), result.stderr[-3000:]
+    assert last.startswith("ple_ops.runtime.process.OffloadError: the offload process exited"), result.stderr[-3000:]
     assert 'if __name__ == "__main__":' in last and "bootstrapping" in last
+
+
+def test_when_its_parent_is_killed_the_worker_says_so_in_one_line_and_exits(tmp_path):
+    # The worker's stderr is its parent's (spawn passes it on): read to the end, which comes once
+    # both processes (and multiprocessing's resource tracker, which exits with them) are gone.
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+
+            import ple_ops
+            from ple_models import make_model
+
+            if __name__ == "__main__":
+                runtime = ple_ops.OffloadRuntime(make_model, max_tokens=4, device="cpu", start_timeout=120)
+                print(runtime.process.pid, flush=True)
+                time.sleep(300)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        worker_pid = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        _, stderr = parent.communicate(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert stderr.splitlines() == [f"offload worker: the GPU process (pid {parent.pid}) died; exiting"], stderr[-3000:]
+    status = Path(f"/proc/{worker_pid}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the worker outlived its parent"
 
 
 def test_the_worker_never_imports_the_runtime():
     # The runtime names the worker's entry point (its spawn target); the worker needs nothing of
-    # the runtime: it shares only control.py (the block and the messages) and layer.py with it.
-    tree = ast.parse((ROOT / "ple_ops" / "worker.py").read_text())
-    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    names = {
-        alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
-    }
-    assert "runtime" not in modules and "runtime" not in names and not any("runtime" in (m or "") for m in modules)
+    # the GPU side: it shares only control.py (the block and the messages), shared_memory.py and
+    # the op floor (layer.py, the semaphore) with it.
+    tree = ast.parse((ROOT / "ple_ops" / "runtime" / "worker.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    gpu_side = {"offload", "process", "transaction", "watchdog", "runtime", "OffloadRuntime"}
+    assert not imported & gpu_side and not any("runtime" in name for name in imported), sorted(imported)

@@ -73,3 +73,14 @@ def test_spin_wait_times_out_and_runs_the_producer_check():
     with pytest.raises(ple_ops.ProducerFailed, match="producer gone"):
         spin_wait(lambda: 0, 1, "test", check=dead)
     assert time.perf_counter() - start < 0.5
+
+
+def test_a_device_flag_on_the_cpu_is_a_value_error_naming_the_device():
+    with pytest.raises(ValueError, match=r"CpuGpuSemaphore\.in_device_memory: device must be a CUDA device, got 'cpu'"):
+        ple_ops.CpuGpuSemaphore.in_device_memory("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
+def test_a_device_flag_without_cuda_is_a_value_error_before_anything_is_allocated():
+    with pytest.raises(ValueError, match=r"CpuGpuSemaphore\.in_device_memory: device .*but this machine has"):
+        ple_ops.CpuGpuSemaphore.in_device_memory()

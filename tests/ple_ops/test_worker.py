@@ -10,9 +10,9 @@ import torch
 from ple_models import DIM, VOCAB, LookupPle, TablePle
 
 from ple_ops import reference
-from ple_ops.control import ControlBlock, LayerSpec, Phase, StepFailed, Word
+from ple_ops.runtime.control import ControlBlock, LayerSpec, Phase, StepFailed, Word
+from ple_ops.runtime.worker import ServedLayer, StopServing, lookup_rows, serve
 from ple_ops.semaphore import DONE
-from ple_ops.worker import ServedLayer, StopServing, lookup_rows, serve
 
 MAX_TOKENS = 8
 

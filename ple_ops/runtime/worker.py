@@ -1,13 +1,14 @@
 """The offload process: build the model, attach the shared memory (handshake), then serve steps.
 
 It has no CUDA context (``CUDA_VISIBLE_DEVICES`` is emptied before anything can make one). It
-talks to the runtime through the :class:`~ple_ops.control.ControlBlock` (steps, flags, progress)
+talks to the runtime through the :class:`~ple_ops.runtime.control.ControlBlock` (steps, flags, progress)
 and the pipe (the handshake, and the tracebacks of failed steps and of its own death).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import layer as layer_mod
-from . import reference
+from .. import layer as layer_mod
+from .. import reference
+from ..semaphore import RESET, CpuGpuSemaphore, release_fence, spin_wait
 from .control import Attach, ControlBlock, LayerSpec, LayersReport, Phase, Ready, StepFailed, Word, WorkerFailed
-from .semaphore import RESET, CpuGpuSemaphore, release_fence, spin_wait
 from .shared_memory import SharedHostBuffer
 
 # A decode step follows the last one closely and this process exists to answer fast: spin this
@@ -30,6 +31,10 @@ _TRACEBACK_CHARS = 16000  # a failed step's traceback on the pipe: its tail, whe
 
 class StopServing(Exception):
     """The runtime asked the worker to exit (``Word.STOP``)."""
+
+
+class ParentDied(Exception):
+    """The GPU process that started this worker is gone (this process was re-parented)."""
 
 
 @dataclass
@@ -126,11 +131,16 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
 
         def orphaned() -> None:
             if os.getppid() != parent_pid:
-                raise SystemExit("offload worker: the GPU process is gone")
+                raise ParentDied(f"offload worker: the GPU process (pid {parent_pid}) died; exiting")
 
         serve(control, layers, conn.send, orphaned)
     except StopServing:
         return
+    except ParentDied as gone:
+        # Nobody reads the pipe any more: a traceback there (or of the failed send) tells no one
+        # anything, so one line on stderr, then a non-zero exit.
+        print(gone, file=sys.stderr, flush=True)
+        sys.exit(1)
     except BaseException:
         try:
             conn.send(WorkerFailed(traceback.format_exc()))
@@ -215,4 +225,4 @@ def serve(
             control.set(Word.SERVED, step)
 
 
-__all__ = ["worker_main", "handshake", "serve", "ServedLayer", "StopServing"]
+__all__ = ["worker_main", "handshake", "serve", "ServedLayer", "StopServing", "ParentDied"]

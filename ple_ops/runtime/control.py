@@ -40,14 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .semaphore import CpuGpuSemaphore
+from ..semaphore import IDLE, WAITING, CpuGpuSemaphore
 from .shared_memory import SharedHandle, SharedHostBuffer
 
 LINE = 64  # bytes: one cache line
-
-# Values of a layer's waiting word.
-IDLE = 0
-WAITING = 1
 
 
 class Word(enum.IntEnum):

@@ -1,11 +1,12 @@
-"""Tables as page-locked host rows, and their zero-copy gather: shared by the gather transport
-(``host_table``), ``PleOffloadLayer`` and ``host_embedding``."""
+"""Tables copied into page-locked host memory as gatherable rows, for ``host_table`` and ``host_embedding``.
+
+Their gather, the op a layer's forward calls, is :func:`ple_ops.ops.gather_rows`, on the floor below."""
 
 from __future__ import annotations
 
 import torch
 
-import kv_ops
+from kv_ops.host_memory import device_view, pinned_empty
 
 _CHUNK_BYTES = 64 << 20  # tables are copied (and transformed) this many bytes of rows at a time
 
@@ -18,21 +19,14 @@ def pin_rows(table: torch.Tensor, device: torch.device, transform=None) -> torch
     Returns uint8 ``[vocab, row_bytes]``: a device view of the page-locked bytes on CUDA
     (:func:`kv_ops.device_view`), the page-locked tensor itself otherwise.
     """
-    pinned = kv_ops.pinned_empty(table.shape, table.dtype)
+    pinned = pinned_empty(table.shape, table.dtype)
     step = max(1, _CHUNK_BYTES // max(1, table.shape[1] * table.element_size()))
     with torch.no_grad():
         for start in range(0, table.shape[0], step):
             chunk = table.detach()[start : start + step]
             pinned[start : start + step].copy_(chunk if transform is None else transform(chunk))
     rows = pinned.view(torch.uint8).view(table.shape[0], -1)
-    return kv_ops.device_view(rows, device) if device.type == "cuda" else rows
+    return device_view(rows, device) if device.type == "cuda" else rows
 
 
-def gather_rows(host_rows: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``host_rows[ids]`` as ``dtype`` ``[len(ids), dim]``: one zero-copy gather kernel."""
-    rows = torch.empty(ids.shape[0], host_rows.shape[1], dtype=torch.uint8, device=host_rows.device)
-    kv_ops.gather_blocks([host_rows], ids, rows)
-    return rows.view(dtype)
-
-
-__all__ = ["pin_rows", "gather_rows"]
+__all__ = ["pin_rows"]

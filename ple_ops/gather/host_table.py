@@ -1,12 +1,14 @@
-"""The gather transport: lookup PLE tables in page-locked host memory, gathered zero-copy in the graph."""
+"""gather_from_host: every PLE layer's lookup table moved to page-locked host memory, gathered zero-copy in the graph."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kv_ops import arguments
+
+from ..layer import PleOffloadLayer
 from .host_rows import pin_rows
-from .layer import PleOffloadLayer
 
 
 def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -25,7 +27,8 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
     model : nn.Module
         A model built normally (tables included), on the CPU.
     device : str or torch.device
-        Where the model runs. On CUDA the table buffers are device views of the page-locked
+        Where the model runs: a CUDA device or the CPU (a CUDA device on a machine without CUDA is a
+        ``ValueError``, raised before any table moves). On CUDA the table buffers are device views of the page-locked
         memory (:func:`kv_ops.device_view`), so graphs see CUDA tensors.
 
     Returns
@@ -38,7 +41,11 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
     >>> model = ple_ops.gather_from_host(make_model(), "cuda")
     >>> step = torch.compile(model, fullgraph=True)      # no runtime, no prepare/release
     """
-    device = torch.device(device)
+    device = arguments.device("gather_from_host", device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"gather_from_host: device must be a CUDA device or 'cpu', got {device!r}")
+    # Every layer is checked before the first table moves: a refusal leaves the model as it was.
+    tables = []
     for name, layer in model.named_modules():
         if not isinstance(layer, PleOffloadLayer):
             continue
@@ -59,8 +66,10 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
             raise ValueError(
                 f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers"
             )
+        tables.append((layer, table, owners[0]))
+    for layer, table, owner in tables:
         rows = pin_rows(table, device)
-        delattr(layer, owners[0])  # the only copy left is the page-locked one
+        delattr(layer, owner)  # the only copy left is the page-locked one
         layer.attach_host_table(rows, table.dtype)
     return model.to(device)
 

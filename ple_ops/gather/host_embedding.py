@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .host_rows import gather_rows, pin_rows
+from ..ops import gather_rows
+from .host_rows import pin_rows
 
 # Subclasses of nn.Embedding whose forward is known: (module, qualified name) -> how the table
 # is pre-scaled so that a plain lookup gives what their forward gives. Gemma 3n's forward is
@@ -36,6 +37,17 @@ class HostEmbedding(nn.Module):
         self.register_buffer("host_rows", host_rows, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # As nn.Embedding: ids are a tensor on the rows' device (a list would fail deep in the
+        # gather with an AttributeError that names neither the module nor the argument).
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(
+                f"HostEmbedding: input_ids must be an integer tensor, as for nn.Embedding, got {type(input_ids).__name__}"
+            )
+        if input_ids.device != self.host_rows.device:
+            raise ValueError(
+                f"HostEmbedding: input_ids are on {input_ids.device}, but this embedding's rows land on "
+                f"{self.host_rows.device}: move the ids there"
+            )
         rows = gather_rows(self.host_rows, input_ids.reshape(-1), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 

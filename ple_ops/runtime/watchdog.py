@@ -4,15 +4,42 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
-from . import reference
-from .control import WAITING, Phase, Word
-from .semaphore import RESET
+from .. import reference
+from ..semaphore import RESET, WAITING
+from .control import ControlBlock, Phase, Word
+from .process import RuntimeLayer
 
 POLL = 0.005  # seconds between two looks of the watchdog
 # A stream must look stuck (waiting on a reset flag that no prepared step will raise) on looks at
 # least this far apart before the runtime acts: the words are read one by one, not atomically.
 STUCK_GRACE = 0.05
+
+
+class Watched(Protocol):
+    """What the watchdog reads and does: the runtime's :class:`~ple_ops.runtime.process.WorkerProcess`."""
+
+    control: ControlBlock
+    layers: Sequence[RuntimeLayer]
+    step_timeout: float
+    prepared_at: float  # monotonic time the last requested step was prepared
+
+    def collect(self) -> None:
+        """Drain the pipe (step failures, the process's own failure)."""
+
+    def stopped(self) -> bool:
+        """Whether the runtime failed or is closing."""
+
+    def gone(self) -> str | None:
+        """Why the offload process can serve no more, else ``None`` (asks whether it lives)."""
+
+    def is_alive(self) -> bool:
+        """Whether the offload process lives."""
+
+    def fail(self, reason: str) -> None:
+        """Fail the runtime: stop the producer, poison every slot, raise every flag."""
 
 
 class Watchdog:
@@ -21,12 +48,12 @@ class Watchdog:
     waits on a flag that no prepared step will raise; once the runtime failed or closed, free any
     stream that still waits (poisoned rows, raised flag).
 
-    It is the runtime's own thread: it reads the runtime's step state and fails it through
-    ``OffloadRuntime._fail``, the one place that stops the producer, poisons and raises.
+    It reads and acts through :class:`Watched` alone; it fails the runtime through
+    ``Watched.fail``, the one place that stops the producer, poisons and raises.
     """
 
-    def __init__(self, runtime):  # its OffloadRuntime: not imported, runtime.py imports this module
-        self._runtime = runtime
+    def __init__(self, watched: Watched):
+        self._watched = watched
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ple-offload-watchdog", daemon=True)
 
@@ -43,31 +70,32 @@ class Watchdog:
         self._thread.join(timeout)
 
     def _watch(self) -> None:
-        rt = self._runtime
+        rt = self._watched
         stuck: dict[int, tuple[float, int]] = {}
         while not self._stopping.wait(POLL):
             try:
-                rt._collect()
-                if rt._failure is not None or rt._closed:
+                rt.collect()
+                if rt.stopped():
                     self._unblock_waiters()
                     continue
                 reason = self._failure_reason(stuck)
                 if reason is not None:
-                    rt._fail(reason)
+                    rt.fail(reason)
             except Exception as exc:  # never let the watchdog die silently
-                if rt._failure is None and not rt._closed:
-                    rt._fail(f"the offload watchdog failed: {exc!r}")
+                if not rt.stopped():
+                    rt.fail(f"the offload watchdog failed: {exc!r}")
 
     def _failure_reason(self, stuck: dict[int, tuple[float, int]]) -> str | None:
-        rt = self._runtime
-        if rt._worker_failed is not None or not rt.process.is_alive():
-            return rt._death_reason()
-        control = rt._control
-        request = control.get(Word.REQUEST)  # before _prepared_at: prepare() writes them in the other order
-        if control.get(Word.SERVED) < request and time.monotonic() - rt._prepared_at > rt.step_timeout:
+        rt = self._watched
+        gone = rt.gone()
+        if gone is not None:
+            return gone
+        control = rt.control
+        request = control.get(Word.REQUEST)  # before prepared_at: prepare() writes them in the other order
+        if control.get(Word.SERVED) < request and time.monotonic() - rt.prepared_at > rt.step_timeout:
             return self._late_reason()
         now = time.monotonic()
-        for layer in rt._layers:
+        for layer in rt.layers:
             i = layer.index
             # delivered first: the worker raises the flag before it writes delivered, so a reset
             # flag read after "delivered == request" was consumed by a stream, not yet-to-come.
@@ -92,10 +120,10 @@ class Watchdog:
         return None
 
     def _late_reason(self) -> str:
-        rt = self._runtime
-        control = rt._control
+        rt = self._watched
+        control = rt.control
         index, phase = control.get(Word.WORKER_LAYER), control.get(Word.WORKER_PHASE)
-        name = rt._layers[index].name if 0 <= index < len(rt._layers) else "?"
+        name = rt.layers[index].name if 0 <= index < len(rt.layers) else "?"
         base = f"the offload process did not serve step {control.get(Word.REQUEST)} within step_timeout {rt.step_timeout} s"
         if phase == Phase.AWAITING_RESET:
             return (
@@ -108,13 +136,13 @@ class Watchdog:
 
     def _unblock_waiters(self) -> None:
         """After a failure or during close: raise, over poison, any flag a stream waits on."""
-        rt = self._runtime
-        if rt.process.is_alive():
+        rt = self._watched
+        if rt.is_alive():
             return  # close() is still stopping the worker, which may yet write the slots
-        for layer in rt._layers:
-            if rt._control.waiting[layer.index].host_value() == WAITING and layer.flag.host_value() == RESET:
+        for layer in rt.layers:
+            if rt.control.waiting[layer.index].host_value() == WAITING and layer.flag.host_value() == RESET:
                 reference.poison_rows(layer.armed.slot)
                 layer.flag.host_signal()
 
 
-__all__ = ["Watchdog", "POLL", "STUCK_GRACE"]
+__all__ = ["Watchdog", "Watched", "POLL", "STUCK_GRACE"]

@@ -1,0 +1,96 @@
+"""Every script in benchmarks/ and examples/ answers --help with its usage, and every GPU-only
+benchmark refuses a machine without CUDA with the one line and status of benchmarks/common.py.
+
+Each script imports torch (seconds), so all of them run at once, in subprocesses started by one
+fixture, and the tests read their results."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402  benchmarks/common.py: the line and the status asserted
+
+# The scripts are the files that run as one; the others are the modules they import.
+SCRIPTS = sorted(
+    str(path.relative_to(ROOT))
+    for folder in ("benchmarks", "examples")
+    for path in (ROOT / folder).glob("*.py")
+    if 'if __name__ == "__main__":' in path.read_text()
+)
+GPU_ONLY = ["benchmarks/block_copy.py", "benchmarks/engine.py", "benchmarks/layerwise.py", "benchmarks/ple_latency.py"]
+
+
+def out_dir(factory, script: str) -> Path:
+    """The --out a GPU-only benchmark is given without CUDA: never made."""
+    return factory.getbasetemp() / f"out-{Path(script).stem}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """(exit status, stdout, stderr) of every run: ``(script, "--help")`` for each script, and
+    ``(script, "no CUDA")`` for each GPU-only benchmark, CUDA hidden, --out a folder not there yet."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    runs = {(s, "--help"): [s, "--help"] for s in SCRIPTS}
+    for s in GPU_ONLY:
+        runs[s, "no CUDA"] = [s, "--out", str(out_dir(tmp_path_factory, s))]
+    procs = {
+        key: subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for key, argv in runs.items()
+    }
+    out = {}
+    try:
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=240)
+            out[key] = (proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def test_the_scripts_are_found():
+    assert set(GPU_ONLY) <= set(SCRIPTS), SCRIPTS
+    for script in ("benchmarks/demo.py", "benchmarks/host_cost.py", "examples/decode_loop.py"):
+        assert script in SCRIPTS, SCRIPTS
+    assert "benchmarks/common.py" not in SCRIPTS and "benchmarks/engine_bandwidth.py" not in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_prints_the_usage_and_exits_0(results, script):
+    status, stdout, stderr = results[script, "--help"]
+    assert status == 0, f"{stdout[-2000:]}\n{stderr[-2000:]}"
+    assert stdout.startswith(f"usage: {Path(script).name}"), stdout[:500]
+    assert "-h, --help" in stdout, stdout
+    # Nothing ran: no measurement, no device line, no results.
+    assert "MISMATCH" not in stdout and "bytes match" not in stdout, stdout
+
+
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_a_gpu_only_benchmark_without_cuda_says_so_in_one_line(results, script, tmp_path_factory):
+    status, stdout, stderr = results[script, "no CUDA"]
+    assert status == common.NO_CUDA_STATUS != 0, f"{stdout[-2000:]}\n{stderr[-2000:]}"
+    line = f"{Path(script).name}: needs a CUDA device (torch.cuda.is_available() is False); nothing measured"
+    assert stderr.splitlines() == [line], stderr
+    assert stdout == "", stdout
+    assert not out_dir(tmp_path_factory, script).exists()  # refused before --out is made
+
+
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_a_gpu_only_benchmark_lists_out_in_its_help(results, script):
+    stdout = results[script, "--help"][1]
+    assert re.search(r"^  --out OUT\b", stdout, re.MULTILINE), stdout
