@@ -89,7 +89,6 @@ from common import (  # this script's own directory
     save,
     save_figure,
     table_head,
-    write_csv,  # noqa: F401  tests/benchmarks/test_report.py checks each script's writer is report's
 )
 from host_cost_bench import BLOCKS, LAYERS, PATHS, QUICK_REPS, REPS, Config, make_config
 from host_cost_kv import KvBench

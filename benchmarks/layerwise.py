@@ -54,7 +54,6 @@ from common import (  # this script's own directory
     save,
     save_figure,
     table_head,
-    write_csv,  # noqa: F401  tests/benchmarks/test_report.py checks each script's writer is report's
 )
 
 NAME = "benchmark-layerwise"

@@ -44,7 +44,6 @@ from common import (  # this script's own directory
     save_figure,
     table_head,
     time_graph,
-    write_csv,  # noqa: F401  tests/benchmarks/test_report.py checks each script's writer is report's
 )
 
 VOCAB, DIM, LAYERS = 1000, 64, 3

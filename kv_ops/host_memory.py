@@ -99,11 +99,14 @@ class _Pinned:
         self.buffer = (ctypes.c_uint8 * nbytes).from_buffer(self.map)
         self.address = ctypes.addressof(self.buffer)
         self.registered: list[int] = []
+        # The module that registered, kept for the unregistration: a finalizer that runs at
+        # interpreter shutdown can no longer import it.
+        self.drv = driver() if register else None
         if register:
             self._register(nbytes)
 
     def _register(self, nbytes: int) -> None:
-        drv = driver()
+        drv = self.drv
         flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
         if nbytes > REGISTER_CHUNK_BYTES:
             dev = torch.cuda.current_device()
@@ -128,7 +131,7 @@ class _Pinned:
 
     def release(self) -> bool:
         """Unregister every piece; False if the driver refused one (then this stays alive)."""
-        drv = driver() if self.registered else None
+        drv = self.drv
         while self.registered:
             (err,) = drv.cuMemHostUnregister(self.registered[-1])
             if err != drv.CUresult.CUDA_SUCCESS:

@@ -253,7 +253,7 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
     name = "batched copy"
     if not torch.cuda.is_available():
         return skip_no_cuda(name)
-    from ..transfer import dma
+    from ...transfer import dma
 
     device = cuda_device("check_batched_copy", device)
     with driver_context(device):

@@ -503,7 +503,8 @@ def test_an_auto_engine_measures_the_crossover_and_follows_it_per_call():
     ]
     for direction, gpu_ids, host_ids in calls:
         blocks = Blocks.of(direction, gpu_ids, host_ids)
-        pick = measured.choose(direction, blocks.count, blocks.num_runs, COPY_ENGINES)
+        # Each call follows a flush: nothing is in flight, so the engine picks by the single-call rule.
+        pick = measured.choose(direction, blocks.count, blocks.num_runs, COPY_ENGINES, alone=True)
         assert pick in COPY_ENGINES
         expected[pick] += 1
         if direction is Direction.STORE:
