@@ -1,17 +1,19 @@
-"""Stock transformers Gemma 3n, its per-layer embedding table in page-locked host memory.
+"""Stock transformers Gemma 3n (or Gemma 4), its per-layer embedding table in page-locked host memory.
 
-Builds ``Gemma3nForCausalLM`` from a config with random weights (nothing is downloaded), runs
-``generate()`` with a static cache, compiled the way transformers documents
-(``generation_config.compile_config``, ``fullgraph=True``; on CUDA its default
-``mode="reduce-overhead"``, i.e. CUDA graphs), once stock and once after the one line
+Builds ``Gemma3nForCausalLM`` (``--model gemma4``: ``Gemma4ForCausalLM``) from a config with
+random weights (nothing is downloaded), runs ``generate()`` with a static cache, compiled the way
+transformers documents (``generation_config.compile_config``, ``fullgraph=True``; on CUDA its
+default ``mode="reduce-overhead"``, i.e. CUDA graphs), once stock and once after the one line
 
-    model.model.embed_tokens_per_layer = ple_ops.host_embedding(model.model.embed_tokens_per_layer)
+    model.set_per_layer_input_embeddings(ple_ops.host_embedding(model.get_per_layer_input_embeddings()))
 
-and checks that the greedy tokens are identical (exit status 1 otherwise). It reports the GPU
-memory that line frees and the decode tokens/s of both runs.
+(for both, the same as ``model.model.embed_tokens_per_layer = ple_ops.host_embedding(...)``) and
+checks that the greedy tokens are identical (exit status 1 otherwise). It reports the GPU memory
+that line frees and the decode tokens/s of both runs.
 
     python examples/gemma3n_transformers.py                 # E2B widths on CUDA, a tiny config on the CPU
     python examples/gemma3n_transformers.py --config tiny   # anywhere, about a minute or two on a CPU
+    python examples/gemma3n_transformers.py --model gemma4  # Gemma 4 E2B's widths (examples/gemma4_transformers.py)
 
 The two models are built from the same seed (so the same weights) and both stay alive: their
 timed runs alternate (stock, host, host, stock, ...) and the best of each is compared, since the
@@ -32,8 +34,19 @@ from transformers.generation import CompileConfig
 
 import ple_ops
 
+try:  # transformers' Gemma 4; --model gemma4 needs it, Gemma 3n does not
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+except ImportError:
+    Gemma4ForCausalLM = Gemma4TextConfig = None
 
-def config(name: str) -> Gemma3nTextConfig:
+
+MODELS = ("gemma3n", "gemma4")
+
+
+def config(name: str, model: str = "gemma3n"):
+    """The text config of ``model`` ("gemma3n" or "gemma4") at ``name``'s widths ("tiny" or "e2b")."""
+    if model == "gemma4":
+        return gemma4_config(name)
     if name == "e2b":  # Gemma 3n E2B's text widths: hidden 2048, 30 layers, PLE 256, vocab 262144
         layers = 30
         return Gemma3nTextConfig(
@@ -77,13 +90,61 @@ def config(name: str) -> Gemma3nTextConfig:
     )
 
 
-def build(cfg: Gemma3nTextConfig, device: torch.device, dtype: torch.dtype) -> Gemma3nForCausalLM:
+def gemma4_config(name: str):
+    if Gemma4TextConfig is None:
+        raise SystemExit("gemma4 transformers: this transformers release has no Gemma 4 (models/gemma4)")
+    if name == "e2b":  # Gemma 4 E2B's text widths: hidden 1536, 35 layers, PLE 256, vocab 262144
+        layers = 35
+        return Gemma4TextConfig(
+            # Unlike Gemma 3n's checkpoint, Gemma 4's text vocabulary is the per-layer table's:
+            # the multimodal tokens lie inside it.
+            vocab_size=262_144,
+            vocab_size_per_layer_input=262_144,
+            hidden_size=1536,
+            hidden_size_per_layer_input=256,
+            intermediate_size=6144,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=256,
+            global_head_dim=512,
+            num_kv_shared_layers=20,
+            layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(layers)],
+            use_double_wide_mlp=True,
+            final_logit_softcapping=30.0,
+            sliding_window=512,
+            max_position_embeddings=4096,
+        )
+    layers = 4  # tiny: what CI runs on the CPU; the last two layers share the first two's KV, as E2B's do
+    return Gemma4TextConfig(
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=24,  # embed_scale sqrt(24) is not a power of two: the product rounds
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+        sliding_window=16,
+        max_position_embeddings=256,
+    )
+
+
+def build(cfg, device: torch.device, dtype: torch.dtype):
+    """``cfg``'s causal LM (Gemma 3n or Gemma 4), with the weights of seed 0."""
+    cls = Gemma4ForCausalLM if cfg.model_type == "gemma4_text" else Gemma3nForCausalLM
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):  # built in place: the E2B widths' 10 GB never pass through the CPU
-            model = Gemma3nForCausalLM(cfg)
+            model = cls(cfg)
     finally:
         torch.set_default_dtype(default)
     return model.eval()
@@ -124,7 +185,7 @@ def warm(model, ids, args, device) -> tuple[GenerationConfig, GenerationConfig]:
     timed_generate(model, ids, full)
     timed_generate(model, ids, one)
     if torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs:
-        raise SystemExit("gemma3n transformers: generate() compiled nothing; the timings would be eager ones")
+        raise SystemExit(f"{args.model} transformers: generate() compiled nothing; the timings would be eager ones")
     return full, one
 
 
@@ -161,8 +222,9 @@ def at_least(low: int):
     return parse
 
 
-def main() -> int:
+def main(argv: list[str] | None = None, default_model: str = "gemma3n") -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default=default_model, help=f"default: {default_model}")
     parser.add_argument("--config", choices=["tiny", "e2b"], default=None, help="default: e2b on CUDA, tiny on the CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=at_least(1), default=None, help="default: 8 (e2b) or 2 (tiny)")
@@ -174,7 +236,7 @@ def main() -> int:
         "--repeats", type=at_least(1), default=None, help="timed runs of each, best taken; default 4 (e2b) or 2"
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (CompileConfig.backend)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
@@ -187,11 +249,12 @@ def main() -> int:
     if args.repeats is None:
         args.repeats = 4 if name == "e2b" else 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = config(name)
+    cfg = config(name, args.model)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
+    family = "Gemma4ForCausalLM" if args.model == "gemma4" else "Gemma3nForCausalLM"
     print(
-        f"Gemma3nForCausalLM ({name}: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, PLE "
+        f"{family} ({name}: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, PLE "
         f"{cfg.hidden_size_per_layer_input}, per-layer vocab {cfg.vocab_size_per_layer_input}), {dtype}, {device}, "
         f"batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, backend {args.backend}"
     )
@@ -204,11 +267,11 @@ def main() -> int:
     stock_configs = warm(stock, ids, args, device)
 
     host = build(cfg, device, dtype)
-    table = host.model.embed_tokens_per_layer.weight
+    table = host.get_per_layer_input_embeddings().weight
     table_bytes = table.numel() * table.element_size()
     del table
     before = allocated(device)  # the stock model's memory is constant across the conversion
-    host.model.embed_tokens_per_layer = ple_ops.host_embedding(host.model.embed_tokens_per_layer)
+    host.set_per_layer_input_embeddings(ple_ops.host_embedding(host.get_per_layer_input_embeddings()))
     freed = before - allocated(device)
     host_configs = warm(host, ids, args, device)
 
@@ -242,14 +305,13 @@ def main() -> int:
         for r, out in enumerate(outs):
             if not torch.equal(stock_tokens, out):
                 differ = (stock_tokens != out).nonzero()[0].tolist()
-                print(
-                    f"gemma3n transformers: MISMATCH ({name} run {r}: first at sequence {differ[0]}, token {differ[1]})"
-                )
+                where = f"first at sequence {differ[0]}, token {differ[1]}"
+                print(f"{args.model} transformers: MISMATCH ({name} run {r}: {where})")
                 return 1
     if device.type == "cuda" and abs(freed - table_bytes) > 0.01 * table_bytes:
-        print("gemma3n transformers: tokens match, but the GPU memory freed is not the table's")
+        print(f"{args.model} transformers: tokens match, but the GPU memory freed is not the table's")
         return 1
-    print(f"gemma3n transformers: tokens match ({stock_tokens.numel()} tokens)")
+    print(f"{args.model} transformers: tokens match ({stock_tokens.numel()} tokens)")
     return 0
 
 

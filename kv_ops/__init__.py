@@ -41,7 +41,8 @@ Tools (``kv_ops/tools/``), imported only when asked for:
 * ``tools.aot``    -- ``compile_step`` / ``load_step``: AOT-compiling a model's step that uses these ops.
 * ``tools.doctor`` -- ``python -m kv_ops.tools.doctor``: checks a machine, measures the link.
 
-Adapters (``kv_ops/integrations/``): ``kv_ops.integrations.vllm``, imported only when asked for.
+Adapters (``kv_ops/integrations/``): ``kv_ops.integrations.vllm`` and ``kv_ops.integrations.transformers``,
+imported only when asked for.
 """
 
 import torch

@@ -1,5 +1,6 @@
 """ple_ops.host_embedding under torch.compile(fullgraph=True) (CPU and GPU) and in a captured
-CUDA graph replayed with new ids: bitwise the original module's forward."""
+CUDA graph replayed with new ids: bitwise the original module's forward, for Gemma 3n's and
+Gemma 4's scaled embeddings and inside a whole tiny Gemma 4 model."""
 
 import pytest
 import torch
@@ -8,13 +9,21 @@ from torch import nn
 import ple_ops
 
 
-def scaled_embedding(vocab, dim, dtype, device="cpu"):
-    """Gemma 3n's scaled embedding where transformers is installed, else a stock one."""
+def scaled_embedding(vocab, dim, dtype, device="cpu", family="gemma3n"):
+    """Gemma 3n's (or Gemma 4's) scaled embedding where transformers has it; else a stock one
+    for Gemma 3n, a skip for Gemma 4."""
     torch.manual_seed(0)
     try:
         from transformers.models.gemma3n.modeling_gemma3n import Gemma3nTextScaledWordEmbedding
     except ImportError:
+        if family == "gemma4":
+            pytest.skip("transformers (the hf extra) is not installed")
         return nn.Embedding(vocab, dim, padding_idx=0).to(device, dtype)
+    if family == "gemma4":
+        modeling = pytest.importorskip(
+            "transformers.models.gemma4.modeling_gemma4", reason="this transformers release has no Gemma 4"
+        )
+        return modeling.Gemma4TextScaledWordEmbedding(vocab, dim, 0, embed_scale=dim**0.5).to(device, dtype)
     return Gemma3nTextScaledWordEmbedding(vocab, dim, 0, embed_scale=dim**0.5).to(device, dtype)
 
 
@@ -31,11 +40,12 @@ class Step(nn.Module):  # the embedding inside a bigger graph, as in a model's f
         return self.emb(ids).reshape(*ids.shape, 4, -1).sum(-2)
 
 
+@pytest.mark.parametrize("family", ["gemma3n", "gemma4"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_compiled_fullgraph_on_the_cpu_equals_the_original_bitwise(backend, dtype):
+def test_compiled_fullgraph_on_the_cpu_equals_the_original_bitwise(backend, dtype, family):
     torch._dynamo.reset()
-    emb = scaled_embedding(1000, 96, dtype)
+    emb = scaled_embedding(1000, 96, dtype, family=family)
     stock, host = Step(emb), Step(ple_ops.host_embedding(emb))
     compiled = torch.compile(host, backend=backend, fullgraph=True, dynamic=True)
     gen = torch.Generator().manual_seed(1)
@@ -45,11 +55,54 @@ def test_compiled_fullgraph_on_the_cpu_equals_the_original_bitwise(backend, dtyp
             assert same_bits(stock(ids), compiled(ids))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_compiled_and_captured_on_the_gpu_replays_new_ids_bitwise(dtype):
+def tiny_gemma4_causal_lm():
+    modeling = pytest.importorskip(
+        "transformers.models.gemma4.modeling_gemma4", reason="transformers with Gemma 4 is not installed"
+    )
+    config = modeling.Gemma4TextConfig(
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=24,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=16,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return modeling.Gemma4ForCausalLM(config).eval()
+
+
+def test_a_tiny_gemma4_model_compiled_fullgraph_equals_its_eager_stock_forward_bitwise():
+    # aot_eager runs the same aten kernels as eager, so the whole model's logits must match to
+    # the bit; the model's own accessors do the replacement.
     torch._dynamo.reset()
-    emb = scaled_embedding(32768, 1024, dtype, "cuda")
+    model = tiny_gemma4_causal_lm()
+    table = model.get_per_layer_input_embeddings()
+    nn.init.normal_(table.weight, std=3.0)
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 512, shape, generator=gen) for shape in [(2, 9), (1, 5)]]
+    with torch.no_grad():
+        want = [model(input_ids=ids).logits for ids in batches]
+    model.set_per_layer_input_embeddings(ple_ops.host_embedding(table))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for ids, logits in zip(batches, want):
+            assert same_bits(logits, compiled(input_ids=ids).logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gemma3n", "gemma4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_compiled_and_captured_on_the_gpu_replays_new_ids_bitwise(dtype, family):
+    torch._dynamo.reset()
+    emb = scaled_embedding(32768, 1024, dtype, "cuda", family)
     stock, host = Step(emb), Step(ple_ops.host_embedding(emb))
     compiled = torch.compile(host, fullgraph=True)
     ids = torch.randint(0, 32768, (4, 8), device="cuda")

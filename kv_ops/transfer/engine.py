@@ -28,6 +28,7 @@ moment it is open, so even a process killed with SIGKILL leaves nothing in ``dis
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -562,6 +563,19 @@ class OffloadEngine:
         """
         self.check_open("flush")
         return self._collect(wait=True)
+
+    def completion_event(self, tid: int) -> torch.cuda.Event | None:
+        """The event transfer ``tid`` records on the GPU once its copy has finished, while ``poll``
+        has not reported it; None once reported, for a copy complete when issued, on a CPU engine
+        or the disk tier. The engine reuses the event after reporting ``tid``: wait on it
+        (``Stream.wait_event``) right away rather than keep it. The transfer just issued is
+        found first (the last of its lane)."""
+        lanes = self._lanes.values()
+        last = (lane.pending[-1] for lane in lanes if lane.pending)
+        for pending_tid, _, done, _ in itertools.chain(last, *(lane.pending for lane in lanes)):
+            if pending_tid == tid:
+                return done if isinstance(done, torch.cuda.Event) else None
+        return None
 
     def close(self) -> Completed:
         """Finish every transfer in flight, then free the mirror or close the disk tier.

@@ -1,4 +1,4 @@
-"""host_embedding: a stock nn.Embedding (or Gemma 3n's scaled one) served from page-locked host memory."""
+"""host_embedding: nn.Embedding (or Gemma 3n's and Gemma 4's scaled ones) served from page-locked host memory."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ from ..ops import gather_rows
 from .host_rows import pin_rows
 
 # Subclasses of nn.Embedding whose forward is known: (module, qualified name) -> how the table
-# is pre-scaled so that a plain lookup gives what their forward gives. Gemma 3n's forward is
-# ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)`` (transformers 5.x): an
-# elementwise product of each row with one scalar of the weight's dtype, which commutes with the
-# row lookup bit for bit. ``host_embedding`` also checks each conversion against the original
-# forward on a sample of ids, so a forward that changed in another transformers release is refused.
-_SCALED = {("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nTextScaledWordEmbedding")}
+# is pre-scaled so that a plain lookup gives what their forward gives. Gemma 3n's and Gemma 4's
+# forwards are both ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)``
+# (transformers 5.16 to 5.25): an elementwise product of each row with one scalar, cast to the
+# weight's dtype first (the buffer is made in the default dtype and may differ from the weight's),
+# which commutes with the row lookup bit for bit. Gemma 4's per-layer table is scaled by
+# sqrt(hidden_size_per_layer_input) and pads with config.pad_token_id, which may be None; the
+# padding row only matters to gradients. ``host_embedding`` also checks each conversion against
+# the original forward on a sample of ids, so a forward changed in another release is refused.
+_SCALED = {
+    ("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nTextScaledWordEmbedding"),
+    ("transformers.models.gemma4.modeling_gemma4", "Gemma4TextScaledWordEmbedding"),
+}
 
 _SAMPLE_IDS = 64  # ids compared against the original forward at conversion
 
@@ -82,18 +88,19 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
     CUDA-graph capture (``mode="reduce-overhead"`` included).
 
     Outputs are bitwise what ``module(ids)`` gives, in the weight's dtype. For transformers'
-    ``Gemma3nTextScaledWordEmbedding`` (rows times ``embed_scale`` cast to the weight's dtype)
-    the table is stored pre-scaled: an elementwise product with one scalar commutes with the
-    lookup exactly. Every conversion is also checked against ``module``'s own forward on a
-    sample of ids and refused if any bit differs.
+    ``Gemma3nTextScaledWordEmbedding`` and ``Gemma4TextScaledWordEmbedding`` (rows times
+    ``embed_scale`` cast to the weight's dtype) the table is stored pre-scaled: an elementwise
+    product with one scalar commutes with the lookup exactly. Every conversion is also checked
+    against ``module``'s own forward on a sample of ids and refused if any bit differs.
 
     Parameters
     ----------
     module : nn.Embedding
-        A stock ``nn.Embedding`` or ``Gemma3nTextScaledWordEmbedding``, on a CUDA device or the
-        CPU. ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` only concern gradients and are
-        accepted; ``max_norm`` (which renormalises rows in the forward), other subclasses, forward
-        hooks and patched forwards are refused. ``module`` itself is left unchanged.
+        A stock ``nn.Embedding``, ``Gemma3nTextScaledWordEmbedding`` or
+        ``Gemma4TextScaledWordEmbedding``, on a CUDA device or the CPU. ``padding_idx`` (None
+        included), ``scale_grad_by_freq`` and ``sparse`` only concern gradients and are accepted;
+        ``max_norm`` (which renormalises rows in the forward), other subclasses, forward hooks and
+        patched forwards are refused. ``module`` itself is left unchanged.
 
     Returns
     -------
@@ -105,7 +112,7 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
         out-of-range id is skipped and counted (``kv_ops.error_count``), its row left
         unwritten. No gradient reaches the table. Convert after the model is on its device: a
         later ``.to("cuda")`` of a module converted on the CPU copies the rows onto the GPU.
-        The table is not in its ``state_dict`` (for Gemma 3n it holds pre-scaled rows, which are
+        The table is not in its ``state_dict`` (for Gemma 3n and 4 it holds pre-scaled rows, which are
         not the checkpoint's weights): save the model before converting it, or convert it after
         loading; a checkpoint saved after the conversion lacks the table, and a strict
         ``load_state_dict`` of the original weights into it raises for the unexpected ``weight``.
@@ -117,8 +124,8 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
 
     Examples
     --------
-    >>> model = transformers.Gemma3nForCausalLM(config).cuda()
-    >>> model.model.embed_tokens_per_layer = ple_ops.host_embedding(model.model.embed_tokens_per_layer)
+    >>> model = transformers.Gemma3nForCausalLM(config).cuda()  # or Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+    >>> model.set_per_layer_input_embeddings(ple_ops.host_embedding(model.get_per_layer_input_embeddings()))
     """
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"host_embedding: expected an nn.Embedding, got {type(module).__qualname__}")

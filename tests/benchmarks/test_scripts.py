@@ -24,7 +24,13 @@ SCRIPTS = sorted(
     for path in (ROOT / folder).glob("*.py")
     if 'if __name__ == "__main__":' in path.read_text()
 )
-GPU_ONLY = ["benchmarks/block_copy.py", "benchmarks/engine.py", "benchmarks/layerwise.py", "benchmarks/ple_latency.py"]
+GPU_ONLY = [
+    "benchmarks/block_copy.py",
+    "benchmarks/engine.py",
+    "benchmarks/hf_offload.py",
+    "benchmarks/layerwise.py",
+    "benchmarks/ple_latency.py",
+]
 
 
 def out_dir(factory, script: str) -> Path:

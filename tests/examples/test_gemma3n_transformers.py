@@ -20,6 +20,7 @@ def test_gemma3n_generate_gives_the_same_tokens_with_the_table_in_host_memory():
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-4000:]}"
+    assert out.splitlines()[0].startswith("Gemma3nForCausalLM (tiny: hidden 64, 2 layers, PLE 24"), out
     assert out.splitlines()[-1].startswith("gemma3n transformers: tokens match"), out
     assert "| in the model (stock) |" in out and "| page-locked host (host_embedding) |" in out, out
 
@@ -32,6 +33,7 @@ def test_gemma3n_generate_gives_the_same_tokens_with_the_table_in_host_memory():
         (["--batch", "-2"], "--batch"),
         (["--prompt-len", "x"], "--prompt-len"),
         (["--device", "nonsense"], "--device"),
+        (["--model", "gemma2"], "--model"),
     ],
 )
 def test_bad_arguments_are_refused_by_name_before_any_model_is_built(args, named):

