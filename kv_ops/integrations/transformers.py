@@ -28,6 +28,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("kv_ops.integrations.transformers needs transformers: pip install 'offload-ops[hf]'") from error
 
 from .. import arguments
+from ..capture import capturing
 from ..host_memory import check_host_bytes, device_view, pinned_empty
 from ..registration import register_op
 
@@ -278,7 +279,7 @@ class HostOffloadedCache(Cache):
     # Cache's update, with the checks an eager first call can make before anything is allocated.
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # A compiled or captured step cannot count (its Python runs once, its replays many times).
-        if not torch.compiler.is_compiling() and not (key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not torch.compiler.is_compiling() and not capturing(key_states.device):
             self._check(key_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
