@@ -100,24 +100,7 @@ class StepTransaction:
         self._raise_unreported(self._step - 1 if self._open else self._step)
 
     def prepare(self, input_ids: torch.Tensor) -> None:
-        """Hand this step's token ids to the offload process (host ids avoid a device sync).
-
-        It returns at once unless the offload process has not yet taken the previous step's ids
-        (a GPU caller running ahead): it then waits for that, at most ``step_timeout``.
-
-        Parameters
-        ----------
-        input_ids : Tensor
-            1-D, integer dtype, 1..``max_tokens`` ids; the forward must have as many tokens.
-
-        Raises
-        ------
-        TypeError, ValueError
-            Ids of a floating (or bool) dtype, or of a bad shape: nothing is prepared.
-        OffloadError
-            The previous step is not released; prepare was called during a CUDA-graph capture;
-            an earlier step failed and its error was not raised yet; or the runtime is dead.
-        """
+        """The step's start (:meth:`ple_ops.OffloadRuntime.prepare` documents it, and is this method)."""
         # No system call here: the watchdog asks whether the offload process lives every
         # watchdog.POLL seconds and fails the runtime (freeing any stream that waits) when it
         # does not; check_failed reads that verdict. is_alive's two system calls would be a sixth of
@@ -190,20 +173,7 @@ class StepTransaction:
         return input_ids.detach().to("cpu", torch.int64)
 
     def release(self, enqueue: bool = True) -> None:
-        """End the step: enqueue every layer's flag reset on the current stream.
-
-        Call it after the forward has been enqueued. ``enqueue=False`` closes the step without
-        enqueuing, for a CUDA-graph replay (or compiled step) that already contains the resets.
-        Inside a capture, ``release()`` records the resets into the graph and touches no step.
-        With no step prepared it does nothing (beyond raising an unreported step error).
-
-        Raises
-        ------
-        OffloadError
-            The step failed (the offload process's traceback; its rows are poisoned); on the
-            executed paths, ``enqueue=False`` although the forward reset nothing (the runtime
-            resets the flags, so later steps are served); or the runtime is dead.
-        """
+        """The step's end (:meth:`ple_ops.OffloadRuntime.release` documents it, and is this method)."""
         self._check_failed()
         if self.on_gpu and capturing():
             if self._open:
