@@ -1,12 +1,18 @@
 """Decode with transformers' generate(): kv_ops's HostOffloadedCache against transformers' own caches.
 
 One process, one random-weight Llama at Llama-3-8B widths per layer count, greedy decoding from a
-random prompt; per cache, side by side: the on-GPU ``static`` cache (compiled with CUDA graphs,
-its best mode), transformers' ``offloaded`` and ``offloaded_static`` (eager: neither keeps CUDA
-graphs), and ``HostOffloadedCache`` eager and with CUDA graphs (``mode="reduce-overhead"``).
-Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the
-prefill taken out), best of ``--reps``. The link floor is the KV bytes a step must move host to GPU
-over the same run's pinned memcpy rate. Every cache's tokens are checked against ``static``'s.
+random prompt; per shape, side by side: transformers' on-GPU ``static`` cache, its ``offloaded``
+and ``offloaded_static`` caches (eager: neither keeps CUDA graphs), and ``HostOffloadedCache``,
+eager at every shape and with CUDA graphs (``mode="reduce-overhead"``, ``static`` likewise) at the
+``--graph-shapes``. Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a
+generate of one (the prefill taken out), best of ``--reps``.
+
+Floors, from the same run's pinned host-to-GPU memcpy rate: ``floor`` is the bytes
+HostOffloadedCache streams per step (every full-attention layer but the one that keeps its slot),
+``floor_all`` the whole KV cache crossing the link once. ``copies`` times the cache's own copies
+alone (every streamed layer into its slot, back to back on a side stream), and ``target`` is
+max(floor, the on-GPU static step of the same mode). Tokens are compared with ``static`` in the
+same mode, under deterministic algorithms (examples/hf_offload.py says why).
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 build, config, generate, generation = example.build, example.config, example.generate, example.generation
 
+NEW = 32
 COLUMNS = [
     "layers", "batch", "context", "cache", "mode", "decode_tok_s", "step_ms", "vs_best_transformers_offload",
-    "floor_ms", "step_vs_floor", "kv_gpu_mib", "peak_gpu_gib", "h2d_mib_per_step", "tokens_match",
+    "floor_ms", "floor_all_ms", "copies_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
+    "peak_gpu_gib", "h2d_mib_per_step", "tokens_match",
 ]  # fmt: skip
 
 
@@ -59,9 +67,9 @@ def timed(model, ids, cache, gen) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t, out
 
 
-def decode(model, ids, make_cache, mode, new, reps) -> tuple[float, torch.Tensor, float]:
+def decode(model, ids, make_cache, mode, reps) -> tuple[float, torch.Tensor, float]:
     """Best decode seconds per step, the tokens, peak GPU GiB (warm-up compiles and captures)."""
-    full, one = make(mode, new), make(mode, 1)
+    full, one = make(mode, NEW), make(mode, 1)
     cache = make_cache()
     torch.cuda.reset_peak_memory_stats()
     timed(model, ids, cache, full)  # warm-up: compiles, captures
@@ -70,64 +78,82 @@ def decode(model, ids, make_cache, mode, new, reps) -> tuple[float, torch.Tensor
     for _ in range(reps):
         t_full, out = timed(model, ids, cache, full)
         t_one, _ = timed(model, ids, cache, one)
-        best = min(best, (t_full - t_one) / (new - 1))
+        best = min(best, (t_full - t_one) / (NEW - 1))
+    if hasattr(cache, "close"):
+        cache.close()
     return best, out, torch.cuda.max_memory_allocated() / 2**30
 
 
 def make(mode, new):
-    if isinstance(mode, str) and mode.startswith("transformers:"):
+    if mode.startswith("transformers:"):
         return GenerationConfig(
             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
             cache_implementation=mode.split(":", 1)[1], disable_compile=True,
         )  # fmt: skip
-    return generation(new, mode)
+    return generation(new, None if mode == "eager" else mode)
 
 
-def shape_rows(layers, batch, context, new, reps, rate) -> list[dict]:
+def copies_alone(layer_bytes: int, streamed: int, reps: int = 5) -> float:
+    """Seconds for the cache's copies of one step alone: ``streamed`` layers, back to back."""
+    host = torch.empty(layer_bytes, dtype=torch.uint8).pin_memory()
+    slot = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[0])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        with torch.cuda.stream(stream):
+            start.record()
+            for _ in range(streamed):
+                slot.copy_(host, non_blocking=True)
+            end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
-    ids = torch.randint(1, cfg.vocab_size, (batch, context - new), generator=torch.Generator().manual_seed(1)).cuda()
-    length = context
-    runs = [
-        ("static", "cudagraphs", lambda: StaticCache(config=cfg, max_cache_len=length)),
-        ("offloaded", "eager", None),
-        ("offloaded_static", "eager", None),
-        ("HostOffloadedCache", "eager", lambda: HostOffloadedCache(config=cfg, max_cache_len=length)),
-        ("HostOffloadedCache", "cudagraphs", lambda: HostOffloadedCache(config=cfg, max_cache_len=length)),
-    ]
-    rows, want = [], None
-    probe = HostOffloadedCache(config=cfg, max_cache_len=length)
-    layer_bytes = 2 * batch * cfg.num_key_value_heads * length * cfg.head_dim * 2
+    ids = torch.randint(1, cfg.vocab_size, (batch, context - NEW), generator=torch.Generator().manual_seed(1)).cuda()
+
+    def static():
+        return StaticCache(config=cfg, max_cache_len=context)
+
+    def ours():
+        return HostOffloadedCache(config=cfg, max_cache_len=context)
+
+    modes = ["eager", "cudagraphs"] if graphs else ["eager"]
+    runs = [("static", m, static) for m in modes]
+    runs += [("offloaded", "transformers:offloaded", None), ("offloaded_static", "transformers:offloaded_static", None)]
+    runs += [("HostOffloadedCache", m, ours) for m in modes]
+    layer_bytes = 2 * batch * cfg.num_key_value_heads * context * cfg.head_dim * 2
     h2d = (layers - 1) * layer_bytes  # what HostOffloadedCache streams per step
     all_bytes = layers * layer_bytes  # what a cache that crosses the link once per step moves
-    probe.close()
+    floor, floor_all = h2d / rate, all_bytes / rate
+    copies = copies_alone(layer_bytes, layers - 1)
+    rows, reference = [], {}
     for cache, mode, factory in runs:
-        gen_mode = None if mode == "eager" else mode
-        if factory is None:
-            gen_mode, factory = f"transformers:{cache}", lambda: None
-        got = guard(
-            f"{cache} {mode} at {layers} layers, batch {batch}, {context}",
-            decode,
-            model,
-            ids,
-            factory,
-            gen_mode,
-            new,
-            reps,
-        )
+        where = f"{cache} {mode} at {layers} layers, batch {batch}, context {context}"
+        got = guard(where, decode, model, ids, factory or (lambda: None), mode, reps)
         if got is None:
             continue
         step, out, peak = got
-        want = out if want is None else want
+        shown = "eager" if mode.startswith("transformers:") else mode
+        if cache == "static":
+            reference[mode] = (step, out)
+        base_step, want = reference.get(shown, (None, None))
         moved = {"static": 0, "HostOffloadedCache": h2d}.get(cache, all_bytes)
         kv_gpu = {"static": all_bytes, "HostOffloadedCache": min(3, layers) * layer_bytes}.get(cache, 2 * layer_bytes)
+        target = max(floor, base_step) if base_step is not None else floor
         rows.append(
             {
-                "layers": layers, "batch": batch, "context": context, "cache": cache, "mode": mode,
-                "decode_tok_s": batch / step, "step_ms": step * 1e3, "floor_ms": h2d / rate * 1e3,
-                "step_vs_floor": step / (h2d / rate) if h2d else None, "kv_gpu_mib": kv_gpu / 2**20,
+                "layers": layers, "batch": batch, "context": context, "cache": cache, "mode": shown,
+                "decode_tok_s": batch / step, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                "floor_all_ms": floor_all * 1e3, "copies_ms": copies * 1e3, "target_ms": target * 1e3,
+                "step_vs_target": step / target if cache == "HostOffloadedCache" else None,
+                "kv_gpu_mib": kv_gpu / 2**20, "kv_gpu_saved_mib": (all_bytes - kv_gpu) / 2**20,
                 "peak_gpu_gib": peak, "h2d_mib_per_step": moved / 2**20,
-                "tokens_match": bool(torch.equal(out.cpu(), want.cpu())),
+                "tokens_match": None if want is None else bool(torch.equal(out.cpu(), want.cpu())),
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -138,39 +164,78 @@ def shape_rows(layers, batch, context, new, reps, rate) -> list[dict]:
     return rows
 
 
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def markdown(rows, rate) -> str:
     lines = [
         "# HostOffloadedCache in generate()",
         "",
-        f"Random-weight Llama at Llama-3-8B widths, bf16, greedy, 32 new tokens; pinned host-to-GPU memcpy "
-        f"{rate / 1e9:.1f} GB/s in this run (the floor's rate). Decode tokens/s; `vs best offload`: over the better "
-        "of transformers' offloaded caches; floor: HostOffloadedCache's bytes per step at the memcpy rate.",
+        f"Random-weight Llama at Llama-3-8B widths, bf16, greedy, {NEW} new tokens, deterministic algorithms; pinned "
+        f"host-to-GPU memcpy {rate / 1e9:.1f} GB/s in this run. Decode tokens/s; `vs offload`: over the better of "
+        "transformers' offloaded caches at the shape; floor: HostOffloadedCache's bytes per step at the memcpy rate "
+        "(all: the whole KV cache once); copies: the cache's copies alone; target: max(floor, static's step in the "
+        "same mode); tokens: against static in the same mode.",
         "",
-        "| layers | batch | context | cache | mode | tokens/s | step ms | vs best offload | floor ms | step / floor "
-        "| KV on GPU MiB | peak GPU GiB | tokens |",
+        "| layers | batch | context | cache | mode | tokens/s | step ms | vs offload | floor / all / copies ms "
+        "| step / target | KV on GPU MiB | saved MiB | tokens |",
         "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
-        floor = "-" if r["step_vs_floor"] is None else f"{r['step_vs_floor']:.2f}"
+        tokens = {None: "-", True: "same", False: "DIFFER"}[r["tokens_match"]]
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['decode_tok_s']:.0f} "
-            f"| {r['step_ms']:.2f} | {r['vs_best_transformers_offload']:.2f} | {r['floor_ms']:.2f} | {floor} "
-            f"| {r['kv_gpu_mib']:.0f} | {r['peak_gpu_gib']:.2f} | {'same' if r['tokens_match'] else 'DIFFER'} |"
+            f"| {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
+            f"| {r['floor_ms']:.2f} / {r['floor_all_ms']:.2f} / {r['copies_ms']:.2f} "
+            f"| {fmt(r['step_vs_target'], '.2f')} | {r['kv_gpu_mib']:.0f} | {r['kv_gpu_saved_mib']:.0f} | {tokens} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def plot(rows, path) -> None:
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["layers"], r["batch"], r["context"]) for r in rows})
+    series = sorted({(r["cache"], r["mode"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
+    width = 0.8 / len(series)
+    for i, (cache, mode) in enumerate(series):
+        got = {
+            (r["layers"], r["batch"], r["context"]): r["decode_tok_s"]
+            for r in rows
+            if (r["cache"], r["mode"]) == (cache, mode)
+        }
+        xs = [j + i * width for j, s in enumerate(shapes) if s in got]
+        ax.bar(xs, [got[s] for s in shapes if s in got], width, label=f"{cache} ({mode})")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+    ax.set_xticklabels([f"{n} layers\nbatch {b}, {c // 1024}k" for n, b, c in shapes])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = parser(__doc__)
-    p.add_argument("--shapes", default="8x4x4096", help="LAYERSxBATCHxCONTEXT, comma-separated (default 8x4x4096)")
+    p.add_argument(
+        "--shapes",
+        default="8x1x4096,8x4x4096,8x16x2048,8x4x16384,8x1x32768,32x4x4096",
+        help="LAYERSxBATCHxCONTEXT, comma-separated: every cache eager, transformers' offloaded caches",
+    )
+    p.add_argument("--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run with CUDA graphs")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
     args = parse(p, cuda=True, argv=argv)
+    example.deterministic()
     rate = memcpy_rate()
+    graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
     rows = []
     for shape in args.shapes.split(","):
         layers, batch, context = (int(v) for v in shape.split("x"))
-        rows += shape_rows(layers, batch, context, 32, args.reps, rate)
-    save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows, rate))
+        rows += shape_rows(layers, batch, context, args.reps, rate, shape in graph_shapes)
+    save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows, rate), plot=plot)
     finish()
     return 0
 

@@ -99,7 +99,8 @@ def report(
         else:
             loaded = f"loaded {_size(kv.loaded_bytes)} at {load:.2f} GB/s (the same)"
         print(
-            f"KV pressure, {tier}, resume {mode}: {kv.preemptions} preemptions, {kv.resumptions} resumptions; "
+            f"KV pressure, {tier}, resume {mode}: {kv.preemptions} preemptions ({kv.single_run_preemptions} stored to "
+            f"one run of host blocks), {kv.resumptions} resumptions; "
             f"stored {_size(kv.stored_bytes)} at {store:.2f} GB/s (call to flush, wall clock), {loaded}; "
             f"paths {kv.paths}"
         )

@@ -46,6 +46,7 @@ def make_sequences(cfg: Config, seed: int = 0) -> list[Sequence]:
 class KVTraffic:
     preemptions: int = 0
     resumptions: int = 0
+    single_run_preemptions: int = 0  # preemptions stored to one run of consecutive host blocks
     stored_bytes: int = 0
     loaded_bytes: int = 0
     store_seconds: float = 0.0  # from the call to the end of the flush
@@ -73,9 +74,11 @@ class Scheduler:
 
     When a running sequence needs a block and none is free, another running sequence is
     preempted: its blocks are stored to the engine (host memory or disk), the store is flushed,
-    and the blocks are freed. A preempted sequence resumes once its blocks, plus one block for
-    each running sequence, fit: it is given whatever blocks are free (other ids than before), its
-    block table is rewritten, and it goes on where it stopped. Its blocks are loaded by
+    and the blocks are freed. Its host blocks come from a :class:`kv_ops.HostBlockAllocator`: one
+    run of consecutive ids whenever the free host space holds one, so the store and the later load
+    move few pieces. A preempted sequence resumes once its blocks, plus one block for each running
+    sequence, fit: it is given whatever blocks are free (other ids than before), its block table
+    is rewritten, and it goes on where it stopped. Its blocks are loaded by
     :meth:`load_resumed`, just before the step that first reads them: with ``loads`` (a
     :class:`kv_ops.LayerwiseLoads` of ``engine``) layer by layer, each layer of the step waiting
     for its own blocks; without, by load, flush, then step.
@@ -95,11 +98,11 @@ class Scheduler:
             raise ValueError("the LayerwiseLoads must belong to this run's engine")
         self.cfg, self.seqs, self.engine, self.loads = cfg, seqs, engine, loads
         self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
-        self.free_host = list(range(engine.num_host_blocks - 1, -1, -1)) if engine is not None else []
+        self.host = kv_ops.HostBlockAllocator(engine.num_host_blocks) if engine is not None else None
         self.preempted: list[Sequence] = []  # oldest first
         self.resuming: list[tuple[Sequence, list[int], list[int]]] = []  # this step's (seq, host, gpu)
         # Layer-wise loads in flight: transfer id -> the host blocks it reads. They go back to
-        # free_host only once the engine reports the transfer (a store into them before that
+        # the allocator only once the engine reports the transfer (a store into them before that
         # could overwrite bytes still on their way to the GPU).
         self.loading: dict[int, list[int]] = {}
         self.traffic = KVTraffic()
@@ -119,7 +122,7 @@ class Scheduler:
         for tid in report.loads:
             host = self.loading.pop(tid, None)  # None: a flushed load, freed by its caller
             if host is not None:
-                self.free_host += reversed(host)
+                self.host.free(host)
 
     def _wait_for(self, what: str, transfer) -> float:
         """Issue one engine transfer and flush it: the blocks are reused (a store) or read (a load)
@@ -140,11 +143,14 @@ class Scheduler:
             # sequence, so nothing is preempted in the plan that resumed it. Were it preempted,
             # its store would read GPU blocks whose load has not started.
             raise RuntimeError(f"sequence {seq.index} preempted before its resumed blocks were loaded")
-        if self.engine is not None and len(self.free_host) < len(seq.blocks) and self.loading:
-            self._reclaim(self.engine.flush())  # host blocks still held by layer-wise loads
-        if self.engine is None or len(self.free_host) < len(seq.blocks):
+        if self.engine is None:
             raise RuntimeError("out of KV blocks with nowhere to preempt to")
-        host = [self.free_host.pop() for _ in seq.blocks]
+        if self.host.num_free < len(seq.blocks) and self.loading:
+            self._reclaim(self.engine.flush())  # host blocks still held by layer-wise loads
+        try:
+            host = self.host.allocate(len(seq.blocks)).tolist()
+        except kv_ops.OutOfHostBlocksError as e:
+            raise RuntimeError(f"out of KV blocks with nowhere to preempt to ({e})") from None
         self.traffic.store_seconds += self._wait_for(
             f"storing the blocks of sequence {seq.index}", lambda: self.engine.store(seq.blocks, host)
         )
@@ -152,6 +158,7 @@ class Scheduler:
         self.traffic.store_call_times.append(self.traffic.call_times[-1])
         self.traffic.stored_bytes += len(host) * self.engine.block_bytes
         self.traffic.preemptions += 1
+        self.traffic.single_run_preemptions += host[-1] - host[0] + 1 == len(host)  # allocate's ids ascend
         self.free += reversed(seq.blocks)
         seq.blocks, seq.host_blocks = [], host
         self.preempted.append(seq)
@@ -184,7 +191,7 @@ class Scheduler:
             self.loading[tid] = host
         else:
             self.traffic.load_seconds += self._wait_for("loading resumed blocks", lambda: self.engine.load(host, gpu))
-            self.free_host += reversed(host)
+            self.host.free(host)
         return True
 
     def collect(self) -> None:

@@ -1,8 +1,8 @@
 """Stock transformers generate() with kv_ops's HostOffloadedCache against transformers' on-GPU static cache.
 
-A random-weight Llama (Llama-3-8B widths on CUDA, a tiny one on the CPU) generates greedily twice
-from the same prompt: with ``StaticCache`` and with ``HostOffloadedCache``, whose full-attention
-layers live in page-locked host memory. The new tokens must be identical; the script prints the
+A random-weight Llama (Llama-3-8B widths on CUDA, a tiny one on the CPU) generates greedily from
+the same prompt: with ``StaticCache`` twice (the reference must repeat itself) and with
+``HostOffloadedCache``, whose full-attention layers live in page-locked host memory. The new tokens must be identical; the script prints the
 GPU memory the KV cache holds in each and exits non-zero on a mismatch. The last line is
 ``hf offload: tokens match`` or ``hf offload: MISMATCH ...``.
 """
@@ -10,6 +10,7 @@ GPU memory the KV cache holds in each and exits non-zero on a mismatch. The last
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -42,6 +43,18 @@ def config(size: str, layers: int) -> LlamaConfig:
         head_dim=16,
         max_position_embeddings=4096,
     )
+
+
+def deterministic() -> None:
+    """Make a CUDA generate() repeat its bits: the comparison is meaningless otherwise.
+
+    At these widths two eager runs of transformers' own StaticCache, same weights and prompt,
+    differ in their decode steps' logits: the prefill's keys and values repeat bit for bit, the
+    decode steps' do not. Deterministic algorithms and a fixed cuBLAS workspace (set before the
+    first cuBLAS call) make the reference repeat, so a difference is the cache's.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -88,6 +101,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
+    deterministic()
     device = torch.device("cuda" if cuda else "cpu")
     size = args.size or ("8b" if cuda else "tiny")
     layers = args.layers or (8 if cuda else 5)
@@ -103,6 +117,9 @@ def main(argv=None) -> int:
 
     static = StaticCache(config=cfg, max_cache_len=prompt + new)
     want = generate(model, ids, static, gen)
+    if not torch.equal(generate(model, ids, static, gen).cpu(), want.cpu()):
+        print("hf offload: the reference does not repeat (StaticCache twice gives other tokens)")
+        return 1
     static_bytes = sum(t.numel() * t.element_size() for layer in static.layers for t in (layer.keys, layer.values))
     cache = HostOffloadedCache(config=cfg, max_cache_len=prompt + new)
     got = generate(model, ids, cache, gen)

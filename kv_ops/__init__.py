@@ -33,6 +33,7 @@ The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the
 * ``transfer.crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
 * ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT); its path.
 * ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
+* ``transfer.host_blocks`` -- ``HostBlockAllocator``: which host blocks are free, handed out in runs (best fit).
 * ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
 * ``transfer.layerwise_ring`` -- their ``copies="staged"``: copy engines into a GPU ring, a scatter per layer.
 
@@ -62,6 +63,7 @@ from .ops import copy_blocks, gather_blocks, scatter_blocks
 from .transfer import dma
 from .transfer.disk import BlockFile
 from .transfer.engine import AllRanks, Completed, EngineClosedError, OffloadEngine
+from .transfer.host_blocks import HostBlockAllocator, OutOfHostBlocksError
 from .transfer.layerwise import LayerwiseLoads, wait_layer
 from .validation import error_count, error_counter, id_checks, reset_error_count, set_id_checks
 
@@ -86,6 +88,8 @@ __all__ = [
     "Completed",
     "EngineClosedError",
     "AllRanks",
+    "HostBlockAllocator",
+    "OutOfHostBlocksError",
     "LayerwiseLoads",
     "wait_layer",
     "dma",

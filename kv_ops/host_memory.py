@@ -85,19 +85,13 @@ def check_host_bytes(owner: str, what: str, nbytes: int) -> None:
 warned_no_cuda = False
 
 
-class _Pinned:
-    """Owns one mapping and its driver registrations; unregisters before unmapping.
+class HostRegistration:
+    """The driver registrations of ``nbytes`` of host memory at ``address`` (page-locked and
+    device-mapped, in pieces of at most 64 GiB); :meth:`release` (or collection) unregisters
+    them. It never frees the memory: that is its owner's."""
 
-    The tensor handed to the user holds a ctypes array that references this object, so this
-    object dies only after the last tensor view of the memory is gone.
-    """
-
-    def __init__(self, mapping: mmap.mmap, nbytes: int, register: bool):
-        # An mmap is page-aligned memory that no other allocation shares, so registering it
-        # cannot collide with another registration of the same page.
-        self.map = mapping
-        self.buffer = (ctypes.c_uint8 * nbytes).from_buffer(self.map)
-        self.address = ctypes.addressof(self.buffer)
+    def __init__(self, address: int, nbytes: int, register: bool = True):
+        self.address = address
         self.registered: list[int] = []
         # The module that registered, kept for the unregistration: a finalizer that runs at
         # interpreter shutdown can no longer import it.
@@ -149,9 +143,39 @@ class _Pinned:
         self.release()
 
 
+class _Pinned(HostRegistration):
+    """Owns one mapping and its driver registrations; unregisters before unmapping.
+
+    The tensor handed to the user holds a ctypes array that references this object, so this
+    object dies only after the last tensor view of the memory is gone.
+    """
+
+    def __init__(self, mapping: mmap.mmap, nbytes: int, register: bool):
+        # An mmap is page-aligned memory that no other allocation shares, so registering it
+        # cannot collide with another registration of the same page.
+        self.map = mapping
+        self.buffer = (ctypes.c_uint8 * nbytes).from_buffer(self.map)
+        super().__init__(ctypes.addressof(self.buffer), nbytes, register)
+
+
+def register_host(owner: str, buffer: torch.Tensor) -> HostRegistration | None:
+    """Page-lock a host buffer that the caller allocated (a shared mapping, say) for the GPU's
+    copy engines and kernels, and return the registration to release once no copy uses it;
+    None where CUDA is absent or the memory is page-locked already (``pinned_empty``'s,
+    ``pin_memory=True``: the driver refuses a second registration, and its owner unregisters).
+    """
+    if not torch.cuda.is_available() or buffer.is_pinned():
+        return None
+    nbytes = buffer.numel() * buffer.element_size()
+    if _unreleased:
+        _release_refused()
+    with driver_context(cuda_device(owner, None)):
+        return HostRegistration(buffer.data_ptr(), nbytes)
+
+
 # Mappings whose unregistration the driver refused (see _Pinned.release), released again by the
 # next pinned_empty: a finalizer cannot raise, and it may run at any moment, a capture included.
-_unreleased: list[_Pinned] = []
+_unreleased: list[HostRegistration] = []
 
 
 def _release_refused() -> None:
@@ -239,6 +263,71 @@ def pin_mapping(mapping: mmap.mmap, nbytes: int, register: bool) -> torch.Tensor
     flat = torch.frombuffer(owner.buffer, dtype=torch.uint8)
     owner.buffer = None  # break the owner -> array -> owner cycle
     return flat
+
+
+def _machine() -> str:
+    """Which machine (and boot) this process runs on: ranks with the same answer can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
+def shared_host_buffer(nbytes: int, group=None) -> torch.Tensor:
+    """``nbytes`` of host memory shared by the ranks of ``group`` (``torch.distributed``) that run
+    on this machine: a flat uint8 tensor over one mapping, the same bytes in each of them.
+
+    A collective: every rank of ``group`` calls it with the same ``nbytes``. The lowest rank of
+    each machine makes the memory with ``memfd_create``, which has no name in any file system;
+    the others open it through ``/proc/<pid>/fd`` of that rank and map it. Nothing is ever
+    created in ``/dev/shm`` or elsewhere, so a rank killed at any moment (SIGKILL included)
+    leaves nothing for a restart to trip over: the kernel frees the memory when the last
+    process mapping it is gone. It is not page-locked here; the engine that adopts it
+    registers it (:func:`register_host`).
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` not a positive integer, or more than this machine's available memory.
+    OSError
+        The rank that made the memory is gone before the others opened it.
+    """
+    import torch.distributed as dist
+
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 1:
+        raise ValueError(f"shared_host_buffer: nbytes must be a positive integer, got {nbytes!r}")
+    check_host_bytes("shared_host_buffer", "nbytes", nbytes)
+    nbytes, me, world = int(nbytes), dist.get_rank(group), dist.get_world_size(group)
+    machine = _machine()
+    fd = None
+    peers: list = [None] * world
+    dist.all_gather_object(peers, machine, group=group)
+    leader = peers.index(machine)  # the lowest rank on this machine
+    if me == leader:
+        fd = os.memfd_create("kv_ops-shared-host-buffer", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+    made: list = [None] * world
+    dist.all_gather_object(made, (os.getpid(), fd), group=group)
+    try:
+        if me != leader:
+            pid, number = made[leader]
+            fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
+            if os.fstat(fd).st_size != nbytes:
+                raise ValueError(
+                    f"shared_host_buffer: rank {leader} made {os.fstat(fd).st_size} bytes, this rank asks "
+                    f"for nbytes={nbytes}: every rank must ask for the same"
+                )
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        if fd is not None and me != leader:
+            os.close(fd)  # the mapping keeps the memory
+    # The leader's descriptor is how the others reach the memory: closed once every rank has mapped it.
+    dist.barrier(group=group)
+    if me == leader:
+        os.close(fd)
+    return pin_mapping(mapping, nbytes, register=False)
 
 
 def lasting_copy(values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -355,6 +444,9 @@ __all__ = [
     "host_memory_bytes",
     "pinned_empty",
     "pin_mapping",
+    "register_host",
+    "HostRegistration",
+    "shared_host_buffer",
     "device_view",
     "lasting_copy",
     "bytes_at",

@@ -21,12 +21,16 @@ What it is:
   ``num_chunks * blocks_per_chunk`` rows of every region side by side. ``GPULoadStoreSpec``'s
   ``group_sizes`` and ``block_indices`` are honoured as vLLM's ``CPUOffloadingWorker`` honours
   them (a group's first chunk is entered at ``block_indices[g] % blocks_per_chunk``).
-- Each ``submit_store`` / ``submit_load`` is one ``engine.store`` / ``engine.load`` (ordered
-  after the caller's current stream, as vLLM's worker orders its copies); ``get_finished`` is
-  ``engine.poll`` (every job reported exactly once, failures with ``success=False``); ``wait``
-  flushes the engine (waits for every transfer in flight, a superset of the jobs asked for) and
-  keeps what finished for the next ``get_finished``. ``transfer_time`` is the copy's own time,
-  as vLLM's worker reports it: on a GPU, between two timing events on a side stream of the
+- Each KV-cache group moves only what vLLM's worker copies for it: per block, the first
+  ``page_size_bytes`` of each tensor its refs name (an engine group, ``OffloadEngine(groups=)``;
+  groups that move the same bytes share one, and where every group moves every tensor's whole
+  page the engine has no groups). Each ``submit_store`` / ``submit_load`` is one
+  ``engine.store`` / ``engine.load`` per engine group it touches (ordered after the caller's
+  current stream, as vLLM's worker orders its copies); ``get_finished`` is ``engine.poll``
+  (every job reported exactly once, when all its transfers are, failures with
+  ``success=False``); ``wait`` flushes the engine (waits for every transfer in flight, a superset
+  of the jobs asked for) and keeps what finished for the next ``get_finished``.
+  ``transfer_time`` is the copy's own time, as vLLM's worker reports it: on a GPU, between two timing events on a side stream of the
   worker's, one after the caller's stream and the direction's previous copy, one after the
   engine's completion event of the transfer (:meth:`kv_ops.OffloadEngine.completion_event`); on
   a CPU engine, which copies inside ``engine.store`` / ``engine.load``, the host time of that
@@ -34,13 +38,13 @@ What it is:
   counts them.
 - ``get_worker`` builds one worker and keeps it; ``create_worker`` (vLLM's CPU spec builds its
   own worker there) builds a new :class:`OffloadOpsWorker`.
+- Where vLLM's CPU spec shares one host region among a machine's ranks (CUDA, more than one
+  rank), each rank's engine adopts its slab of one shared mapping
+  (:func:`kv_ops.host_memory.shared_host_buffer`, which leaves nothing in ``/dev/shm``); with
+  the replicated layout (MLA with tensor parallelism) every rank adopts the same slab, one copy
+  for all, and vLLM's connector lets rank 0 alone store.
 
-Limits: the engine copies every region of a block, so a group whose layers do not use every
-cache tensor still moves (and, on load, overwrites) that block's row of the other tensors. In
-vLLM a GPU block id belongs to one KV-cache group at a time, so those rows hold nothing the
-block's owner reads; the bytes are still moved. The canonical (parallelism-free) host layout and
-the shared multi-rank host region of vLLM's CPU spec are not supported: each worker keeps its own
-private mirror (``replicated_layout`` is turned off).
+Limits: the canonical (parallelism-free) host layout is refused.
 
 Importing this module imports vLLM and checks its version against
 :data:`SUPPORTED_VLLM_VERSIONS`; any other raises ``ImportError`` naming the versions supported
@@ -49,7 +53,6 @@ and how to install one. ``import kv_ops`` never imports this module.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import time
 
@@ -59,6 +62,7 @@ import torch
 import kv_ops
 
 from ..arguments import positive_int
+from ..host_memory import shared_host_buffer
 from . import VLLM_VERSION
 
 
@@ -126,6 +130,50 @@ def chunk_rows(chunk_ids: np.ndarray, blocks_per_chunk: int, skip: int, count: i
         return chunk_ids[:count]
     rows = (chunk_ids[:, None] * blocks_per_chunk + np.arange(blocks_per_chunk, dtype=np.int64)).ravel()
     return rows[skip : skip + count]
+
+
+_NOTHING = object()  # the engine group of a vLLM group with no bytes on this worker
+_EMPTY = np.empty(0, np.int64)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def engine_groups(group_data_refs, regions: dict[str, torch.Tensor]) -> tuple[dict | None, list]:
+    """The engine's ``groups`` for vLLM's groups, and each vLLM group's engine group.
+
+    A vLLM group moves, per block, the first ``page_size_bytes`` of each tensor its refs name
+    (vLLM's worker copies exactly those). Groups that move the same bytes share one engine
+    group (vLLM's hybrid allocator overlays groups on the same tensors), so a job touching them
+    is one engine call. Where every group moves every tensor's whole page, the engine needs no
+    groups (None); a group with no refs on this worker moves nothing.
+    """
+    moved = []
+    for refs in group_data_refs:
+        widths: dict[str, int] = {}
+        for ref in refs:  # a tensor named twice moves once, as far as the wider ref reaches
+            name = f"t{ref.tensor_idx}"
+            widths[name] = max(widths.get(name, 0), ref.page_size_bytes)
+        moved.append(tuple(widths.items()))
+    whole = frozenset((name, r.shape[1]) for name, r in regions.items())
+    if all(frozenset(m) == whole for m in moved if m):
+        return None, [None if m else _NOTHING for m in moved]
+    first: dict[frozenset, int] = {}
+    for g, m in enumerate(moved):
+        if m:
+            first.setdefault(frozenset(m), g)
+    groups = {g: list(moved[g]) for g in first.values()}
+    return groups, [first[frozenset(m)] if m else _NOTHING for m in moved]
+
+
+class _Job:
+    """One vLLM job: its engine transfers left to report, and how the ones reported ended."""
+
+    __slots__ = ("job_id", "nbytes", "left", "ok", "timing")
+
+    def __init__(self, job_id: int, nbytes: int):
+        self.job_id, self.nbytes, self.left, self.ok, self.timing = job_id, nbytes, 0, True, None
 
 
 class _CopyClock:
@@ -214,25 +262,33 @@ class OffloadOpsWorker(OffloadingWorker):
             raise ValueError("OffloadOpsWorker: no KV-cache tensors")
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
+        # vLLM counts each group's un-padded bytes per block (its transfer_size), and so do we.
         self.group_bytes = [sum(r.page_size_bytes for r in refs) for refs in kv_caches.group_data_refs]
+        groups, self.engine_groups = engine_groups(kv_caches.group_data_refs, regions)
         row_bytes = sum(r.shape[1] for r in regions.values())
         # Each region is already a uint8 [num_blocks, page_size_bytes] view: the engine takes it as is.
         self.engine = kv_ops.OffloadEngine(
-            regions, num_blocks, capacity_bytes=num_chunks * blocks_per_chunk * row_bytes, **engine_kwargs
+            regions,
+            num_blocks,
+            capacity_bytes=num_chunks * blocks_per_chunk * row_bytes,
+            groups=groups,
+            **engine_kwargs,
         )
+        # The engine group an empty job is issued on (it still gets a transfer id, reported in turn).
+        self._any_group = next((k for k in self.engine_groups if k is not _NOTHING), None)
         # Per direction on a GPU engine; a CPU engine copies inside its call, timed on the host.
         cuda = self.engine.device.type == "cuda"
         self._clocks = {d: _CopyClock(self.engine.device) for d in ("store", "load")} if cuda else None
-        # engine id -> (job id, bytes, seconds on a CPU engine, or the direction's clock and events)
-        self._jobs: dict[int, tuple[int, int, object]] = {}
+        # engine id -> its job (a job is one engine transfer per engine group it touches)
+        self._jobs: dict[int, _Job] = {}
         self._finished: list[TransferResult] = []
         self.submitted = {"stores": 0, "loads": 0}  # jobs so far, per direction
         self._closed = False
 
-    def transfer_rows(
-        self, gpu_spec: GPULoadStoreSpec, chunk_spec: LoadStoreSpec
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """GPU ids, mirror rows and bytes of one transfer: vLLM's specs mapped onto the engine's ids.
+    def transfer_rows(self, gpu_spec: GPULoadStoreSpec, chunk_spec: LoadStoreSpec) -> tuple[list[tuple], int]:
+        """vLLM's specs mapped onto the engine: ``[(engine group, GPU ids, mirror rows), ...]``, one
+        entry per engine group the transfer touches (groups that move the same regions are one),
+        and the bytes vLLM counts for it.
 
         What each submit does before it calls the engine; public so that tests time the mapping alone.
         """
@@ -244,66 +300,87 @@ class OffloadOpsWorker(OffloadingWorker):
                 f"OffloadOpsWorker: {len(group_sizes)} group sizes and {len(block_indices)} block indices "
                 f"for {len(self.group_bytes)} KV-cache groups"
             )
-        chunks = chunk_spec.block_ids
+        chunks, gpu = chunk_spec.block_ids, gpu_spec.block_ids
         bpc = self.blocks_per_chunk
-        rows, offset, nbytes = [], 0, 0
-        for size, index, gbytes in zip(group_sizes, block_indices, self.group_bytes):
+        parts: dict = {}  # engine group -> ([GPU id slices], [mirror rows])
+        offset, at, nbytes = 0, 0, 0
+        for size, index, gbytes, key in zip(group_sizes, block_indices, self.group_bytes, self.engine_groups):
             if size == 0:
                 continue
             skip = index % bpc
             n = -(-(size + skip) // bpc)
             if offset + n > len(chunks):
                 raise ValueError(f"OffloadOpsWorker: {len(chunks)} chunks cannot hold groups of {list(group_sizes)}")
-            rows.append(chunk_rows(chunks[offset : offset + n], bpc, skip, size))
+            if key is not _NOTHING:
+                ids, rows = parts.setdefault(key, ([], []))
+                ids.append(gpu[at : at + size])
+                rows.append(chunk_rows(chunks[offset : offset + n], bpc, skip, size))
             offset += n
+            at += size
             nbytes += size * gbytes
-        if offset != len(chunks) or sum(group_sizes) != len(gpu_spec.block_ids):
+        if offset != len(chunks) or at != len(gpu):
             raise ValueError(
-                f"OffloadOpsWorker: {len(chunks)} chunks and {len(gpu_spec.block_ids)} GPU blocks "
+                f"OffloadOpsWorker: {len(chunks)} chunks and {len(gpu)} GPU blocks "
                 f"do not match groups of {list(group_sizes)}"
             )
-        host = np.concatenate(rows) if rows else np.empty(0, np.int64)
-        return gpu_spec.block_ids, host, nbytes
+        segments = [(key, _joined(ids), _joined(rows)) for key, (ids, rows) in parts.items()]
+        return segments or [(self._any_group, _EMPTY, _EMPTY)], nbytes
 
-    def _submit(self, kind: str, gpu: np.ndarray, host: np.ndarray, job_id: int, nbytes: int) -> None:
+    def _submit(self, kind: str, segments: list[tuple], job_id: int, nbytes: int) -> None:
+        call = self.engine.store if kind == "store" else self.engine.load
+        job = _Job(job_id, nbytes)
+        clock = pair = None
         if self._clocks is None:
             t0 = time.perf_counter()
-            tid = self.engine.store(gpu, host) if kind == "store" else self.engine.load(host, gpu)
-            timing: object = time.perf_counter() - t0
         else:
             clock = self._clocks[kind]
             ready, pair = clock.begin()
-            try:
-                if kind == "store":
-                    tid = self.engine.store(gpu, host, after=ready)
+        tid = None
+        try:
+            for key, gpu, host in segments:
+                if clock is None:
+                    tid = call(gpu, host, group=key) if kind == "store" else call(host, gpu, group=key)
+                elif kind == "store":
+                    tid = call(gpu, host, after=ready, group=key)
                 else:
-                    tid = self.engine.load(host, gpu, after=ready)
-            except BaseException:
-                clock.give(pair)  # refused before anything was enqueued: the pair times nothing
-                raise
+                    tid = call(host, gpu, after=ready, group=key)
+                job.left += 1
+                self._jobs[tid] = job
+        except BaseException:
+            if clock is not None:
+                clock.give(pair)  # the pair times nothing
+            job.ok, job.timing = False, 0.0  # what was issued is still reported, as failed
+            raise
+        if clock is None:
+            job.timing = time.perf_counter() - t0
+        else:
+            # A direction's transfers complete in issue order: the last one's event ends the job.
             clock.end(pair, self.engine.completion_event(tid))
-            timing = (clock, pair)
-        self._jobs[tid] = (job_id, nbytes, timing)
+            job.timing = (clock, pair)
         self.submitted[kind + "s"] += 1
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        gpu, host, nbytes = self.transfer_rows(src_spec, dst_spec)
-        self._submit("store", gpu, host, job_id, nbytes)
+        segments, nbytes = self.transfer_rows(src_spec, dst_spec)
+        self._submit("store", segments, job_id, nbytes)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        gpu, host, nbytes = self.transfer_rows(dst_spec, src_spec)
-        self._submit("load", gpu, host, job_id, nbytes)
+        segments, nbytes = self.transfer_rows(dst_spec, src_spec)
+        self._submit("load", segments, job_id, nbytes)
         return True
 
     def _take(self, done: kv_ops.Completed) -> None:
         for ok, tids in ((True, (*done.stores, *done.loads)), (False, done.failed)):
             for tid in tids:
                 job = self._jobs.pop(tid, None)  # None: a transfer issued on self.engine directly
-                if job is not None:
-                    job_id, nbytes, timing = job
+                if job is None:
+                    continue
+                job.ok = job.ok and ok
+                job.left -= 1
+                if job.left == 0:
+                    timing = job.timing
                     seconds = timing if isinstance(timing, float) else timing[0].seconds(timing[1])
-                    self._finished.append(TransferResult(job_id, ok, nbytes, seconds))
+                    self._finished.append(TransferResult(job.job_id, job.ok, job.nbytes, seconds))
 
     def get_finished(self) -> list[TransferResult]:
         self._take(self.engine.poll())
@@ -311,7 +388,7 @@ class OffloadOpsWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        if any(job_id in job_ids for job_id, _, _ in self._jobs.values()):
+        if any(job.job_id in job_ids for job in self._jobs.values()):
             self._take(self.engine.flush())
 
     def shutdown(self) -> None:
@@ -319,6 +396,16 @@ class OffloadOpsWorker(OffloadingWorker):
         if not self._closed:
             self._closed = True
             self._take(self.engine.close())
+
+
+def _world_cpu_group():
+    """The CPU group of vLLM's workers, the group vLLM's CPU spec waits on for its shared region."""
+    from vllm.distributed.parallel_state import get_inner_dp_world_group, get_world_group
+
+    try:
+        return get_inner_dp_world_group().cpu_group
+    except AssertionError:  # no inner data-parallel group: every worker is in the world group
+        return get_world_group().cpu_group
 
 
 class OffloadOpsSpec(CPUOffloadingSpec):
@@ -335,21 +422,32 @@ class OffloadOpsSpec(CPUOffloadingSpec):
                 "OffloadOpsSpec: the canonical host layout (kv_connector_extra_config "
                 '"canonical_layout": true) is not supported; leave it off'
             )
-        # Each worker keeps a private mirror: never the single shared copy of a replicated layout.
-        super().__init__(dataclasses.replace(config, replicated_layout=False))
+        # Sized as vLLM's CPU spec sizes itself, replicated layout included (one host copy for
+        # every rank where the ranks share host memory: MLA with tensor parallelism).
+        super().__init__(config)
         self._worker: OffloadOpsWorker | None = None
 
-    def _uses_shared_region(self) -> bool:
-        return False
-
-    def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadOpsWorker:
+    def create_worker(self, kv_caches: CanonicalKVCaches, group=None) -> OffloadOpsWorker:
         """A new :class:`OffloadOpsWorker` over ``kv_caches`` (vLLM's CPU spec builds its own worker
-        here; ``get_worker`` calls this once and keeps the worker)."""
+        here; ``get_worker`` calls this once and keeps the worker).
+
+        Where vLLM's CPU spec shares one host region among the ranks (on CUDA, with more than one
+        rank), so does this one: :func:`kv_ops.host_memory.shared_host_buffer` over vLLM's world
+        group (``group``, a ``torch.distributed`` group, stands in for it), one slab per rank, or
+        one slab for every rank with the replicated layout; each worker's engine adopts its
+        slab."""
         kwargs = {}
         if "kv_ops_path" in self.extra_config:
             kwargs["path"] = self.extra_config["kv_ops_path"]
         if "kv_ops_crossover_file" in self.extra_config:
             kwargs["crossover_file"] = self.extra_config["kv_ops_crossover_file"]
+        parallel = self.config.parallel
+        if self._uses_shared_region() and self.num_chunks > 0 and (parallel.world_size > 1 or group is not None):
+            slab = self.num_chunks * self.cpu_page_size_per_worker
+            copies = 1 if self.replicated_layout else parallel.world_size
+            shared = shared_host_buffer(slab * copies, _world_cpu_group() if group is None else group)
+            first = 0 if self.replicated_layout else parallel.rank * slab
+            kwargs["host_buffer"] = shared[first : first + slab]
         return OffloadOpsWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, **kwargs)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadOpsWorker:

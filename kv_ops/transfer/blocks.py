@@ -75,6 +75,12 @@ def mirror_views(mirror: torch.Tensor, widths: Sequence[int]) -> list[torch.Tens
     return views
 
 
+def host_views(mirror: torch.Tensor, regions: Sequence[torch.Tensor], views=None) -> list[torch.Tensor]:
+    """A path's host side: ``views`` where given (a KV group's columns of the mirror, one per
+    region), else every region's columns in order (:func:`mirror_views`)."""
+    return list(views) if views is not None else mirror_views(mirror, [r.shape[1] for r in regions])
+
+
 def low_priority_streams(device: torch.device) -> dict[Direction, torch.cuda.Stream]:
     """One lowest-priority stream per direction: transfers yield to the model's kernels."""
     lowest, _ = torch.cuda.Stream.priority_range()  # numerically largest = lowest priority
@@ -150,6 +156,7 @@ __all__ = [
     "Events",
     "EventPath",
     "host_tensor",
+    "host_views",
     "low_priority_streams",
     "mirror_views",
     "recorded",

@@ -29,8 +29,10 @@ moment it is open, so even a process killed with SIGKILL leaves nothing in ``dis
 from __future__ import annotations
 
 import itertools
+import numbers
+import os
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +42,7 @@ from ..arguments import positive_int
 from ..capture import refuse_capture
 from ..driver import current_stream_handle, driver_context, record_event
 from ..geometry import KVCacheTensorSpec, block_bytes, check_kv_caches, infer_regions, resolve_regions
-from ..host_memory import check_host_bytes, pinned_empty
+from ..host_memory import check_host_bytes, pinned_empty, register_host
 from . import crossover as crossover_mod
 from . import ids as ids_mod
 from .blocks import Blocks, Direction, Events, low_priority_streams, mirror_views
@@ -100,6 +102,78 @@ class _Lane:
                 out.failed[tid] = error
 
 
+def resolve_groups(owner: str, groups, regions: Mapping[str, torch.Tensor]) -> dict[Hashable, tuple]:
+    """``groups`` (group -> entries) as group -> ``((region name, bytes), ...)``, checked.
+
+    An entry is a region name (its whole block), a layer name whose regions are ``layer.<g>``
+    (each of them whole), or ``(region name, nbytes)``: the first ``nbytes`` of the region's
+    block (a layer whose page is padded beyond its data). A ``ValueError`` names ``groups``, the
+    group and the entry otherwise.
+    """
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(f"{owner}: groups must be a non-empty mapping of group to region names, got {groups!r}")
+    known = ", ".join(map(repr, regions))
+    out: dict[Hashable, tuple] = {}
+    for key, entries in groups.items():
+        if key is None:
+            raise ValueError(f"{owner}: groups has the key None, which stands for a call without group")
+        if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence) or not entries:
+            raise ValueError(f"{owner}: groups[{key!r}] must be a non-empty list of region names, got {entries!r}")
+        resolved: list[tuple[str, int]] = []
+        for entry in entries:
+            if isinstance(entry, str) and entry in regions:
+                resolved.append((entry, regions[entry].shape[1]))
+            elif isinstance(entry, str) and f"{entry}.0" in regions:  # a layer of several regions
+                resolved += [(n, r.shape[1]) for n, r in regions.items() if n.rpartition(".")[0] == entry]
+            elif isinstance(entry, tuple) and len(entry) == 2 and entry[0] in regions:
+                name, nbytes = entry
+                width = regions[name].shape[1]
+                if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or not 0 < nbytes <= width:
+                    raise ValueError(
+                        f"{owner}: groups[{key!r}] entry {entry!r}: the bytes must be an integer in [1, {width}] "
+                        f"(region {name!r}'s block), got {nbytes!r}"
+                    )
+                resolved.append((name, int(nbytes)))
+            else:
+                raise ValueError(
+                    f"{owner}: groups[{key!r}] entry {entry!r} is no region (nor (region, nbytes)); the regions are {known}"
+                )
+        names = [name for name, _ in resolved]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{owner}: groups[{key!r}] names a region twice: {entries!r}")
+        out[key] = tuple(resolved)
+    return out
+
+
+def check_host_buffer(buffer, nbytes: int, disk_dir) -> None:
+    """A ``ValueError`` naming ``host_buffer`` unless it is host memory the mirror can live in:
+    a contiguous CPU uint8 tensor of at least ``nbytes`` bytes, and no ``disk_dir``."""
+    if disk_dir is not None:
+        raise ValueError("OffloadEngine: host_buffer holds the host mirror, but disk_dir was given: pass one of them")
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"OffloadEngine: host_buffer must be a CPU uint8 tensor, got {type(buffer).__name__}")
+    if buffer.device.type != "cpu":
+        raise ValueError(f"OffloadEngine: host_buffer must be host memory, got a tensor on {buffer.device}")
+    if buffer.dtype != torch.uint8:
+        raise ValueError(f"OffloadEngine: host_buffer must be uint8, got {buffer.dtype}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"OffloadEngine: host_buffer must be contiguous, got strides {buffer.stride()}")
+    if buffer.numel() < nbytes:
+        raise ValueError(
+            f"OffloadEngine: host_buffer holds {buffer.numel()} bytes, but the mirror of capacity_bytes needs {nbytes}"
+        )
+
+
+def crossover_file_of(crossover_file: str | None, shape: int) -> str | None:
+    """Where auto's measurement of an engine's ``shape``-th distinct group shape is kept: the
+    file itself for the first, ``name.<shape>.ext`` beside it for the others (one file holds one
+    shape's measurement)."""
+    if crossover_file is None or shape == 0:
+        return crossover_file
+    stem, ext = os.path.splitext(crossover_file)
+    return f"{stem}.{shape}{ext}"
+
+
 class OffloadEngine:
     """Offload KV-cache blocks of one device to page-locked host memory and back.
 
@@ -140,7 +214,25 @@ class OffloadEngine:
         transfer can have), allocated here when ``path`` is ``"staged"`` or ``"auto"``.
     crossover_file : str, optional
         With ``path="auto"``: keep the measurement in this JSON file and reuse it while the
-        device model, the regions' widths, the ring and torch stay the same.
+        device model, the regions' widths, the ring and torch stay the same. With ``groups`` of
+        several shapes, the second shape's is kept in ``name.1.ext`` beside it, and so on.
+    groups : mapping of group to list of region names, optional
+        KV-cache groups, each moving only its own regions' bytes: then every :meth:`store` and
+        :meth:`load` names its ``group`` and moves only those columns of the mirror rows and
+        those regions' blocks, leaving every other region untouched on both sides (vLLM's hybrid
+        models: a GPU block belongs to one group at a time). An entry is a region name (a key
+        of ``self.regions``), a layer name whose regions are ``layer.0`` and ``layer.1``, or
+        ``(region name, nbytes)`` for the first ``nbytes`` of its block. Chosen once: each
+        group's paths (and, with ``auto``, the measurement of its widths) are made here, groups
+        of equal entries share them, and every group's staged path shares one ring. A call then
+        finds its group's paths with one dictionary lookup. Not with ``disk_dir``.
+    host_buffer : Tensor, optional
+        Host memory for the mirror that the caller allocated and keeps owning (a mapping the
+        ranks of a machine share, :func:`kv_ops.host_memory.shared_host_buffer`): a contiguous
+        CPU uint8 tensor of at least ``num_host_blocks * block_bytes`` bytes, whose first bytes
+        become ``self.mirror``. On CUDA the engine registers it with the driver (unless it is
+        page-locked already) and unregisters it on :meth:`close`; it never frees it. Not with
+        ``disk_dir``.
 
     Raises
     ------
@@ -149,7 +241,9 @@ class OffloadEngine:
         ``num_blocks``, ``capacity_bytes``, ``ring_bytes``, ``staging_slots`` or
         ``staging_blocks`` not a positive integer, an unknown ``path``, caches on several
         devices, a capacity that holds no block, or page-locked memory (the mirror, or the
-        disk tier's staging buffers) beyond what this machine has available.
+        disk tier's staging buffers) beyond what this machine has available; ``groups`` that
+        is not a non-empty mapping of non-empty lists of regions, or given with ``disk_dir``; a
+        ``host_buffer`` that is not a contiguous CPU uint8 tensor large enough for the mirror.
 
     Notes
     -----
@@ -185,6 +279,8 @@ class OffloadEngine:
         path: str = "auto",
         ring_bytes: int = RING_BYTES,
         crossover_file: str | None = None,
+        groups: Mapping[Hashable, Sequence] | None = None,
+        host_buffer: torch.Tensor | None = None,
     ):
         check_kv_caches("OffloadEngine", kv_caches)
         if path not in PATHS:
@@ -204,13 +300,27 @@ class OffloadEngine:
         self.num_blocks = num_blocks
         self.cache_names = list(kv_caches)  # the layers, in the caller's order
         self.block_bytes = block_bytes(self.regions)
+        if groups is not None and disk_dir is not None:
+            raise ValueError(
+                "OffloadEngine: groups needs the host mirror, but disk_dir was given: the disk tier reads and "
+                "writes whole 4 KiB-aligned file slots, so one group's bytes cannot move alone there"
+            )
+        # Per group, the (region name, bytes of its block) it moves; one group of every region
+        # whole (key None) without groups.
+        if groups is None:
+            self.groups = {None: tuple((name, r.shape[1]) for name, r in self.regions.items())}
+        else:
+            self.groups = resolve_groups("OffloadEngine", groups, self.regions)
+        self.group_bytes = {key: sum(width for _, width in entries) for key, entries in self.groups.items()}
         slot_bytes = aligned(self.block_bytes) if disk_dir is not None else self.block_bytes
         self.num_host_blocks = int(capacity_bytes) // slot_bytes
         if self.num_host_blocks < 1:
             raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
         # Page-locked memory cannot be swapped: more than the machine has is refused here, naming
         # the bytes, rather than as an ENOMEM from mmap or the driver.
-        if disk_dir is None:
+        if host_buffer is not None:
+            check_host_buffer(host_buffer, self.num_host_blocks * self.block_bytes, disk_dir)
+        elif disk_dir is None:
             check_host_bytes("OffloadEngine", "capacity_bytes", self.num_host_blocks * self.block_bytes)
         else:
             check_host_bytes(
@@ -220,7 +330,6 @@ class OffloadEngine:
             )
         self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
         self.path = path
-        self.crossover: crossover_mod.Crossover | None = None
         # The paths' completion events, reused once reported (a path gives its own back).
         self._events = {d: Events() for d in Direction}
         self._lanes = {d: _Lane(d) for d in Direction}
@@ -237,23 +346,50 @@ class OffloadEngine:
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
         self.paths: dict[str, TransferPath] = {}
+        self._registration = None  # of an adopted host_buffer
+        # Per group (None without groups): its paths and auto's measurement of its shape.
+        self._routes: dict[Hashable, tuple[dict[str, TransferPath], crossover_mod.Crossover | None]] = {}
         if disk_dir is None:
-            self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
+            if host_buffer is None:
+                self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
+            else:
+                # Adopted, never freed here: registered for the GPU (unless page-locked already)
+                # and unregistered on close.
+                self._registration = register_host("OffloadEngine", host_buffer)
+                self.mirror = host_buffer.view(-1)[: self.num_host_blocks * self.block_bytes].view(
+                    self.num_host_blocks, self.block_bytes
+                )
             # Each region's columns of the mirror, by the region's name.
             self.mirror_regions = dict(
                 zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()]))
             )
-            gpu = list(self.regions.values())
+            # Groups with the same entries share one set of paths (vLLM's groups often overlay
+            # the same tensors), and groups of the same widths one measurement.
+            shapes = list(dict.fromkeys(self.groups.values()))
+            crossovers: dict[tuple, crossover_mod.Crossover] = {}
             if self.device.type == "cuda" and path == "auto":
                 # First: the measurement's scratch rings are then back in torch's cache when the
                 # engine's own are allocated below.
-                widths = [r.shape[1] for r in gpu]
-                self.crossover = crossover_mod.crossover(self.device, widths, ring_bytes, crossover_file)
-                self.crossover.plan_picks(COPY_ENGINES)  # not at the first call of each size
+                widths = list(dict.fromkeys(tuple(w for _, w in entries) for entries in shapes))
+                for i, shape in enumerate(widths):
+                    found = crossover_mod.crossover(
+                        self.device, list(shape), ring_bytes, crossover_file_of(crossover_file, i)
+                    )
+                    found.plan_picks(COPY_ENGINES)  # not at the first call of each size
+                    crossovers[shape] = found
             # Only the paths this engine may pick: on the GPU each binds its kernels now, and the
-            # staged one allocates its ring (2 x ring_bytes), so that memory is taken at start.
+            # staged one allocates its ring (2 x ring_bytes), so that memory is taken at start;
+            # every group's staged path shares the first one's ring.
             names = PATH_NAMES if path == "auto" else (path,)
-            self.paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names, self._events)
+            made: dict[tuple, tuple[dict[str, TransferPath], crossover_mod.Crossover | None]] = {}
+            for entries in shapes:
+                gpu = [self.regions[name][:, :width] for name, width in entries]
+                host = [self.mirror_regions[name][:, :width] for name, width in entries]
+                first = next(iter(made.values()), ({}, None))[0].get("staged")
+                paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names, self._events, host, first)
+                made[entries] = (paths, crossovers.get(tuple(w for _, w in entries)))
+            self._routes = {key: made[entries] for key, entries in self.groups.items()}
+            self.paths = next(iter(self._routes.values()))[0]
         else:
             tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
             # Held only by this engine: once it is collected, so is the path, whose finalizer
@@ -272,9 +408,21 @@ class OffloadEngine:
             self.paths = {disk.name: disk}
             self.path = disk.name  # every transfer takes it
             self.disk = disk.tier
+            self._routes = {None: (self.paths, None)}
         # Transfers per path, for whoever tunes this: every mirror path (0 where it cannot be
         # picked), and the disk tier on a disk engine.
         self.path_counts = dict.fromkeys((*PATH_NAMES, *self.paths), 0)
+
+    @property
+    def crossover(self) -> crossover_mod.Crossover | None:
+        """What ``auto`` measured for this engine's shape (the first group's, with ``groups``);
+        None on a CPU engine or another ``path``. Assigning one makes every group pick by it."""
+        routes = iter(self._routes.values())
+        return next(routes, (None, None))[1]
+
+    @crossover.setter
+    def crossover(self, measured: crossover_mod.Crossover | None) -> None:
+        self._routes = {key: (paths, measured) for key, (paths, _) in self._routes.items()}
 
     # --- the interface LayerwiseLoads builds on ----------------------------------------------
     # A mechanism that moves a load its own way (kv_ops.LayerwiseLoads) is one more path: it is
@@ -351,19 +499,19 @@ class OffloadEngine:
         ready.record(stream)
         return ready
 
-    def _pick(self, blocks: Blocks) -> TransferPath:
+    def _pick(self, blocks: Blocks, paths: dict[str, TransferPath], measured) -> TransferPath:
         name = self.path
         if name == "auto":
             name = None
             if not blocks.on_host:
                 name = "kernel"  # the one path whose kernel reads both sides' ids
-            elif self.crossover is not None:
+            elif measured is not None:
                 # The runs are counted only where the pick depends on them.
-                name = self.crossover.pick(
+                name = measured.pick(
                     blocks.direction, blocks.count, lambda: blocks.num_runs, COPY_ENGINES, self._alone()
                 )
             name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
-        return self.paths[name]
+        return paths[name]
 
     def _alone(self) -> bool:
         """Whether no transfer of this engine is in flight, in either direction: a call's host time
@@ -394,13 +542,19 @@ class OffloadEngine:
         path=None,
         op: str | None = None,
         instead: str = "capture kv_ops.copy_blocks instead",
+        group=None,
     ) -> int:
         """One store or load: ids checked, ordered after ``after``, enqueued on ``path`` (picked
-        here unless given), tracked in its lane. :meth:`load_through` passes a path, and its
-        caller's name (``op``) and advice (``instead``) for the errors."""
+        here among ``group``'s paths unless given), tracked in its lane. :meth:`load_through`
+        passes a path, and its caller's name (``op``) and advice (``instead``) for the errors."""
         kind = direction.value
         self.check_open(kind)
         op = op or f"OffloadEngine.{kind}"
+        if path is None:
+            try:
+                route = self._routes[group]
+            except (KeyError, TypeError):  # TypeError: an unhashable group
+                raise ValueError(self._bad_group(op, group)) from None
         load = direction is Direction.LOAD
         # Destinations must not repeat (which copy would win is undefined); sources may.
         gpu = ids_mod.take(op, "gpu_ids", gpu_ids, self.num_blocks, load, self.device)
@@ -418,7 +572,7 @@ class OffloadEngine:
                 "a transfer cannot be captured into a CUDA graph",
                 instead,
             )
-        path = path or self._pick(blocks)
+        path = path or self._pick(blocks, *route)
         on_host = blocks.on_host
         if not on_host:
             self._refuse_gpu_ids(op, blocks, path)
@@ -441,7 +595,13 @@ class OffloadEngine:
         self.path_counts[path.name] += 1
         return tid
 
-    def store(self, gpu_ids, host_ids, after=None) -> int:
+    def _bad_group(self, op: str, group) -> str:
+        if None in self._routes:
+            return f"{op}: group={group!r}, but this engine was made without groups: leave group out"
+        known = ", ".join(map(repr, self._routes))
+        return f"{op}: group={group!r} is not one of this engine's groups ({known})"
+
+    def store(self, gpu_ids, host_ids, after=None, group=None) -> int:
         """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``.
 
         The copy is ordered after ``after``, by default the work enqueued on the caller's current
@@ -464,6 +624,9 @@ class OffloadEngine:
             Order the copy after this event, or after the work enqueued on this stream so far,
             instead of after the caller's current stream. Not a stream being captured, nor an
             event recorded during a capture (a graph's work happens at its replays).
+        group : optional
+            On an engine made with ``groups``, the group whose blocks these are (required there):
+            only its regions' bytes move, on both sides. Left out on an engine without groups.
 
         Returns
         -------
@@ -476,15 +639,16 @@ class OffloadEngine:
             Bad ids (not 1-D, not int32/int64, meta; host ids out of range, a repeated
             destination, a length mismatch), before any byte moves and without using up a
             transfer id; GPU ids given to a path or tier that plans on the host (``dma``, the
-            disk tier, ``host_ids`` on ``staged``); a bad ``after``.
+            disk tier, ``host_ids`` on ``staged``); a bad ``after``; a ``group`` that is not one
+            of the engine's.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
             After :meth:`close`.
         """
-        return self._transfer(Direction.STORE, gpu_ids, host_ids, after)
+        return self._transfer(Direction.STORE, gpu_ids, host_ids, after, group=group)
 
-    def load(self, host_ids, gpu_ids, after=None) -> int:
+    def load(self, host_ids, gpu_ids, after=None, group=None) -> int:
         """Copy host blocks ``host_ids[i]`` to GPU blocks ``gpu_ids[i]``.
 
         The copy into the GPU blocks is ordered after ``after``, by default the work enqueued on
@@ -503,6 +667,9 @@ class OffloadEngine:
             Order the copy after this event, or after the work enqueued on this stream so far,
             instead of after the caller's current stream. Not a stream being captured, nor an
             event recorded during a capture (a graph's work happens at its replays).
+        group : optional
+            On an engine made with ``groups``, the group whose blocks these are (required there):
+            only its regions' bytes move, on both sides. Left out on an engine without groups.
 
         Returns
         -------
@@ -515,13 +682,14 @@ class OffloadEngine:
             Bad ids (not 1-D, not int32/int64, meta; host ids out of range, a repeated
             destination, a length mismatch), before any byte moves and without using up a
             transfer id; GPU ids given to a path or tier that plans on the host (``dma``, the
-            disk tier, ``host_ids`` on ``staged``); a bad ``after``.
+            disk tier, ``host_ids`` on ``staged``); a bad ``after``; a ``group`` that is not one
+            of the engine's.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
         EngineClosedError
             After :meth:`close`.
         """
-        return self._transfer(Direction.LOAD, gpu_ids, host_ids, after)
+        return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, group=group)
 
     # --- completion --------------------------------------------------------------------------
 
@@ -603,7 +771,8 @@ class OffloadEngine:
     def _release(self) -> None:
         self.disk = None
         try:
-            for path in self.paths.values():
+            every = {id(p): p for paths, _ in self._routes.values() for p in paths.values()}
+            for path in every.values():
                 path.close()  # the staged path's own streams; the disk tier's thread and file
             if self._streams is not None:
                 # Idle after a completed flush; after an interrupted one this keeps the copies
@@ -612,7 +781,10 @@ class OffloadEngine:
                     stream.synchronize()
         finally:
             self.mirror = self.mirror_regions = None
-            self.paths, self._last = {}, {}
+            self.paths, self._routes, self._last = {}, {}, {}
+            if self._registration is not None:  # the copies that used it are done (above)
+                self._registration.release()
+                self._registration = None
             self._lanes = {d: _Lane(d) for d in Direction}
 
     def __enter__(self) -> "OffloadEngine":

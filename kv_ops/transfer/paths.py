@@ -44,6 +44,7 @@ from .blocks import (
     EventPath,
     Events,
     host_tensor,
+    host_views,
     low_priority_streams,
     mirror_views,
     recorded,
@@ -114,9 +115,11 @@ class KernelPath(EventPath):
     # The id sides it plans on the host: none, its kernel reads both sides' ids on the GPU.
     host_planned = frozenset()
 
-    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
+    def __init__(
+        self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None, views=None
+    ):
         self.regions = list(regions)
-        self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
+        self.views = host_views(mirror, self.regions, views)
         self.streams = streams
         self.device = self.regions[0].device
         self._events = events or {d: Events() for d in Direction}
@@ -221,9 +224,11 @@ class DirectDmaPath(EventPath):
     # The id sides it plans on the host: both, every descriptor is planned there.
     host_planned = frozenset({"gpu_ids", "host_ids"})
 
-    def __init__(self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None):
+    def __init__(
+        self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, events=None, views=None
+    ):
         self.regions = list(regions)
-        self.views = mirror_views(mirror, [r.shape[1] for r in self.regions])
+        self.views = host_views(mirror, self.regions, views)
         self.streams = streams
         self._events = events or {d: Events() for d in Direction}
         # Runs merge into one copy only where a region's blocks are back to back on both sides:
@@ -263,14 +268,21 @@ def make_paths(
     ring_bytes: int,
     names: Sequence[str] = PATH_NAMES,
     events: dict | None = None,
+    views: Sequence[torch.Tensor] | None = None,
+    share: StagedPath | None = None,
 ) -> dict[str, Path]:
     """The paths ``names`` over ``regions`` and ``mirror``, by name (an engine makes the ones it
     may pick, which on the GPU allocates the staged ring; auto's measurement makes all three).
-    ``events`` (per direction, :class:`Events`) is where they take completion events from."""
+    ``events`` (per direction, :class:`Events`) is where they take completion events from.
+
+    ``views`` are the mirror columns of each region, where ``regions`` are a KV group's (some
+    regions, or the first bytes of a region's block) rather than every region in mirror order;
+    such paths move only those bytes. ``share`` is a staged path of the same mirror whose ring,
+    streams and slots the new staged path uses instead of allocating its own."""
     makers = {
-        KernelPath.name: lambda: KernelPath(regions, mirror, streams, events),
-        StagedPath.name: lambda: StagedPath(regions, mirror, streams, ring_bytes, events),
-        DirectDmaPath.name: lambda: DirectDmaPath(regions, mirror, streams, events),
+        KernelPath.name: lambda: KernelPath(regions, mirror, streams, events, views),
+        StagedPath.name: lambda: StagedPath(regions, mirror, streams, ring_bytes, events, views, share),
+        DirectDmaPath.name: lambda: DirectDmaPath(regions, mirror, streams, events, views),
     }
     return {name: make() for name, make in makers.items() if name in names}
 

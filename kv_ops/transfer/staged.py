@@ -12,7 +12,7 @@ from .. import kernels, reference
 from ..driver import driver_context, record_event, wait_event
 from ..validation import error_counter
 from . import dma
-from .blocks import Blocks, Direction, EventPath, Events, host_tensor, low_priority_streams, recorded
+from .blocks import Blocks, Direction, EventPath, Events, host_tensor, host_views, low_priority_streams, recorded
 from .ids import IdBlock, Pool
 
 # Ring slots per direction: with four, a store's gather of chunk i+1 (and i+2) runs while the
@@ -91,7 +91,14 @@ class StagedPath(EventPath):
     host_planned = frozenset({"host_ids"})
 
     def __init__(
-        self, regions: Sequence[torch.Tensor], mirror: torch.Tensor, streams: dict | None, ring_bytes: int, events=None
+        self,
+        regions: Sequence[torch.Tensor],
+        mirror: torch.Tensor,
+        streams: dict | None,
+        ring_bytes: int,
+        events=None,
+        views: Sequence[torch.Tensor] | None = None,
+        share: StagedPath | None = None,
     ):
         self.regions = list(regions)
         self.mirror = mirror
@@ -99,16 +106,24 @@ class StagedPath(EventPath):
         self._events = events or {d: Events() for d in Direction}
         self.device = self.regions[0].device
         row_bytes = mirror.shape[1]
-        most_pairs = max(mirror.shape[0], self.regions[0].shape[0])
-        self.chunk = max(1, min(ring_bytes // (RING_SLOTS * row_bytes), -(-most_pairs // RING_SLOTS)))
-        self._next = {d: 0 for d in Direction}
-        # Each direction's ring. On the GPU, made now with its graphs; on the CPU, on first use
-        # (an engine there picks the kernel path's reference copy unless told).
-        self._rings: dict[Direction, torch.Tensor] = {}
-        # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
-        self.kernel_streams = None
+        self._pieces = _pieces(mirror, self.regions, host_views(mirror, self.regions, views))
+        # A packed row that is a whole mirror row (every region, in mirror order) keeps the
+        # descriptor per run of consecutive host ids; a group's row is one per (block, piece).
+        self.whole_row = self._pieces[2].tolist() == [row_bytes]
+        if share is not None:
+            # Another group's staged path of this mirror: one ring, its streams and slots, for all.
+            self.chunk, self._next, self._rings = share.chunk, share._next, share._rings
+            self.kernel_streams = share.kernel_streams
+        else:
+            most_pairs = max(mirror.shape[0], self.regions[0].shape[0])
+            self.chunk = max(1, min(ring_bytes // (RING_SLOTS * row_bytes), -(-most_pairs // RING_SLOTS)))
+            self._next = {d: 0 for d in Direction}
+            # Each direction's ring. On the GPU, made now with its graphs; on the CPU, on first use
+            # (an engine there picks the kernel path's reference copy unless told).
+            self._rings: dict[Direction, torch.Tensor] = {}
+            # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
+            self.kernel_streams = low_priority_streams(self.device) if streams is not None else None
         if streams is not None:
-            self.kernel_streams = low_priority_streams(self.device)
             errors = error_counter(self.device)
             bound = {
                 Direction.STORE: kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS),
@@ -142,6 +157,14 @@ class StagedPath(EventPath):
                 ]
                 for d in Direction
             }
+            if share is not None:
+                self._copy, self._kernel, self._free, self._handoff = (
+                    share._copy,
+                    share._kernel,
+                    share._free,
+                    share._handoff,
+                )
+                return
             self._copy = {d: dma.Launcher(streams[d]) for d in Direction}
             self._kernel = {d: dma.Launcher(self.kernel_streams[d]) for d in Direction}
             # Per direction and slot: recorded after the work that last read the slot. Per
@@ -302,6 +325,8 @@ class StagedPath(EventPath):
         host ids within a chunk is one descriptor: ``mirror[h0 : h0 + n] <-> ring[r0 : r0 + n]``.
         """
         host, n, chunk, row = blocks.host_ids, blocks.count, self.chunk, self.mirror.shape[1]
+        if not self.whole_row:
+            return self._piece_plans(host, n, ring, first_slot, blocks.direction)
         if n <= SMALL_PLAN:
             return self.small_plans(host.tolist(), ring, first_slot, blocks.direction)
         begins = np.ones(n + 1, dtype=bool)  # [n] stays True: the end of the last run
@@ -319,6 +344,41 @@ class StagedPath(EventPath):
         # first pair begins a run.
         cut = np.searchsorted(first, np.arange(0, n, chunk)).tolist() + [first.size]
         return [dma.Plan(dsts[a:b], srcs[a:b], sizes[a:b]) for a, b in zip(cut[:-1], cut[1:])]
+
+    def _piece_plans(self, host: np.ndarray, n: int, ring: torch.Tensor, first_slot: int, direction) -> list[dma.Plan]:
+        """:meth:`plans` for a group's packed rows, which fill only some columns of a mirror row:
+        one descriptor per (pair, piece), a piece being columns that are side by side in both
+        the packed row and the mirror row. Pair i sits in ring row ``(first_slot * chunk + i) %
+        ring_rows`` as in :meth:`plans`; no run spans two rows, as other columns lie between."""
+        ring_cols, mirror_cols, widths = self._pieces
+        chunk, row, k = self.chunk, self.mirror.shape[1], widths.size
+        rows = (np.arange(first_slot * chunk, first_slot * chunk + n, dtype=np.int64) % ring.shape[0]) * row
+        ring_at = ((rows + ring.data_ptr())[:, None] + ring_cols).ravel()
+        mirror_at = ((host * row + self.mirror.data_ptr())[:, None] + mirror_cols).ravel()
+        sizes = np.tile(widths, n)
+        dsts, srcs = (mirror_at, ring_at) if direction is Direction.STORE else (ring_at, mirror_at)
+        return [
+            dma.Plan(dsts[a * k : b * k], srcs[a * k : b * k], sizes[a * k : b * k])
+            for a, b in ((a, min(a + chunk, n)) for a in range(0, n, chunk))
+        ]
+
+
+def _pieces(mirror: torch.Tensor, regions: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> tuple:
+    """(packed-row columns, mirror-row columns, widths) as int64 arrays, one entry per run of
+    regions whose columns follow each other on both sides: where each region's block sits in a
+    packed row (side by side, in order) and in a mirror row (its view's columns)."""
+    pieces: list[list[int]] = []
+    packed = 0
+    for region, view in zip(regions, views):
+        width = region.shape[1]
+        column = view.data_ptr() - mirror.data_ptr()
+        if pieces and pieces[-1][0] + pieces[-1][2] == packed and pieces[-1][1] + pieces[-1][2] == column:
+            pieces[-1][2] += width
+        else:
+            pieces.append([packed, column, width])
+        packed += width
+    ring_cols, mirror_cols, widths = (np.array(c, dtype=np.int64) for c in zip(*pieces))
+    return ring_cols, mirror_cols, widths
 
 
 __all__ = ["StagedPath", "RING_SLOTS", "STAGE_PROGRAMS", "SMALL_PLAN"]

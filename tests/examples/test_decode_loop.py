@@ -56,6 +56,13 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
     for label in ["layer-wise loads, then the step", "load, flush, then the step"]:
         row = re.search(rf"^\| {label} \| (\d+) \| \d+ \| \d+ \| [\d.]+ \|$", out, re.MULTILINE)
         assert row and int(row.group(1)) >= 1, out
+    # Each pressure run counts the preemptions whose host blocks were one run (kv_ops.HostBlockAllocator).
+    # This workload's host side has room for every block of it, so each preempted sequence got one.
+    runs = re.findall(
+        r"^KV pressure, .*: (\d+) preemptions \((\d+) stored to one run of host blocks\)", out, re.MULTILINE
+    )
+    assert len(runs) == len(re.findall(r"^KV pressure, ", out, re.MULTILINE)) >= 2, out
+    assert all(int(n) >= 1 and single == n for n, single in runs), out
     # Every pressure run's stores were replayed back to back on its engine, WARM_REPEATS times
     # each, as the in-loop stores' same-run baseline.
     replays = re.findall(

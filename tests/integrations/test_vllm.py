@@ -167,17 +167,21 @@ def test_round_trip(layout, blocks_per_chunk, num_groups):
         job += 1
         assert worker.submit_store(job, gpu_spec(groups), chunk_spec(groups))
         worker.wait({job})
-        # The mirror holds each piece where vLLM's CPU worker would put it.
+        # The mirror holds each piece where vLLM's CPU worker would put it: a page's data, not
+        # its padding (vLLM's worker copies each ref's page_size_bytes).
         for g_ids, index, chunks in groups:
             if len(g_ids):
                 rows = vllm_rows(chunks, blocks_per_chunk, index % blocks_per_chunk, len(g_ids))
                 for t, name in enumerate(worker.engine.mirror_regions):
+                    data = caches.group_data_refs[0][t].page_size_bytes
                     np.testing.assert_array_equal(
-                        worker.engine.mirror_regions[name][rows].view(torch.int8).numpy(), before[t][g_ids].numpy()
+                        worker.engine.mirror_regions[name][rows, :data].view(torch.int8).numpy(),
+                        before[t][g_ids, :data].numpy(),
                     )
         # Load into other GPU blocks (the group's order kept), after scribbling over the cache.
         for t in gpu:
             t.copy_(torch.from_numpy(rng.integers(-128, 128, tuple(t.shape), dtype=np.int8)))
+        scribbled = [t.clone() for t in gpu]
         dest_pool = rng.permutation(NUM_BLOCKS)
         dest, k = [], 0
         for g_ids, index, chunks in groups:
@@ -188,10 +192,72 @@ def test_round_trip(layout, blocks_per_chunk, num_groups):
         worker.wait({job})
         for (src, _, _), (dst, _, _) in zip(groups, dest):
             for t in range(len(gpu)):
-                np.testing.assert_array_equal(gpu[t][dst].numpy(), before[t][src].numpy())
+                data = caches.group_data_refs[0][t].page_size_bytes
+                np.testing.assert_array_equal(gpu[t][dst, :data].numpy(), before[t][src, :data].numpy())
+                # The padding is no group's data: a load leaves it as it was.
+                np.testing.assert_array_equal(gpu[t][dst, data:].numpy(), scribbled[t][dst, data:].numpy())
     results = worker.get_finished()
     assert sorted(r.job_id for r in results) == list(range(1, job + 1))
     assert all(r.success and r.transfer_time is not None and r.transfer_time >= 0 for r in results)
+    worker.shutdown()
+
+
+def test_each_group_moves_its_own_tensors_and_page_data_alone():
+    """Two groups over partly shared tensors, one with a shorter page in a padded tensor (a
+    Mamba layer beside attention): a job moves per group exactly what vLLM's worker copies,
+    its refs' page_size_bytes of its own tensors, and leaves every other byte on both sides as
+    it was (mirror and cache poisoned with random bytes first). One engine call per group."""
+    rng = np.random.default_rng(11)
+    pages = [128, 256 + 64, 96]
+    tensors = [
+        CanonicalKVCacheTensor(
+            tensor=torch.from_numpy(rng.integers(-128, 128, (NUM_BLOCKS, p), dtype=np.int8)), page_size_bytes=p
+        )
+        for p in pages
+    ]
+    refs = [
+        [
+            CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=128),
+            CanonicalKVCacheRef(tensor_idx=1, page_size_bytes=256),
+        ],
+        [CanonicalKVCacheRef(tensor_idx=1, page_size_bytes=200), CanonicalKVCacheRef(tensor_idx=2, page_size_bytes=96)],
+    ]
+    caches = CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+    spec = kv_vllm.OffloadOpsSpec(make_config(caches, 2, 1 << 20))
+    worker = spec.get_worker(caches)
+    mirror = worker.engine.mirror
+    gpu = [t.tensor for t in tensors]
+    shares = [{0: 128, 1: 256}, {1: 200, 2: 96}]  # per group: tensor -> bytes of its page it moves
+    columns = np.cumsum([0, *pages])
+    gpu_pool, chunk_pool = rng.permutation(NUM_BLOCKS), rng.permutation(spec.num_chunks)
+    # Three blocks each, the second group entering its first chunk one block in.
+    groups = [(gpu_pool[:3], 0, chunk_pool[:2]), (gpu_pool[3:6], 1, chunk_pool[2:4])]
+    for kind in ("store", "load"):
+        mirror.copy_(torch.from_numpy(rng.integers(0, 256, tuple(mirror.shape), dtype=np.uint8)))
+        for t in gpu:
+            t.copy_(torch.from_numpy(rng.integers(-128, 128, tuple(t.shape), dtype=np.int8)))
+        host0, gpu0 = mirror.clone(), [t.clone() for t in gpu]
+        before = worker.engine.path_counts["kernel"]
+        if kind == "store":
+            assert worker.submit_store(1, gpu_spec(groups), chunk_spec(groups))
+        else:
+            assert worker.submit_load(2, chunk_spec(groups), gpu_spec(groups))
+        worker.wait({1, 2})
+        (result,) = worker.get_finished()
+        assert result.success and result.transfer_size == sum(len(g[0]) * b for g, b in zip(groups, (384, 296)))
+        assert worker.engine.path_counts["kernel"] - before == 2  # one engine call per group
+        host_expected, gpu_expected = host0.clone(), [t.clone() for t in gpu0]
+        for (g_ids, index, chunks), share in zip(groups, shares):
+            rows = vllm_rows(chunks, 2, index % 2, len(g_ids))
+            for t, nbytes in share.items():
+                cols = slice(int(columns[t]), int(columns[t]) + nbytes)
+                if kind == "store":
+                    host_expected[rows, cols] = gpu0[t][g_ids, :nbytes].view(torch.uint8)
+                else:
+                    gpu_expected[t][g_ids, :nbytes] = host0[rows, cols].view(torch.int8)
+        assert torch.equal(mirror, host_expected)
+        for t in range(len(gpu)):
+            assert torch.equal(gpu[t], gpu_expected[t]), t
     worker.shutdown()
 
 

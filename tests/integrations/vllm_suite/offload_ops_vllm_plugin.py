@@ -19,9 +19,9 @@ plugin points vLLM's spec, worker and manager at ours, the way a user's ``spec_n
   opt-125m's), and ``HF_HUB_OFFLINE=1``: no weights, no network.
 
 :data:`NOT_APPLICABLE` lists, in this one place, every test that cannot apply and why; they are
-skipped with that reason. :data:`EXPECTED_FAILURES` (ours) and :data:`VLLM_FAILS_ON_ITS_CPU_PLATFORM`
-(vLLM's, with no spec of ours involved) are strict xfails: each turns into a failure the day it
-passes. Every other test must pass.
+skipped with that reason. :data:`VLLM_FAILS_ON_ITS_CPU_PLATFORM` (vLLM's, with no spec of ours
+involved) are strict xfails: each turns into a failure the day it passes. Every other test must
+pass.
 """
 
 from __future__ import annotations
@@ -44,13 +44,17 @@ NOT_APPLICABLE: list[tuple[str, dict | None, str]] = [
     (
         "tests/v1/kv_offload/cpu/test_shared_offload_region.py",
         None,
-        "vLLM's SharedOffloadRegion (one host region mapped by every rank): not built, each "
-        "OffloadOpsWorker keeps a private mirror",
+        "vLLM's own SharedOffloadRegion class (a named /dev/shm file of per-chunk rank slots); "
+        "OffloadOpsSpec shares host memory its own way, one slab per rank of a nameless memfd "
+        "mapping (kv_ops.host_memory.shared_host_buffer, tests/kv_ops/test_shared_host_buffer.py)",
     ),
     (
         "tests/v1/kv_offload/cpu/test_canonical_layout.py",
         None,
-        "the canonical (parallelism-free) host layout: OffloadOpsSpec refuses canonical_layout",
+        "the canonical (parallelism-free) host layout: OffloadOpsSpec refuses canonical_layout; the "
+        "file's CPU tests call vLLM's private gpu_worker helpers (_build_copy_plan, "
+        "_canonical_block_sizes, _canonical_page_ids), its worker tests need CUDA and vLLM's "
+        "SharedOffloadRegion canonical views",
     ),
     (
         "tests/v1/kv_offload/cpu/test_swap_blocks_batch.py",
@@ -82,15 +86,6 @@ NOT_APPLICABLE: list[tuple[str, dict | None, str]] = [
         (
             f"tests/v1/kv_offload/test_factory.py::{name}",
             None,
-            "the replicated layout (one host copy for every rank, MLA with TP > 1) lives in vLLM's "
-            "SharedOffloadRegion: not built, OffloadOpsSpec turns replicated_layout off",
-        )
-        for name in ("test_cpu_spec_replicated_sizing_on_shared_region", "test_cpu_spec_replicated_layout_truth_matrix")
-    ),
-    *(
-        (
-            f"tests/v1/kv_offload/test_factory.py::{name}",
-            None,
             "what vLLM's CPU spec passes its own CPUOffloadingWorker (mocked there: shared region or "
             "not, rank slot); OffloadOpsSpec.create_worker builds an OffloadOpsWorker instead",
         )
@@ -110,19 +105,11 @@ NOT_APPLICABLE: list[tuple[str, dict | None, str]] = [
     (
         "tests/v1/kv_offload/cpu/test_gpu_worker.py::test_transfer[",
         {"use_shared_memory": True},
-        "a worker over vLLM's SharedOffloadRegion (mmap_region=, with and without the replicated "
-        "layout): not built, each OffloadOpsWorker keeps a private mirror",
+        "a worker handed vLLM's SharedOffloadRegion object (mmap_region=, with and without the "
+        "replicated layout), whose rank slots are strided per chunk; OffloadOpsSpec shares its own "
+        "memfd mapping, one contiguous slab per rank (tests/kv_ops/test_shared_host_buffer.py)",
     ),
 ]
-
-EXPECTED_FAILURES: list[tuple[str, str]] = [
-    (
-        "tests/v1/kv_offload/cpu/test_gpu_worker.py::test_transfer_multi_group[",
-        "the engine copies every region of a block: a group's transfer also moves (and on load "
-        "overwrites) that block's rows of the other groups' tensors, which this test checks are untouched",
-    ),
-]
-
 
 # vLLM's connector scheduler driven through its RequestRunner with vLLM's MockOffloadingSpec (mock
 # manager and worker: no spec of ours takes part, and this plugin changes nothing these tests
@@ -226,9 +213,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if _matches(item, prefix, params):
                 item.add_marker(pytest.mark.skip(reason=f"not applicable: {reason}"))
                 break
-        for prefix, reason in EXPECTED_FAILURES:
-            if item.nodeid.startswith(prefix):
-                item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
         folder, names, reason = VLLM_FAILS_ON_ITS_CPU_PLATFORM
         if item.nodeid.startswith(folder) and item.nodeid[len(folder) :] in names:
             item.add_marker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
