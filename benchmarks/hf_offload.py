@@ -11,8 +11,9 @@ Floors, from the same run's pinned host-to-GPU memcpy rate: ``floor`` is the byt
 HostOffloadedCache streams per step (every full-attention layer but the one that keeps its slot),
 ``floor_all`` the whole KV cache crossing the link once. ``copies`` times the cache's own copies
 alone (every streamed layer into its slot, back to back on a side stream), and ``target`` is
-max(floor, the on-GPU static step of the same mode). Tokens are compared with ``static`` in the
-same mode, under deterministic algorithms (examples/hf_offload.py says why).
+max(floor, the on-GPU static step of the same mode). Attention is transformers' ``sdpa``, the
+fast one; its decode logits do not repeat bit for bit from run to run at these widths, so tokens
+are not compared here: examples/hf_offload.py (eager attention) checks them bit for bit.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ NEW = 32
 COLUMNS = [
     "layers", "batch", "context", "cache", "mode", "decode_tok_s", "step_ms", "vs_best_transformers_offload",
     "floor_ms", "floor_all_ms", "copies_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
-    "peak_gpu_gib", "h2d_mib_per_step", "tokens_match",
+    "peak_gpu_gib", "h2d_mib_per_step",
 ]  # fmt: skip
 
 
@@ -67,21 +68,21 @@ def timed(model, ids, cache, gen) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t, out
 
 
-def decode(model, ids, make_cache, mode, reps) -> tuple[float, torch.Tensor, float]:
-    """Best decode seconds per step, the tokens, peak GPU GiB (warm-up compiles and captures)."""
+def decode(model, ids, make_cache, mode, reps) -> tuple[float, float]:
+    """Best decode seconds per step, peak GPU GiB (warm-up compiles and captures)."""
     full, one = make(mode, NEW), make(mode, 1)
     cache = make_cache()
     torch.cuda.reset_peak_memory_stats()
     timed(model, ids, cache, full)  # warm-up: compiles, captures
     timed(model, ids, cache, one)
-    best, out = float("inf"), None
+    best = float("inf")
     for _ in range(reps):
-        t_full, out = timed(model, ids, cache, full)
+        t_full, _ = timed(model, ids, cache, full)
         t_one, _ = timed(model, ids, cache, one)
         best = min(best, (t_full - t_one) / (NEW - 1))
     if hasattr(cache, "close"):
         cache.close()
-    return best, out, torch.cuda.max_memory_allocated() / 2**30
+    return best, torch.cuda.max_memory_allocated() / 2**30
 
 
 def make(mode, new):
@@ -137,11 +138,11 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
         got = guard(where, decode, model, ids, factory or (lambda: None), mode, reps)
         if got is None:
             continue
-        step, out, peak = got
+        step, peak = got
         shown = "eager" if mode.startswith("transformers:") else mode
         if cache == "static":
-            reference[mode] = (step, out)
-        base_step, want = reference.get(shown, (None, None))
+            reference[mode] = step
+        base_step = reference.get(shown)
         moved = {"static": 0, "HostOffloadedCache": h2d}.get(cache, all_bytes)
         kv_gpu = {"static": all_bytes, "HostOffloadedCache": min(3, layers) * layer_bytes}.get(cache, 2 * layer_bytes)
         target = max(floor, base_step) if base_step is not None else floor
@@ -153,7 +154,6 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
                 "step_vs_target": step / target if cache == "HostOffloadedCache" else None,
                 "kv_gpu_mib": kv_gpu / 2**20, "kv_gpu_saved_mib": (all_bytes - kv_gpu) / 2**20,
                 "peak_gpu_gib": peak, "h2d_mib_per_step": moved / 2**20,
-                "tokens_match": None if want is None else bool(torch.equal(out.cpu(), want.cpu())),
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -172,23 +172,22 @@ def markdown(rows, rate) -> str:
     lines = [
         "# HostOffloadedCache in generate()",
         "",
-        f"Random-weight Llama at Llama-3-8B widths, bf16, greedy, {NEW} new tokens, deterministic algorithms; pinned "
+        f"Random-weight Llama at Llama-3-8B widths, bf16, greedy, {NEW} new tokens, sdpa attention; pinned "
         f"host-to-GPU memcpy {rate / 1e9:.1f} GB/s in this run. Decode tokens/s; `vs offload`: over the better of "
         "transformers' offloaded caches at the shape; floor: HostOffloadedCache's bytes per step at the memcpy rate "
         "(all: the whole KV cache once); copies: the cache's copies alone; target: max(floor, static's step in the "
-        "same mode); tokens: against static in the same mode.",
+        "same mode).",
         "",
         "| layers | batch | context | cache | mode | tokens/s | step ms | vs offload | floor / all / copies ms "
-        "| step / target | KV on GPU MiB | saved MiB | tokens |",
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| step / target | KV on GPU MiB | saved MiB |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        tokens = {None: "-", True: "same", False: "DIFFER"}[r["tokens_match"]]
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['decode_tok_s']:.0f} "
             f"| {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
             f"| {r['floor_ms']:.2f} / {r['floor_all_ms']:.2f} / {r['copies_ms']:.2f} "
-            f"| {fmt(r['step_vs_target'], '.2f')} | {r['kv_gpu_mib']:.0f} | {r['kv_gpu_saved_mib']:.0f} | {tokens} |"
+            f"| {fmt(r['step_vs_target'], '.2f')} | {r['kv_gpu_mib']:.0f} | {r['kv_gpu_saved_mib']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -228,7 +227,6 @@ def main(argv=None) -> int:
     p.add_argument("--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run with CUDA graphs")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
     args = parse(p, cuda=True, argv=argv)
-    example.deterministic()
     rate = memcpy_rate()
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
     rows = []

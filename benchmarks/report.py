@@ -322,6 +322,47 @@ def gemma3n() -> list[str]:
     ]
 
 
+def hf_offload() -> list[str]:
+    rows = _rows("hf_offload.csv")
+    cells = {(r["layers"], r["batch"], r["context"], r["cache"], r["mode"]): r for r in rows}
+    body = []
+    for layers, batch, context in dict.fromkeys((r["layers"], r["batch"], r["context"]) for r in rows):
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["cache"] == "HostOffloadedCache"):
+            ours = cells.get((layers, batch, context, "HostOffloadedCache", mode))
+            if ours is None:
+                continue
+            static = cells.get((layers, batch, context, "static", mode), {})
+            offload = max(
+                (
+                    float(r["decode_tok_s"])
+                    for k, r in cells.items()
+                    if k[:3] == (layers, batch, context) and k[3].startswith("offloaded")
+                ),
+                default=None,
+            )
+            body.append(
+                [f"{layers} x {batch} x {int(context) // 1024}k", mode, _f(static.get("decode_tok_s"), 0),
+                 "-" if offload is None else f"{offload:.0f}", _f(ours["decode_tok_s"], 0),
+                 _f(ours["vs_best_transformers_offload"]), _f(ours["step_ms"]),
+                 f"{_f(ours['floor_ms'])} / {_f(ours['copies_ms'])}", _f(ours["step_vs_target"]),
+                 f"{float(ours['kv_gpu_saved_mib']):.0f}"]
+            )  # fmt: skip
+    head = [
+        "layers x batch x context", "mode", "static tok/s", "best transformers offload tok/s",
+        "HostOffloadedCache tok/s", "vs offload", "step ms", "floor / copies ms", "step / target", "GPU MiB saved",
+    ]  # fmt: skip
+    return [
+        "### transformers `generate()` with `HostOffloadedCache`: `benchmarks/hf_offload.py`",
+        "A random-weight Llama at Llama-3-8B widths, bf16, greedy, sdpa attention, decode tokens/s against "
+        "transformers' on-GPU `static` cache and the better of its `offloaded` and `offloaded_static` caches (eager: "
+        "neither keeps CUDA graphs). Floor: the bytes HostOffloadedCache streams per step at the same run's pinned "
+        "memcpy rate; copies: those copies alone; target: max(floor, static's step in the same mode). "
+        f"Results: {_links('hf_offload')}.",
+        "",
+        *_table(head, "llrrrrrrrr", body),
+    ]
+
+
 def section() -> str:
     """README's Performance section, from benchmarks/results/."""
     parts = [
@@ -333,7 +374,7 @@ def section() -> str:
         "runs them all, with the `gpu` tests and `compute-sanitizer` (its header says how to narrow it); "
         "`python benchmarks/report.py` rewrites this section from `benchmarks/results/`.",
     ]
-    for make in (block_copy, engine, host_cost, layerwise, ple_latency, decode_loop, gemma3n):
+    for make in (block_copy, engine, host_cost, layerwise, ple_latency, decode_loop, gemma3n, hf_offload):
         parts += ["", *make()]
     return "\n".join(parts) + "\n"
 

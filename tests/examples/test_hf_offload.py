@@ -24,9 +24,22 @@ def test_generate_with_the_host_offloaded_cache_gives_the_static_caches_tokens(m
     result = run(["--mode", mode])
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-4000:]}"
-    assert out.splitlines()[0] == f"hf offload on cpu: Llama tiny, 5 layers, batch 2, prompt 12, 6 new tokens, {mode}"
+    assert (
+        out.splitlines()[0]
+        == f"hf offload on cpu: Llama tiny, 5 layers, batch 2, prompt 12, 6 new tokens, {mode}, eager attention"
+    )
     assert "(3 slots of 5)" in out, out
     assert out.splitlines()[-1] == "hf offload: tokens match (12 tokens)", out
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_at_8b_widths_generate_with_the_host_offloaded_cache_gives_the_static_caches_tokens():
+    """The example's CUDA defaults: 8 layers of Llama-3-8B, batch 4, a 4096-token prompt, 32 new tokens."""
+    result = run([])
+    out = result.stdout
+    assert result.returncode == 0, f"{out}\n{result.stderr[-4000:]}"
+    assert out.splitlines()[0].startswith("hf offload on cuda: Llama 8b, 8 layers, batch 4, prompt 4096"), out
+    assert out.splitlines()[-1] == "hf offload: tokens match (128 tokens)", out
 
 
 def test_a_bad_mode_is_refused_by_name():
