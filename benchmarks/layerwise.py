@@ -20,6 +20,8 @@ Per block count, from the host call to the end of the step (``torch.cuda.synchro
 * ``layerwise``: ``LayerwiseLoads.start`` then the step with waits;
 * ``hidden``: ``(load_then_step - layerwise) / (load_then_step - compute)``, the fraction of the
   load's time that the step hid; at most ``compute / load`` (``hideable``) when the load is longer;
+* ``step_vs_target``: ``layerwise / max(compute, layerwise_copies)``, 1.0 where the step takes no
+  longer than the slower of its two halves; ``picked``: what ``copies="auto"`` moved the load with;
 * ``start_us``: host time inside ``start``, and ``pipelined``: the layer-wise step in a loop of back-to-back steps with
   no host sync between them, where each ``start`` is issued while the previous step runs.
 
@@ -31,7 +33,7 @@ weights. Every layer-wise step's output is checked bitwise against load-then-ste
 Writes layerwise.csv, layerwise.md (also printed) and layerwise.png to --out. Needs a CUDA device.
 Exits non-zero if a layer-wise step's output differs from load-then-step's.
 
-Usage: python benchmarks/layerwise.py --out DIR [--blocks 16,64] [--copies kernel,dma,staged]
+Usage: python benchmarks/layerwise.py --out DIR [--blocks 16,64] [--copies kernel,dma,staged,auto]
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ COLUMNS = [
     "blocks",
     "hosts",
     "copies",
+    "picked",
     "mib",
     "compute_us",
     "load_us",
@@ -71,6 +74,7 @@ COLUMNS = [
     "pipelined_us",
     "hidden",
     "hideable",
+    "step_vs_target",
     "start_us",
     "queued_start_us",
     "load_gbps",
@@ -289,6 +293,7 @@ def measure(args) -> tuple[list[dict], dict]:
         want = waiting[first].out.clone()
         for c in mechanisms:
             lw, step, layerwise = loads[c], waiting[c], layerwise_of(c)
+            before = dict(lw.starts)
             t_copies = timed(lambda h=host_ids, g=gpu_ids, lw=lw: (lw.start(h, g), engine.flush()), args.reps)
             t_lw = t[c]
             layerwise()
@@ -315,12 +320,14 @@ def measure(args) -> tuple[list[dict], dict]:
             torch.cuda.synchronize()
             t_pipe = (time.perf_counter() - t0) * 1e6 / args.reps
             engine.flush()
+            picked = "+".join(k for k, v in lw.starts.items() if v > before[k])  # auto's pick, or c itself
             hidden = (t_lts - t_lw) / (t_lts - alone) if t_lts > alone else float("nan")
             rows.append(
                 dict(
                     blocks=n,
                     hosts=hosts,
                     copies=c,
+                    picked=picked,
                     mib=n * block_bytes / 2**20,
                     compute_us=alone,
                     load_us=t_load,
@@ -329,6 +336,7 @@ def measure(args) -> tuple[list[dict], dict]:
                     pipelined_us=t_pipe,
                     hidden=hidden,
                     hideable=min(1.0, alone / t_load),
+                    step_vs_target=t_lw / max(alone, t_copies),
                     start_us=statistics.median(starts),
                     queued_start_us=statistics.median(queued_starts),
                     load_gbps=n * block_bytes / t_load / 1e3,
@@ -345,6 +353,11 @@ def measure(args) -> tuple[list[dict], dict]:
         lw.close()
     engine.close()
     return rows, once
+
+
+def copies(row: dict) -> str:
+    """The copies cell: the mechanism, and what auto picked."""
+    return f"auto ({row['picked']})" if row["copies"] == "auto" else row["copies"]
 
 
 def markdown(rows: list[dict], once: dict, args) -> str:
@@ -371,6 +384,7 @@ def markdown(rows: list[dict], once: dict, args) -> str:
             "layer-wise step (us):",
             "load hidden:",
             "at most:",
+            "step / max(step alone, copies alone):",
             "back-to-back step (us):",
             "host time in start, after a sync / back to back (us):",
             "bitwise",
@@ -378,10 +392,10 @@ def markdown(rows: list[dict], once: dict, args) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['blocks']} | {r['hosts']} | {r['copies']} | {r['compute_us']:.0f} | {r['load_us']:.0f}, {r['load_gbps']:.1f} "
+            f"| {r['blocks']} | {r['hosts']} | {copies(r)} | {r['compute_us']:.0f} | {r['load_us']:.0f}, {r['load_gbps']:.1f} "
             f"| {r['layerwise_copies_us']:.0f}, {r['layerwise_gbps']:.1f} "
             f"| {r['load_then_step_us']:.0f} | {r['layerwise_us']:.0f} "
-            f"| {r['hidden']:.2f} | {r['hideable']:.2f} | {r['pipelined_us']:.0f} | {r['start_us']:.0f} / {r['queued_start_us']:.0f} "
+            f"| {r['hidden']:.2f} | {r['hideable']:.2f} | {r['step_vs_target']:.2f} | {r['pipelined_us']:.0f} | {r['start_us']:.0f} / {r['queued_start_us']:.0f} "
             f"| {'yes' if r['bitwise'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
@@ -421,7 +435,7 @@ def main() -> int:
     p.add_argument("--mlp", type=int, default=14336, help="MLP width (default 14336)")
     p.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
     p.add_argument("--reps", type=int, default=7, help="repetitions per figure (default 7)")
-    p.add_argument("--copies", default="kernel,dma,staged", help="LayerwiseLoads mechanisms to measure")
+    p.add_argument("--copies", default="kernel,dma,staged,auto", help="LayerwiseLoads mechanisms to measure")
     p.add_argument("--hosts", default="random,run", help="host id patterns: random, and run (consecutive host blocks)")
     args = parse(p, cuda=True)
     rows, once = measure(args)

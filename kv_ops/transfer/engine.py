@@ -448,11 +448,14 @@ class OffloadEngine:
         (through the path's ``reported``) once the transfer is reported."""
         return self._events[Direction.LOAD]
 
-    def load_through(self, path: TransferPath, host_ids, gpu_ids, after=None, *, op: str, instead: str) -> int:
+    def load_through(self, path, host_ids, gpu_ids, after=None, *, op: str, instead: str) -> int:
         """One load issued on ``path`` and tracked as :meth:`load` tracks its own: the ids checked
         and taken in as :meth:`load` documents, ordered after ``after``, enqueued on ``path``
         (:class:`~kv_ops.transfer.paths.TransferPath`), reported by :meth:`poll` and counted in
-        ``path_counts[path.name]`` (a key the caller adds once). ``op`` names the caller in errors and
+        ``path_counts[path.name]`` (a key the caller adds once). ``path`` may instead be a function
+        of the checked :class:`~kv_ops.transfer.blocks.Blocks` that returns the path, for a caller
+        that picks its mechanism by the ids: a pick that differs from the last load's path is
+        ordered after that load, as every change of path is. ``op`` names the caller in errors and
         ``instead`` is the advice given when a CUDA-graph capture is refused. Returns the
         transfer id."""
         return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, path=path, op=op, instead=instead)
@@ -572,7 +575,10 @@ class OffloadEngine:
                 "a transfer cannot be captured into a CUDA graph",
                 instead,
             )
-        path = path or self._pick(blocks, *route)
+        if path is None:
+            path = self._pick(blocks, *route)
+        elif callable(path):  # load_through's pick by the ids
+            path = path(blocks)
         on_host = blocks.on_host
         if not on_host:
             self._refuse_gpu_ids(op, blocks, path)

@@ -4,7 +4,8 @@ captured step waits for layer by layer, so that layer i computes while layer i+1
 :meth:`LayerwiseLoads.start` issues every layer's copies on the engine's load stream, by
 ``copies=``: the zero-copy kernel as one CUDA graph per start (the default), one copy-engine
 descriptor per block and region (``"dma"``), or the copy engines into a GPU ring and a short
-scatter kernel per layer (``"staged"``, :mod:`kv_ops.transfer.layerwise_ring`). After a layer's
+scatter kernel per layer (``"staged"``, :mod:`kv_ops.transfer.layerwise_ring`), or one of the
+kernel and staged per start by the host ids' shape (``"auto"``, :func:`pick_copies`). After a layer's
 copies the start's generation is written to that layer's flag word on the GPU, and last the
 generation the step waits for (``wanted``) on the caller's current stream. ``wait_layer`` holds
 the step's stream until its layer's flag reaches ``wanted``: captured, a one-program kernel that
@@ -47,7 +48,19 @@ from . import dma, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
 from .ids import Pool
 
-COPIES = ("dma", "kernel", "staged")
+COPIES = ("auto", "dma", "kernel", "staged")
+
+# copies="auto": the staged copies for a start of at least this many blocks whose staged plan
+# costs the host at most STAGED_HOST_BUDGET_US, else the kernel. From benchmarks/layerwise.py on
+# the H200 (32 layers, 2 MiB blocks): with host ids in runs the staged start hid 2-5 ms more of
+# a 256-1024-block load than the kernel, spending 1.6-2.7 ms of host time; with random ids it
+# spent 6-37 ms issuing one descriptor per (block, layer), which the step waited for, and under
+# 256 blocks the kernel won either way. Host cost per piece of a layer (regions side by side in
+# a mirror row are one piece): about 1 us per descriptor, 4 us per 2-D copy of a run.
+STAGED_MIN_BLOCKS = 256
+STAGED_HOST_BUDGET_US = 2000.0
+_US_PER_DESCRIPTOR = 1.0
+_US_PER_2D_COPY = 4.0
 
 # How long a captured wait spins before it gives up and counts an error (kv_ops.error_count). A
 # backstop only: every start that returns has published every layer, so a wait ends once the
@@ -111,22 +124,47 @@ def _layer_groups(engine, layers) -> list[list[str]]:
     return groups
 
 
+def pick_copies(host_ids: np.ndarray, pieces: int) -> str:
+    """What ``copies="auto"`` moves a start of ``host_ids`` (int64) with: ``"staged"`` or ``"kernel"``.
+
+    ``pieces`` is the staged plan's pieces summed over the layers (a layer's regions that sit
+    side by side in a mirror row are one piece). Staged for a start of at least
+    :data:`STAGED_MIN_BLOCKS` blocks whose plan's host time, estimated from its runs of
+    consecutive host ids (a run of :data:`~kv_ops.transfer.layerwise_ring.RUN_2D` or more is one
+    2-D copy per piece, any other block one descriptor per piece), is within
+    :data:`STAGED_HOST_BUDGET_US`; the kernel otherwise. Pure: five numpy operations on the ids.
+    """
+    n = host_ids.size
+    if n < STAGED_MIN_BLOCKS:
+        return "kernel"
+    ends = np.flatnonzero(np.diff(host_ids) != 1)  # where a run ends, but for the last one
+    lengths = np.diff(ends, prepend=-1, append=n - 1)
+    long = lengths >= layerwise_ring.RUN_2D
+    in_runs = int(lengths[long].sum())
+    host_us = pieces * (_US_PER_2D_COPY * int(np.count_nonzero(long)) + _US_PER_DESCRIPTOR * (n - in_runs))
+    return "staged" if host_us <= STAGED_HOST_BUDGET_US else "kernel"
+
+
 class _LayerPath(EventPath):
-    """The engine path of a layer-wise load: per layer, its copies and their publication."""
+    """The engine path of a layer-wise load by one mechanism: per layer, its copies and their
+    publication. With ``copies="auto"`` there is one per mechanism, so that the engine orders a
+    start after the previous one whenever the mechanism changes: the staged scatters publish on
+    a stream of their own, and a kernel start's flag writes must not overtake them (a flag that
+    went back to an older generation would hold its wait until the timeout)."""
 
     name = "layerwise"
-    host_planned = frozenset({"gpu_ids", "host_ids"})  # either mechanism reads host arrays
+    host_planned = frozenset({"gpu_ids", "host_ids"})  # every mechanism reads host arrays
 
-    def __init__(self, loads: LayerwiseLoads):
-        self.loads = loads
+    def __init__(self, loads: LayerwiseLoads, copies: str):
+        self.loads, self.copies = loads, copies
         self._events = {Direction.LOAD: loads.engine.load_events}  # where its completion events come from, and go back
 
     @property
     def copy_engines(self) -> bool:
-        return self.loads.copies != "kernel"
+        return self.copies != "kernel"
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready)
+        return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready, self.copies)
 
 
 class LayerwiseLoads:
@@ -152,17 +190,18 @@ class LayerwiseLoads:
         The engine's region names of each layer, in the order the model visits them. By
         default one layer per cache tensor given to the engine (its one region, or its K and
         V regions).
-    copies : {"kernel", "staged", "dma"}
+    copies : {"kernel", "staged", "dma", "auto"}
         What moves the bytes on a GPU engine: the zero-copy kernel (``"kernel"``, the default:
         one graph launch per start, at most 8 SMs while it runs); the copy engines into a GPU
         ring, then a short scatter kernel per layer (``"staged"``: a 2-D copy per layer for a
         run of consecutive host ids, otherwise a descriptor per block and layer); or the copy
         engines straight into the cache (a descriptor per block and region, issued by
         ``start``: about 0.5-1 us of host time each). ``benchmarks/layerwise.py`` measures all
-        three. Choose ``"staged"`` for large loads (hundreds of blocks) whose host ids are in
-        runs, as a sequence stored in one piece: it hides more of such a load than the kernel.
+        three. ``"staged"`` hides more of a large load (hundreds of blocks) whose host ids are in
+        runs, as a sequence stored in one piece, than the kernel; ``"auto"`` picks between the
+        two per start by :func:`pick_copies`, from the host ids' runs (it builds both).
     ring_bytes : int
-        With ``copies="staged"``: GPU memory of the ring (128 MiB by default; no larger than
+        With ``copies="staged"`` or ``"auto"``: GPU memory of the ring (128 MiB by default; no larger than
         :data:`~kv_ops.transfer.layerwise_ring.SLOTS` slots of one layer's pieces of
         ``num_blocks`` blocks). A layer whose pieces of a start do not fit in one slot moves in
         chunks.
@@ -174,6 +213,8 @@ class LayerwiseLoads:
         How many times each layer's wait ran on the host: eager calls and captures (a replay
         runs none). What the CPU path has to show for a wait, and a check that a compiled step
         kept every wait.
+    starts : dict of str to int
+        Starts that moved blocks, per mechanism: with ``copies="auto"``, what it picked.
 
     Notes
     -----
@@ -231,11 +272,14 @@ class LayerwiseLoads:
         self._rows = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         self.device = engine.device
         self.copies = copies
-        self._path = _LayerPath(self)
-        engine.path_counts.setdefault(self._path.name, 0)
+        mechanisms = ("kernel", "staged") if copies == "auto" else (copies,)
+        self.starts = dict.fromkeys(mechanisms, 0)
+        self._paths = {c: _LayerPath(self, c) for c in mechanisms}
+        engine.path_counts.setdefault(_LayerPath.name, 0)
         self._staged = None
-        if copies == "staged":
+        if "staged" in mechanisms:
             self._staged = layerwise_ring.StagedLayers(self, ring_bytes)
+            self._pieces = sum(len(p) for p in self._staged.pieces)
         self._stream = None
         if self.device.type == "cuda":
             load_stream = engine.load_stream
@@ -258,7 +302,7 @@ class LayerwiseLoads:
             kernels.wait_landed(self._flags, 0, self._timeout_ns, errors)  # compiled outside any capture
             if copies == "dma":
                 self._launcher = dma.Launcher(load_stream)
-            elif copies == "kernel":
+            if "kernel" in mechanisms:
                 bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
                 capacity = engine.num_blocks  # a load's GPU ids are distinct
                 flags = self._flags
@@ -305,22 +349,28 @@ class LayerwiseLoads:
         if self.name not in _registry or _registry[self.name] is not self:
             self.engine.check_open("LayerwiseLoads.start")
             raise ValueError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
+        path = self._pick if self.copies == "auto" else self._paths[self.copies]
         return self.engine.load_through(
-            self._path, host_ids, gpu_ids, after, op="LayerwiseLoads.start", instead="start it before the replay"
+            path, host_ids, gpu_ids, after, op="LayerwiseLoads.start", instead="start it before the replay"
         )
 
-    def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready) -> torch.cuda.Event | None:
+    def _pick(self, blocks: Blocks) -> _LayerPath:
+        """copies="auto": the path of the mechanism :func:`pick_copies` picks for these ids."""
+        return self._paths[pick_copies(blocks.host_ids, self._pieces)]
+
+    def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready, copies: str) -> torch.cuda.Event | None:
         n = host.size
         if n == 0:
             return None  # nothing to wait for: the step's waits find the last start's layers landed
+        self.starts[copies] += 1
         if self._stream is None:
-            self._run_on_host(host, gpu)
+            self._run_on_host(host, gpu, copies)
             return None
         generation = self._issued = self._issued + 1
         with driver_context(self.device):
-            if self._staged is not None:
+            if copies == "staged":
                 done = self._staged.enqueue(host, gpu, ready, self._landed, generation, self.engine.load_events)
-            elif self.copies == "kernel":
+            elif copies == "kernel":
                 done = self._enqueue_kernels(host, gpu, ready, generation)
             else:
                 done = self._enqueue_dma(host, gpu, ready, generation)
@@ -331,9 +381,9 @@ class LayerwiseLoads:
         self._wanted = generation
         return done
 
-    def _run_on_host(self, host: np.ndarray, gpu: np.ndarray) -> None:
-        """A CPU engine: the same copies, at once."""
-        if self._staged is not None:
+    def _run_on_host(self, host: np.ndarray, gpu: np.ndarray, copies: str) -> None:
+        """A CPU engine: the same copies, at once (the kernel's and the DMA's are the same bytes)."""
+        if copies == "staged":
             self._staged.run_on_host(host, gpu)
             return
         for plan in self._dma_plans(host, gpu):
@@ -519,4 +569,4 @@ def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.
     return dep
 
 
-__all__ = ["LayerwiseLoads", "wait_layer", "lookup"]
+__all__ = ["LayerwiseLoads", "wait_layer", "lookup", "pick_copies"]

@@ -93,7 +93,10 @@ def test_layerwise_table_from_fake_rows():
         "Step: 4 layers of Llama-3-8B's matmuls (hidden 16, QKV, output, gated MLP 32), 8 tokens, bf16"
     )
     assert "1.500 on GPU time with the launch hidden" in lines[0]
-    assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1 | 1 / 3 | yes |"
+    assert lines[-1] == "| 16 | run | kernel | 1 | 1, 1.0 | 1, 1.0 | 1 | 1 | 1.00 | 1.00 | 1.00 | 1 | 1 / 3 | yes |"
+    auto = row | {"copies": "auto", "picked": "staged", "step_vs_target": 1.25}
+    assert layerwise.markdown([auto], once, args).splitlines()[-1].startswith("| 16 | run | auto (staged) | 1 |")
+    assert "| 1.00 | 1.25 | 1 | 1 / 3 | yes |" in layerwise.markdown([auto], once, args)
 
 
 @pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "ple_latency"])

@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 from layerwise_models import Reader, expected_reads, fill_mirror, make_caches
 
 import kv_ops
+from kv_ops.transfer import layerwise, layerwise_ring
+from kv_ops.transfer.layerwise import pick_copies
 
 gpu = pytest.mark.gpu
 
 
-COPIES = ["kernel", "dma", "staged"]
+COPIES = ["kernel", "dma", "staged", "auto"]
 
 
 def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", seed=0, copies="kernel", **kw):
@@ -28,7 +30,7 @@ def make(device, num_layers=3, num_blocks=16, capacity_blocks=24, name="lw", see
 
 @pytest.fixture(params=COPIES)
 def cpu_setup(request):
-    # Every mechanism, so that each refusal and each lifecycle rule holds for all three.
+    # Every mechanism, so that each refusal and each lifecycle rule holds for each.
     engine, loads, model = make("cpu", copies=request.param)
     yield engine, loads, model
     loads.close()
@@ -128,7 +130,7 @@ def test_a_name_is_taken_until_close_and_a_closed_instance_refuses_to_start(cpu_
 @pytest.mark.parametrize("copies", ["DMA", None, "ring"])
 def test_an_unknown_copy_mechanism_is_refused(cpu_setup, copies):
     engine, _, _ = cpu_setup
-    with pytest.raises(ValueError, match=r"copies must be one of 'dma', 'kernel', 'staged', got"):
+    with pytest.raises(ValueError, match=r"copies must be one of 'auto', 'dma', 'kernel', 'staged', got"):
         kv_ops.LayerwiseLoads(engine, "copies", copies=copies)
 
 
@@ -256,6 +258,75 @@ def test_any_layer_count_block_count_and_layout_reads_the_mirrors_rows(
         engine.close()
 
 
+# --- copies="auto" ------------------------------------------------------------------------------
+
+
+def runs_of(lengths, gap=3, start=0):
+    """Host ids in runs of the given lengths, each run ``gap`` ids after the last."""
+    ids, at = [], start
+    for n in lengths:
+        ids += range(at, at + n)
+        at += n + gap
+    return np.array(ids, dtype=np.int64)
+
+
+def test_pick_copies_takes_the_kernel_under_the_minimum_whatever_the_ids():
+    n = layerwise.STAGED_MIN_BLOCKS - 1
+    assert pick_copies(runs_of([n]), pieces=1) == "kernel"
+    assert pick_copies(np.arange(0), pieces=1) == "kernel"
+
+
+def test_pick_copies_takes_the_staged_copies_for_a_large_run_and_the_kernel_for_random_ids():
+    n = layerwise.STAGED_MIN_BLOCKS
+    assert pick_copies(runs_of([n]), pieces=32) == "staged"
+    assert pick_copies(runs_of([4 * n]), pieces=32) == "staged"
+    random = np.random.default_rng(1).permutation(4 * n).astype(np.int64)
+    assert pick_copies(random, pieces=32) == "kernel"  # 32 layers of one piece each
+
+
+def test_pick_copies_estimates_the_staged_host_time_from_the_runs_and_the_pieces():
+    budget = layerwise.STAGED_HOST_BUDGET_US
+    # Runs of RUN_2D or more are one 2-D copy per piece each: the pick turns at the budget.
+    runs, long = int(budget // layerwise._US_PER_2D_COPY), layerwise_ring.RUN_2D
+    assert pick_copies(runs_of([long] * runs), pieces=1) == "staged"
+    assert pick_copies(runs_of([long] * (runs + 1)), pieces=1) == "kernel"
+    assert pick_copies(runs_of([long] * (runs // 2)), pieces=2) == "staged"
+    assert pick_copies(runs_of([long] * (runs // 2 + 1)), pieces=2) == "kernel"
+    # Runs one shorter are a descriptor per block and piece.
+    blocks, short = int(budget // layerwise._US_PER_DESCRIPTOR), long - 1
+    assert pick_copies(runs_of([short] * (blocks // short)), pieces=1) == "staged"
+    assert pick_copies(runs_of([short] * (blocks // short + 1)), pieces=1) == "kernel"
+
+
+def test_auto_on_the_cpu_moves_each_start_by_its_pick_and_every_layer_reads_the_mirror():
+    n = layerwise.STAGED_MIN_BLOCKS
+    # 12 layers: a random start of n blocks is 12 x n descriptors, past the staged host budget.
+    engine, loads, model = make(
+        "cpu", num_layers=12, num_blocks=n + 8, capacity_blocks=2 * n, name="lw-auto", copies="auto"
+    )
+    try:
+        gen = torch.Generator().manual_seed(5)
+        read_ids = torch.arange(n + 8)
+        for host_ids, picked in (
+            (list(range(7, 7 + n)), "staged"),
+            (torch.randperm(2 * n, generator=gen)[:n].tolist(), "kernel"),
+            (list(range(n, 2 * n)), "staged"),
+            (torch.randperm(2 * n, generator=gen)[:16].tolist(), "kernel"),
+        ):
+            gpu_ids = torch.randperm(n + 8, generator=gen)[: len(host_ids)].tolist()
+            want = expected_reads(engine, model, host_ids, gpu_ids, read_ids)
+            before = dict(loads.starts)
+            loads.start(host_ids, gpu_ids)
+            assert loads.starts[picked] == before[picked] + 1, picked
+            _, reads = model(torch.randn(1, 32), read_ids)
+            assert_reads(reads, want)
+        assert loads.starts == {"kernel": 2, "staged": 2}
+        assert engine.path_counts["layerwise"] == 4
+    finally:
+        loads.close()
+        engine.close()
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 
@@ -331,6 +402,52 @@ def test_gpu_a_dma_start_whose_copy_call_fails_raises_and_the_next_start_loads()
         _, reads = model(torch.randn(2, 32, device="cuda"), read_ids)
         assert_reads(reads, want)
         assert engine.flush().loads == [later]
+    finally:
+        loads.close()
+        engine.close()
+
+
+@gpu
+def test_gpu_auto_orders_a_start_after_the_last_one_when_its_pick_changes(monkeypatch):
+    # Staged, kernel, staged, kernel starts, each staged one held back behind a GPU sleep and the
+    # kernel one after it free to start at once, into some of the same GPU blocks. The staged
+    # copies into the ring run at once (4 layers: every (layer, chunk) has a slot of its own),
+    # only its scatters wait, and they publish on a stream of their own: just the engine's
+    # ordering on a change of path keeps the kernel start's bytes and flags from landing first,
+    # where the staged scatters would then overwrite them and set each layer's flag back (its
+    # captured wait would give up and count an error).
+    monkeypatch.setattr(layerwise, "WAIT_TIMEOUT_S", 2.0)  # read when the instance is made
+    n = layerwise.STAGED_MIN_BLOCKS
+    engine, loads, model = make(
+        "cuda", num_layers=4, num_blocks=n + 8, capacity_blocks=3 * n, name="lw-auto-order", copies="auto"
+    )
+    try:
+        h = torch.randn(2, 32, device="cuda")
+        waits = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(waits):
+            for i, cache in enumerate(model.caches()):
+                kv_ops.wait_layer(h, loads.name, i, [cache])
+        gen = torch.Generator().manual_seed(7)
+        gpu_ids = torch.randperm(n + 8, generator=gen)[:n].tolist()
+        runs = [list(range(n)), list(range(2 * n, 3 * n))]  # staged: n blocks in one run
+        few = [torch.randperm(3 * n, generator=gen)[:16].tolist() for _ in range(2)]  # kernel: too few for staged
+        read_ids = torch.tensor(gpu_ids[:16], device="cuda")
+        want = expected_reads(engine, model, few[1], gpu_ids[:16], read_ids)
+        busy, idle = torch.cuda.Stream(), torch.cuda.Stream()
+        before = kv_ops.error_count("cuda")
+        for held, free in zip(runs, few):
+            with torch.cuda.stream(busy):
+                torch.cuda._sleep(100_000_000)
+            loads.start(held, gpu_ids, after=busy)
+            loads.start(free, gpu_ids[:16], after=idle)
+        waits.replay()
+        torch.cuda.synchronize()
+        # Before any eager wait, which has no timeout.
+        assert kv_ops.error_count("cuda") == before, "a layer's flag went back: a wait gave up"
+        assert loads.starts == {"kernel": 2, "staged": 2}
+        _, reads = model(torch.randn(2, 32, device="cuda"), read_ids)
+        assert_reads(reads, want)
+        assert len(engine.flush().loads) == 4
     finally:
         loads.close()
         engine.close()

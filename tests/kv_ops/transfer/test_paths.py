@@ -642,7 +642,7 @@ def test_real_paths_built_on_the_cpu_satisfy_the_protocol_and_a_partial_one_does
         for path in engine.paths.values():
             assert isinstance(path, paths.TransferPath), type(path).__name__
         with kv_ops.LayerwiseLoads(engine, "protocol") as loads:
-            assert isinstance(layerwise._LayerPath(loads), paths.TransferPath)
+            assert isinstance(layerwise._LayerPath(loads, "kernel"), paths.TransferPath)
     with kv_ops.OffloadEngine(caches, 8, capacity_bytes=16 * 4096, disk_dir=str(tmp_path), page_cache=True) as disk:
         assert isinstance(disk.paths["disk"], paths.TransferPath)
 
