@@ -205,13 +205,19 @@ def wait_node_cost(engine, layers: list[torch.Tensor], loads, reps: int = 30) ->
     }
 
 
-def measure(args) -> tuple[list[dict], dict]:
+def make_cache(args) -> tuple[list[int], dict[str, torch.Tensor], int]:
+    """The block counts, Llama-3-8B's per-layer caches with twice the largest count of GPU blocks,
+    and a block's bytes over every layer."""
     counts = [int(b) for b in args.blocks.split(",")]
+    shape = (2, 2 * max(counts), BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+    caches = {f"layer{i}": torch.randn(shape, device="cuda").bfloat16() for i in range(args.layers)}
+    return counts, caches, 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2 * args.layers
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    counts, caches, block_bytes = make_cache(args)
     most = max(counts)
     gpu_blocks = 2 * most
-    shape = (2, gpu_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
-    caches = {f"layer{i}": torch.randn(shape, device="cuda").bfloat16() for i in range(args.layers)}
-    block_bytes = 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2 * args.layers
     # path="auto": load-then-step gets the engine's best path for its size (staged, for these).
     engine = kv_ops.OffloadEngine(caches, gpu_blocks, capacity_bytes=most * block_bytes)
     # Random mirror rows, written from the GPU (a CPU RNG over GiBs would take longer than the run).
@@ -427,16 +433,22 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def main() -> int:
-    p = parser(__doc__)
+def add_step_arguments(p, blocks: str, reps: int) -> None:
+    """The step's shape, the block counts and host-id patterns, and the repetitions: the arguments
+    this script and ``layerwise_parts.py`` share."""
     p.add_argument("--layers", type=int, default=32, help="layers of the step (default 32)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the step (default 2048)")
     p.add_argument("--hidden", type=int, default=4096, help="hidden width (default 4096)")
     p.add_argument("--mlp", type=int, default=14336, help="MLP width (default 14336)")
-    p.add_argument("--blocks", default="16,64,256,512,1024", help="comma-separated block counts")
-    p.add_argument("--reps", type=int, default=7, help="repetitions per figure (default 7)")
-    p.add_argument("--copies", default="kernel,dma,staged,auto", help="LayerwiseLoads mechanisms to measure")
+    p.add_argument("--blocks", default=blocks, help=f"comma-separated block counts (default {blocks})")
+    p.add_argument("--reps", type=int, default=reps, help=f"repetitions per figure (default {reps})")
     p.add_argument("--hosts", default="random,run", help="host id patterns: random, and run (consecutive host blocks)")
+
+
+def main() -> int:
+    p = parser(__doc__)
+    add_step_arguments(p, "16,64,256,512,1024", 7)
+    p.add_argument("--copies", default="kernel,dma,staged,auto", help="LayerwiseLoads mechanisms to measure")
     args = parse(p, cuda=True)
     rows, once = measure(args)
     save(args.out, "layerwise", rows, COLUMNS, table=markdown(rows, once, args), plot=plot, digits=4)

@@ -99,7 +99,31 @@ def test_layerwise_table_from_fake_rows():
     assert "| 1.00 | 1.25 | 1 | 1 / 3 | yes |" in layerwise.markdown([auto], once, args)
 
 
-@pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "ple_latency"])
+def test_layerwise_parts_table_from_fake_rows():
+    parts = importlib.import_module("layerwise_parts")
+    rows = [
+        {"blocks": 512, "hosts": "random", "case": "step", "copy_ms": float("nan"), "step_ms": 36.5, "vs_target": 1.0},
+        {
+            "blocks": 512,
+            "hosts": "random",
+            "case": "layer-wise step",
+            "copy_ms": 21.0,
+            "step_ms": 44.8,
+            "vs_target": 1.2274,
+        },
+    ]
+    lines = parts.markdown(rows).splitlines()
+    assert lines[4] == "| blocks (2 MiB) | host ids | case | copies end (ms) | step end (ms) | vs target |"
+    assert lines[-2:] == [
+        "| 512 | random | step | - | 36.50 | 1.00 |",
+        "| 512 | random | layer-wise step | 21.00 | 44.80 | 1.23 |",
+    ]
+    assert list(parts.CASES) == [
+        "step", "copies", "one launch", "copies beside step", "one launch beside step", "layer-wise step"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "layerwise_parts", "ple_latency"])
 def test_every_script_writes_and_plots_through_report(script):
     # Directly or through common.save: no script has a CSV writer or a figure of its own.
     module = importlib.import_module(script)

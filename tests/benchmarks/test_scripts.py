@@ -29,6 +29,7 @@ GPU_ONLY = [
     "benchmarks/engine.py",
     "benchmarks/hf_offload.py",
     "benchmarks/layerwise.py",
+    "benchmarks/layerwise_parts.py",
     "benchmarks/ple_latency.py",
 ]
 
