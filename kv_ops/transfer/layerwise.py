@@ -52,10 +52,10 @@ COPIES = ("auto", "dma", "kernel", "staged")
 
 # copies="auto": the staged copies for a start of at least this many blocks whose staged plan
 # costs the host at most STAGED_HOST_BUDGET_US, else the kernel. From benchmarks/layerwise.py on
-# the H200 (32 layers, 2 MiB blocks): with host ids in runs the staged start hid 2-5 ms more of
-# a 256-1024-block load than the kernel, spending 1.6-2.7 ms of host time; with random ids it
-# spent 6-37 ms issuing one descriptor per (block, layer), which the step waited for, and under
-# 256 blocks the kernel won either way. Host cost per piece of a layer (regions side by side in
+# the H200 (32 layers, 2 MiB blocks): with host ids in runs the staged layer-wise step took
+# 2.4-11 ms less than the kernel's at 256-1024 blocks, spending 1-2 ms of host time in start;
+# with random ids it spent 5-45 ms issuing one descriptor per (block, layer), which the step
+# waited for, and under 256 blocks the kernel won either way. Host cost per piece of a layer (regions side by side in
 # a mirror row are one piece): about 1 us per descriptor, 4 us per 2-D copy of a run.
 STAGED_MIN_BLOCKS = 256
 STAGED_HOST_BUDGET_US = 2000.0
