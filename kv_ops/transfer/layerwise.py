@@ -124,16 +124,18 @@ def _layer_groups(engine, layers) -> list[list[str]]:
     return groups
 
 
-def pick_copies(host_ids: np.ndarray, pieces: int) -> str:
-    """What ``copies="auto"`` moves a start of ``host_ids`` (int64) with: ``"staged"`` or ``"kernel"``.
+def pick_copies(host_ids, pieces: int) -> str:
+    """What ``copies="auto"`` moves a start of ``host_ids`` with: ``"staged"`` or ``"kernel"``.
 
     ``pieces`` is the staged plan's pieces summed over the layers (a layer's regions that sit
     side by side in a mirror row are one piece). Staged for a start of at least
     :data:`STAGED_MIN_BLOCKS` blocks whose plan's host time, estimated from its runs of
     consecutive host ids (a run of :data:`~kv_ops.transfer.layerwise_ring.RUN_2D` or more is one
     2-D copy per piece, any other block one descriptor per piece), is within
-    :data:`STAGED_HOST_BUDGET_US`; the kernel otherwise. Pure: five numpy operations on the ids.
+    :data:`STAGED_HOST_BUDGET_US`; the kernel otherwise. Pure: five numpy operations on the ids
+    (any 1-D integer sequence; the engine passes its checked int64 array).
     """
+    host_ids = np.asarray(host_ids, dtype=np.int64)  # no copy of the engine's checked int64 ids
     n = host_ids.size
     if n < STAGED_MIN_BLOCKS:
         return "kernel"

@@ -279,6 +279,7 @@ def test_pick_copies_takes_the_kernel_under_the_minimum_whatever_the_ids():
 def test_pick_copies_takes_the_staged_copies_for_a_large_run_and_the_kernel_for_random_ids():
     n = layerwise.STAGED_MIN_BLOCKS
     assert pick_copies(runs_of([n]), pieces=32) == "staged"
+    assert pick_copies(list(range(5, 5 + n)), pieces=32) == "staged"  # a list, as a user may pass
     assert pick_copies(runs_of([4 * n]), pieces=32) == "staged"
     random = np.random.default_rng(1).permutation(4 * n).astype(np.int64)
     assert pick_copies(random, pieces=32) == "kernel"  # 32 layers of one piece each
