@@ -3,8 +3,8 @@
 One process, one random-weight Llama at Llama-3-8B widths per layer count, greedy decoding from a
 random prompt; per shape, side by side: transformers' on-GPU ``static`` cache, its ``offloaded``
 and ``offloaded_static`` caches (eager: neither keeps CUDA graphs), and ``HostOffloadedCache``,
-eager at every shape and with CUDA graphs (``mode="reduce-overhead"``, ``static`` likewise) at the
-``--graph-shapes``. Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a
+eager at every shape, and at the ``--graph-shapes`` also compiled (``fullgraph=True``) and with
+CUDA graphs (``mode="reduce-overhead"``), ``static`` likewise. Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a
 generate of one (the prefill taken out), best of ``--reps``.
 
 Floors, from the same run's pinned host-to-GPU memcpy rate: ``floor`` is the bytes
@@ -123,7 +123,7 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
     def ours():
         return HostOffloadedCache(config=cfg, max_cache_len=context)
 
-    modes = ["eager", "cudagraphs"] if graphs else ["eager"]
+    modes = ["eager", "compiled", "cudagraphs"] if graphs else ["eager"]
     runs = [("static", m, static) for m in modes]
     runs += [("offloaded", "transformers:offloaded", None), ("offloaded_static", "transformers:offloaded_static", None)]
     runs += [("HostOffloadedCache", m, ours) for m in modes]
@@ -224,7 +224,9 @@ def main(argv=None) -> int:
         default="8x1x4096,8x4x4096,8x16x2048,8x4x16384,8x1x32768,32x4x4096",
         help="LAYERSxBATCHxCONTEXT, comma-separated: every cache eager, transformers' offloaded caches",
     )
-    p.add_argument("--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run with CUDA graphs")
+    p.add_argument(
+        "--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run compiled and with CUDA graphs"
+    )
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
