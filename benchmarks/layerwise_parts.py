@@ -29,6 +29,7 @@ Usage: python benchmarks/layerwise_parts.py --out DIR [--blocks 512,1024] [--hos
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -43,7 +44,6 @@ from layerwise import READS, Captured, PrefillStep, add_step_arguments, make_cac
 
 NAME = "benchmark-layerwise-parts"
 COVER_CYCLES = 8_000_000  # a queued sleep longer than any case's host issue (about 4 ms at 2 GHz)
-CASES = ["step", "copies", "one launch", "copies beside step", "one launch beside step", "layer-wise step"]
 COLUMNS = ["blocks", "hosts", "case", "copy_ms", "step_ms", "vs_target"]
 
 
@@ -61,16 +61,17 @@ def measure(args) -> list[dict]:
     read_ids = torch.zeros(READS, dtype=torch.int64, device="cuda")
     plain = Captured(PrefillStep(layers, args.hidden, args.mlp, None), h, read_ids)
     waiting = Captured(PrefillStep(layers, args.hidden, args.mlp, NAME, like=plain.model), h, read_ids)
-    # case -> (how the copies are issued, or None; the step replayed, or None)
+    # The copies: the call that issues them and the stream they end on.
+    graph, one = (loads.start, layered.load_stream), (single.load, single.load_stream)
+    # case -> (the copies, or None; the step replayed, or None)
     cases = {
         "step": (None, plain),
-        "copies": (loads.start, None),
-        "one launch": (single.load, None),
-        "copies beside step": (loads.start, plain),
-        "one launch beside step": (single.load, plain),
-        "layer-wise step": (loads.start, waiting),
+        "copies": (graph, None),
+        "one launch": (one, None),
+        "copies beside step": (graph, plain),
+        "one launch beside step": (one, plain),
+        "layer-wise step": (graph, waiting),
     }
-    streams = {loads.start: layered.load_stream, single.load: single.load_stream}
 
     def run(copy, step, host_ids, gpu_ids) -> tuple[float, float]:
         torch.cuda.synchronize()
@@ -79,9 +80,10 @@ def measure(args) -> list[dict]:
         begin.record()
         copied = stepped = None
         if copy is not None:
-            copy(host_ids, gpu_ids)  # ordered after begin: after the caller's stream so far
+            issue, stream = copy
+            issue(host_ids, gpu_ids)  # ordered after begin: after the caller's stream so far
             copied = torch.cuda.Event(enable_timing=True)
-            copied.record(streams[copy])
+            copied.record(stream)
         if step is not None:
             step.replay()
             stepped = torch.cuda.Event(enable_timing=True)
@@ -104,7 +106,7 @@ def measure(args) -> list[dict]:
             med = {case: tuple(statistics.median(t[i] for t in got[1:]) for i in (0, 1)) for case, got in times.items()}
             target = max(med["step"][1], med["copies"][0])
             for case, (copy_ms, step_ms) in med.items():
-                ends = [t for t in (copy_ms, step_ms) if t == t]  # the case's ends, NaN left out
+                ends = [t for t in (copy_ms, step_ms) if not math.isnan(t)]  # the case's ends
                 rows.append(
                     dict(
                         blocks=n, hosts=hosts, case=case, copy_ms=copy_ms, step_ms=step_ms, vs_target=max(ends) / target
