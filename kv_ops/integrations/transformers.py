@@ -1,9 +1,10 @@
 """HostOffloadedCache: a transformers ``Cache`` whose full-attention K and V live in page-locked host memory.
 
-The GPU holds three layer slots. The first full-attention layer keeps its own slot for good;
-every other full-attention layer is streamed into one of two rotating slots by the copy engines
-while the layer before it computes (``torch.ops.kv_ops.prefetch_layer`` on a load stream of its
-own, ``torch.ops.kv_ops.wait_prefetch`` before the layer reads it). A step's new tokens go to the
+The GPU holds ``lookahead + 2`` layer slots. The first full-attention layer keeps its own slot
+for good; every other full-attention layer is streamed into one of ``lookahead + 1`` rotating
+slots by the copy engines, ``lookahead`` layers ahead of the layer that computes
+(``torch.ops.kv_ops.prefetch_layer`` on a load stream of its own, ``torch.ops.kv_ops.wait_prefetch``
+before the layer reads it). A step's new tokens go to the
 slot and, through a zero-copy view, to the host copy: the rest is never copied back.
 Sliding-window layers stay on the GPU as transformers' own static layers, as its
 ``offload_only_non_sliding`` does. The ops carry the cache's name, never an address, so the cache
@@ -51,12 +52,18 @@ def _lookup(name: str) -> _Offload:
 class _Offload:
     """The live state behind one cache's ops: host copies, slots, the load stream and its events."""
 
-    def __init__(self, name: str, offloaded: list[int]):
+    def __init__(self, name: str, offloaded: list[int], lookahead: int):
         self.name = name
         self.offloaded = offloaded  # model layer indices of the full-attention layers, in order
-        # The first full-attention layer keeps slot 0; the others alternate between slots 1 and 2,
-        # so a layer's prefetch overwrites the slot of the layer two before it, which has been read.
-        self.slot = {layer: 0 if k == 0 else 1 + (k - 1) % 2 for k, layer in enumerate(offloaded)}
+        # The first full-attention layer keeps slot 0; the others rotate through slots
+        # 1..lookahead+1. Layer k issues the prefetch of layer k+lookahead (the first one issues
+        # layers 1..lookahead), into the slot of layer k-1: its reads are already enqueued on the
+        # compute stream, the event recorded at layer k's update follows them.
+        ring = lookahead + 1
+        self.slot = {layer: 0 if k == 0 else 1 + (k - 1) % ring for k, layer in enumerate(offloaded)}
+        self.prefetches = {layer: offloaded[k + lookahead : k + lookahead + 1] for k, layer in enumerate(offloaded)}
+        self.prefetches[offloaded[0]] = offloaded[1 : 1 + lookahead]
+        self.num_slots = 1 + min(ring, len(offloaded) - 1)
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> page-locked (K, V)
         self.host_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # what the GPU writes through
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -86,7 +93,7 @@ class _Offload:
                 k, v = torch.zeros(k_shape, dtype=keys.dtype), torch.zeros(v_shape, dtype=values.dtype)
                 self.host_views[layer] = (k, v)
             self.host[layer] = (k, v)
-        for _ in range(min(3, len(self.offloaded))):
+        for _ in range(self.num_slots):
             k = torch.zeros(k_shape, dtype=keys.dtype, device=device)
             v = torch.zeros(v_shape, dtype=values.dtype, device=device)
             for t in (k, v):
@@ -164,9 +171,9 @@ register_op(
 class HostOffloadedLayer(StaticLayer):
     """One full-attention layer: its K and V in a GPU slot, streamed from page-locked host memory."""
 
-    def __init__(self, max_cache_len: int, state: _Offload, index: int, following: int | None, **kwargs):
+    def __init__(self, max_cache_len: int, state: _Offload, index: int, **kwargs):
         super().__init__(max_cache_len=max_cache_len)
-        self.state, self.index, self.following = state, index, following
+        self.state, self.index = state, index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         state = self.state
@@ -193,9 +200,9 @@ class HostOffloadedLayer(StaticLayer):
         state = self.state
         if self.index != state.offloaded[0]:
             torch.ops.kv_ops.wait_prefetch(self.keys, self.values, key_states, state.name, self.index)
-        if self.following is not None:
-            k, v = state.slots[state.slot[self.following]]
-            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, self.following)
+        for layer in state.prefetches[self.index]:
+            k, v = state.slots[state.slot[layer]]
+            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, layer)
         positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
@@ -212,9 +219,13 @@ class HostOffloadedLayer(StaticLayer):
 
 class HostOffloadedCache(Cache):
     """A ``transformers.Cache`` for ``model.generate(..., past_key_values=cache)`` that keeps the
-    full-attention layers' K and V in page-locked host memory and three layer slots on the GPU.
+    full-attention layers' K and V in page-locked host memory and ``lookahead + 2`` layer slots on
+    the GPU.
 
     Made like ``StaticCache``: ``HostOffloadedCache(config=model.config, max_cache_len=N)``.
+    ``lookahead`` (default 2) is how many full-attention layers ahead of the computing one the
+    copies run: one more slot per layer of lookahead buys the copy engines slack against a layer
+    that computes longer than its copy takes (the step's copies then run back to back).
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
     :meth:`reset` before reusing it for another prompt, as with ``StaticCache``.
@@ -225,7 +236,7 @@ class HostOffloadedCache(Cache):
     Raises
     ------
     ValueError
-        At construction: a bad ``max_cache_len`` or ``max_batch_size``, a model with no
+        At construction: a bad ``max_cache_len``, ``max_batch_size`` or ``lookahead``, a model with no
         full-attention layer, or a layer type other than full, sliding or chunked attention. At
         the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, or host memory the machine
@@ -238,9 +249,11 @@ class HostOffloadedCache(Cache):
         max_cache_len: int,
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
+        lookahead: int = 2,
         **kwargs,
     ):
         self.max_cache_len_ = arguments.positive_int("HostOffloadedCache", "max_cache_len", max_cache_len)
+        lookahead = arguments.positive_int("HostOffloadedCache", "lookahead", lookahead)
         self.max_batch_size_ = (
             None
             if max_batch_size is None
@@ -264,10 +277,9 @@ class HostOffloadedCache(Cache):
                 f"(layer types {sorted(set(layer_types))}); use transformers' StaticCache"
             )
         self.name = f"hf-cache-{next(_names)}"
-        self.state = _Offload(self.name, offloaded)
-        following = dict(zip(offloaded, offloaded[1:]))
+        self.state = _Offload(self.name, offloaded, lookahead)
         layers = [
-            HostOffloadedLayer(self.max_cache_len_, self.state, i, following.get(i))
+            HostOffloadedLayer(self.max_cache_len_, self.state, i)
             if t == FULL
             else StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_, sliding_window=kw["sliding_window"])
             for i, (t, kw) in enumerate(zip(layer_types, per_layer, strict=True))

@@ -23,7 +23,7 @@ gpu = pytest.mark.gpu
 
 
 def llama(layers=5) -> LlamaConfig:
-    # Five full-attention layers: one keeps its slot, four rotate through two (odd and even reuse).
+    # Five full-attention layers: one keeps its slot, four rotate through lookahead + 1 (reused at 1 and 2).
     return LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -95,7 +95,7 @@ def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
     assert same(generate(model, ids, cache, gen()), want)
     full = [i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "HostOffloadedLayer"]
     assert full == cache.state.offloaded and len(full) >= 2
-    assert len(cache.state.slots) == min(3, len(full))  # the GPU holds the slots, the host the rest
+    assert len(cache.state.slots) == 1 + min(3, len(full) - 1)  # the GPU holds the slots, the host the rest
     assert set(cache.state.host) == set(full[1:])
 
 
@@ -132,6 +132,22 @@ def test_the_decode_steps_read_the_host_copy():
     assert not torch.equal(step, want)
 
 
+@pytest.mark.parametrize("lookahead", [1, 3, 4, 9])
+def test_every_lookahead_is_bitwise_the_static_caches(lookahead):
+    # 1 and 3 reuse rotating slots within a step; 4 gives each streamed layer a slot; 9 asks past the end.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = ids.shape[1] + NEW
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, lookahead=lookahead)
+    assert same(generate(model, ids, cache, gen()), want)
+    assert len(cache.state.slots) == 1 + min(lookahead + 1, 4)
+    # Each streamed layer is prefetched once per step, by a layer before it.
+    issued = [(k, layer) for k, first in enumerate(cache.state.offloaded) for layer in cache.state.prefetches[first]]
+    assert sorted(layer for _, layer in issued) == cache.state.offloaded[1:]
+    assert all(cache.state.offloaded.index(layer) > k for k, layer in issued)
+
+
 def test_reset_serves_a_second_prompt_like_a_fresh_cache():
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM)
@@ -146,11 +162,12 @@ def test_reset_serves_a_second_prompt_like_a_fresh_cache():
 def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
-    cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW)
-    generate(model, ids, cache, gen())
     layer = 2 * 3 * cfg.num_key_value_heads * (ids.shape[1] + NEW) * cfg.head_dim * 4  # K and V, float32
-    assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
-    assert cache.gpu_bytes() == 3 * layer
+    for lookahead, slots in [(1, 3), (2, 4)]:
+        cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW, lookahead=lookahead)
+        generate(model, ids, cache, gen())
+        assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
+        assert cache.gpu_bytes() == slots * layer
 
 
 # --- what it refuses ------------------------------------------------------------------------------
@@ -162,6 +179,12 @@ def test_a_max_cache_len_that_is_not_a_positive_integer_is_refused(value):
         ValueError, match=f"HostOffloadedCache: max_cache_len must be a positive integer, got {value!r}"
     ):
         HostOffloadedCache(config=llama(), max_cache_len=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.0, False, None])
+def test_a_lookahead_that_is_not_a_positive_integer_is_refused(value):
+    with pytest.raises(ValueError, match=f"HostOffloadedCache: lookahead must be a positive integer, got {value!r}"):
+        HostOffloadedCache(config=llama(), max_cache_len=32, lookahead=value)
 
 
 def test_a_model_with_no_full_attention_layer_is_refused():
