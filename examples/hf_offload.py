@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     down, up = cache.bytes_per_step()
     print(
         f"KV on the GPU: static {static_bytes / 2**20:.1f} MiB, HostOffloadedCache {cache.gpu_bytes() / 2**20:.1f} MiB "
-        f"(3 slots of {layers}); per decode step {down / 2**20:.1f} MiB host to GPU, {up / 2**10:.1f} KiB per token back"
+        f"({len(cache.state.slots)} slots of {layers} layers); per decode step {down / 2**20:.1f} MiB host to GPU, {up / 2**10:.1f} KiB per token back"
     )
     if torch.equal(got.cpu(), want.cpu()):
         print(f"hf offload: tokens match ({got.numel()} tokens)")
