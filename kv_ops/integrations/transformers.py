@@ -52,18 +52,34 @@ def _lookup(name: str) -> _Offload:
 class _Offload:
     """The live state behind one cache's ops: host copies, slots, the load stream and its events."""
 
-    def __init__(self, name: str, offloaded: list[int], lookahead: int):
+    def __init__(self, name: str, offloaded: list[int], lookahead: int, across_steps: bool):
         self.name = name
         self.offloaded = offloaded  # model layer indices of the full-attention layers, in order
-        # The first full-attention layer keeps slot 0; the others rotate through slots
-        # 1..lookahead+1. Layer k issues the prefetch of layer k+lookahead (the first one issues
-        # layers 1..lookahead), into the slot of layer k-1: its reads are already enqueued on the
-        # compute stream, the event recorded at layer k's update follows them.
-        ring = lookahead + 1
-        self.slot = {layer: 0 if k == 0 else 1 + (k - 1) % ring for k, layer in enumerate(offloaded)}
+        streamed = offloaded[1:]
+        # Layer k's update issues the prefetch of layer k+lookahead (the first layer's, layers
+        # 1..lookahead), into a slot whose last reader (layer k-1 or before) is already enqueued
+        # on the compute stream: the event recorded at layer k's update follows it. Across steps,
+        # the last layer's update also issues the next step's first ``wrap`` layers, so that the
+        # copies run on through the step's tail (the last layer, lm_head, sampling, the host's
+        # work between steps); the first layer's update then skips them.
+        self.wrap = streamed[: max(0, min(lookahead, len(streamed) - 1))] if across_steps else []
+        # Slots: the first full-attention layer keeps slot 0; the others rotate through
+        # lookahead + 1 slots, so that any lookahead + 1 consecutive layers hold distinct ones.
+        # Across steps the last layer has a slot of its own: the next step's first layers go in
+        # while it is still to be read.
+        rotating = streamed[:-1] if self.wrap else streamed
+        ring = min(lookahead + 1, len(rotating))
+        self.slot = {offloaded[0]: 0} | {layer: 1 + k % ring for k, layer in enumerate(rotating)}
+        if self.wrap:
+            self.slot[streamed[-1]] = 1 + ring
+        self.num_slots = 1 + ring + bool(self.wrap)
         self.prefetches = {layer: offloaded[k + lookahead : k + lookahead + 1] for k, layer in enumerate(offloaded)}
-        self.prefetches[offloaded[0]] = offloaded[1 : 1 + lookahead]
-        self.num_slots = 1 + min(ring, len(offloaded) - 1)
+        self.prefetches[offloaded[0]] = streamed[:lookahead]
+        self.ahead: set[int] = set()  # layers the last step's tail prefetched for the coming one
+        # Set once any step of this cache is compiled or captured: a replay, which runs no Python,
+        # may follow any later step, and its first layer loads its own; so no more wraps.
+        self.graphed = False
+        self.wrapped: torch.cuda.Event | None = None  # recorded after each wrap's copies
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> page-locked (K, V)
         self.host_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # what the GPU writes through
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -107,31 +123,61 @@ class _Offload:
             self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
             self.free = {layer: torch.cuda.Event() for layer in streamed}
             self.loaded = {layer: torch.cuda.Event() for layer in streamed}
+            # External: a captured wait on it is a wait node that, at each replay, waits for its
+            # last record (an internal one would refer to a record inside the capture).
+            self.wrapped = torch.cuda.Event(external=True)
 
     def reset(self) -> None:
+        if self.stream is not None:
+            # A wrap's copies may still be landing in the slots that are zeroed here.
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self.ahead.clear()
         for k, v in [*self.host.values(), *self.slots]:
             k.zero_()
             v.zero_()
+
+    def issue(self, layer: int, next_step: bool, compiled: bool, device: torch.device) -> bool:
+        """Whether this call of ``prefetch_layer`` copies ``layer`` now (and the bookkeeping)."""
+        captured = capturing(device)
+        if compiled or captured:
+            self.graphed = True
+        if next_step:
+            if self.graphed:
+                return False  # a captured step must join its load stream inside itself
+            self.ahead.add(layer)
+            return True
+        if layer not in self.ahead:
+            return True
+        self.ahead.discard(layer)
+        if captured and self.wrapped is not None:
+            # The eager wrap's copy into this slot must land before the graph's own copy and the
+            # step's new tokens do, at every replay: order the graph after it.
+            torch.cuda.current_stream(device).wait_event(self.wrapped)
+        return compiled or captured  # eagerly, the step before issued it
 
 
 # --- prefetch_layer / wait_prefetch ---------------------------------------------------------------
 
 
-def _fake(slot_k, slot_v, dep, name, layer):
+def _fake(slot_k, slot_v, dep, name, layer, *flags):
     torch._check(layer >= 0, lambda: f"kv_ops.prefetch_layer: layer must be >= 0, got {layer}")
 
 
-def _prefetch_cpu(slot_k, slot_v, dep, name, layer) -> None:
-    k, v = _lookup(name).host[layer]
-    slot_k.copy_(k)
-    slot_v.copy_(v)
-
-
-def _prefetch_cuda(slot_k, slot_v, dep, name, layer) -> None:
+def _prefetch_cpu(slot_k, slot_v, dep, name, layer, next_step, compiled) -> None:
     state = _lookup(name)
+    if state.issue(layer, next_step, compiled, slot_k.device):
+        k, v = state.host[layer]
+        slot_k.copy_(k)
+        slot_v.copy_(v)
+
+
+def _prefetch_cuda(slot_k, slot_v, dep, name, layer, next_step, compiled) -> None:
+    state = _lookup(name)
+    if not state.issue(layer, next_step, compiled, slot_k.device):
+        return
     k, v = state.host[layer]
-    # The slot's last reader (the layer two before) is already on the current stream: the load
-    # stream waits for it there, then copies the whole layer; ``loaded`` marks the end.
+    # The slot's last reader is already on the current stream: the load stream waits for it
+    # there, then copies the whole layer; ``loaded`` marks the end.
     free = state.free[layer]
     free.record()
     state.stream.wait_event(free)
@@ -139,6 +185,8 @@ def _prefetch_cuda(slot_k, slot_v, dep, name, layer) -> None:
         slot_k.copy_(k, non_blocking=True)
         slot_v.copy_(v, non_blocking=True)
         state.loaded[layer].record()
+        if next_step:
+            state.wrapped.record()
 
 
 def _wait_cpu(slot_k, slot_v, dep, name, layer) -> None:
@@ -151,7 +199,8 @@ def _wait_cuda(slot_k, slot_v, dep, name, layer) -> None:
 
 register_op(
     "kv_ops",
-    "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer) -> ()",
+    "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer, bool next_step, "
+    "bool compiled) -> ()",
     fake=_fake,
     cpu=_prefetch_cpu,
     cuda=_prefetch_cuda,
@@ -200,9 +249,16 @@ class HostOffloadedLayer(StaticLayer):
         state = self.state
         if self.index != state.offloaded[0]:
             torch.ops.kv_ops.wait_prefetch(self.keys, self.values, key_states, state.name, self.index)
+        # Whether the step is compiled goes in as a constant of the graph: the op decides when
+        # it runs (a compiled step's Python runs once, its graph many times).
+        compiled = torch.compiler.is_compiling()
         for layer in state.prefetches[self.index]:
             k, v = state.slots[state.slot[layer]]
-            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, layer)
+            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, layer, False, compiled)
+        if self.index == state.offloaded[-1]:
+            for layer in state.wrap:
+                k, v = state.slots[state.slot[layer]]
+                torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, layer, True, compiled)
         positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
@@ -250,10 +306,13 @@ class HostOffloadedCache(Cache):
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         lookahead: int = 2,
+        across_steps: bool = True,
         **kwargs,
     ):
         self.max_cache_len_ = arguments.positive_int("HostOffloadedCache", "max_cache_len", max_cache_len)
         lookahead = arguments.positive_int("HostOffloadedCache", "lookahead", lookahead)
+        if not isinstance(across_steps, bool):
+            raise ValueError(f"HostOffloadedCache: across_steps must be True or False, got {across_steps!r}")
         self.max_batch_size_ = (
             None
             if max_batch_size is None
@@ -277,7 +336,7 @@ class HostOffloadedCache(Cache):
                 f"(layer types {sorted(set(layer_types))}); use transformers' StaticCache"
             )
         self.name = f"hf-cache-{next(_names)}"
-        self.state = _Offload(self.name, offloaded, lookahead)
+        self.state = _Offload(self.name, offloaded, lookahead, across_steps)
         layers = [
             HostOffloadedLayer(self.max_cache_len_, self.state, i)
             if t == FULL

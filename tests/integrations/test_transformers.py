@@ -95,7 +95,7 @@ def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
     assert same(generate(model, ids, cache, gen()), want)
     full = [i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "HostOffloadedLayer"]
     assert full == cache.state.offloaded and len(full) >= 2
-    assert len(cache.state.slots) == 1 + min(3, len(full) - 1)  # the GPU holds the slots, the host the rest
+    assert len(cache.state.slots) == min(5, len(full))  # the GPU holds the slots, the host the rest
     assert set(cache.state.host) == set(full[1:])
 
 
@@ -122,7 +122,8 @@ def test_the_decode_steps_read_the_host_copy():
     cache = HostOffloadedCache(config=cfg, max_cache_len=length)
     with torch.no_grad():
         first = model(ids, past_key_values=cache, use_cache=True).logits
-        k, _ = cache.state.host[cache.state.offloaded[2]]
+        # The last layer: the first ones were prefetched at the prefill's tail, before this write.
+        k, _ = cache.state.host[cache.state.offloaded[-1]]
         k[:, :, : ids.shape[1]] = torch.randn(k[:, :, : ids.shape[1]].shape, generator=torch.Generator().manual_seed(3))
         step = model(first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
     fresh = HostOffloadedCache(config=cfg, max_cache_len=length)
@@ -132,20 +133,52 @@ def test_the_decode_steps_read_the_host_copy():
     assert not torch.equal(step, want)
 
 
-@pytest.mark.parametrize("lookahead", [1, 3, 4, 9])
-def test_every_lookahead_is_bitwise_the_static_caches(lookahead):
-    # 1 and 3 reuse rotating slots within a step; 4 gives each streamed layer a slot; 9 asks past the end.
-    cfg = llama()
+# Slots for llama(layers=7): 6 streamed layers, by (lookahead, across_steps).
+SLOTS = {
+    (1, False): 3,
+    (2, False): 4,
+    (3, False): 5,
+    (9, False): 7,
+    (1, True): 4,
+    (2, True): 5,
+    (3, True): 6,
+    (9, True): 7,
+}
+
+
+@pytest.mark.parametrize(("lookahead", "across_steps"), list(SLOTS))
+def test_every_lookahead_is_bitwise_the_static_caches(lookahead, across_steps):
+    # 1-3 reuse rotating slots within a step; 9 asks past the end (each layer a slot of its own).
+    cfg = llama(layers=7)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = ids.shape[1] + NEW
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length, lookahead=lookahead)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, lookahead=lookahead, across_steps=across_steps)
     assert same(generate(model, ids, cache, gen()), want)
-    assert len(cache.state.slots) == 1 + min(lookahead + 1, 4)
-    # Each streamed layer is prefetched once per step, by a layer before it.
-    issued = [(k, layer) for k, first in enumerate(cache.state.offloaded) for layer in cache.state.prefetches[first]]
-    assert sorted(layer for _, layer in issued) == cache.state.offloaded[1:]
-    assert all(cache.state.offloaded.index(layer) > k for k, layer in issued)
+    assert len(cache.state.slots) == SLOTS[lookahead, across_steps]
+    # Each streamed layer is prefetched once per step, by a layer before it, or by the step before.
+    offloaded = cache.state.offloaded
+    issued = [(k, layer) for k, first in enumerate(offloaded) for layer in cache.state.prefetches[first]]
+    assert sorted(layer for _, layer in issued) == offloaded[1:]
+    assert all(offloaded.index(layer) > k for k, layer in issued)
+    # The next step's first layers, never the last one (its slot is still to be read).
+    assert cache.state.wrap == (offloaded[1 : min(1 + lookahead, len(offloaded) - 1)] if across_steps else [])
+    # The last generate's tail prefetched the first layers of a step that never came.
+    assert cache.state.ahead == set(cache.state.wrap)
+
+
+def test_a_step_across_a_reset_reads_no_prefetch_of_the_old_prompt():
+    # The tail of the first prompt's last step prefetched layers for a next step; reset drops them.
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM)
+    a, b = prompt(cfg.vocab_size), prompt(cfg.vocab_size).flip(1)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=a.shape[1] + NEW)
+    generate(model, a, cache, gen())
+    assert cache.state.ahead
+    cache.reset()
+    assert not cache.state.ahead
+    want = generate(model, b, StaticCache(config=cfg, max_cache_len=b.shape[1] + NEW), gen())
+    assert same(generate(model, b, cache, gen()), want)
 
 
 def test_reset_serves_a_second_prompt_like_a_fresh_cache():
@@ -163,7 +196,7 @@ def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
     layer = 2 * 3 * cfg.num_key_value_heads * (ids.shape[1] + NEW) * cfg.head_dim * 4  # K and V, float32
-    for lookahead, slots in [(1, 3), (2, 4)]:
+    for lookahead, slots in [(1, 4), (2, 5)]:
         cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW, lookahead=lookahead)
         generate(model, ids, cache, gen())
         assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
@@ -185,6 +218,12 @@ def test_a_max_cache_len_that_is_not_a_positive_integer_is_refused(value):
 def test_a_lookahead_that_is_not_a_positive_integer_is_refused(value):
     with pytest.raises(ValueError, match=f"HostOffloadedCache: lookahead must be a positive integer, got {value!r}"):
         HostOffloadedCache(config=llama(), max_cache_len=32, lookahead=value)
+
+
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
+def test_an_across_steps_that_is_not_a_bool_is_refused(value):
+    with pytest.raises(ValueError, match=f"HostOffloadedCache: across_steps must be True or False, got {value!r}"):
+        HostOffloadedCache(config=llama(), max_cache_len=32, across_steps=value)
 
 
 def test_a_model_with_no_full_attention_layer_is_refused():
