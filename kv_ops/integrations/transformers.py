@@ -1,11 +1,12 @@
 """HostOffloadedCache: a transformers ``Cache`` whose full-attention K and V live in page-locked host memory.
 
-The GPU holds ``lookahead + 2`` layer slots. The first full-attention layer keeps its own slot
-for good; every other full-attention layer is streamed into one of ``lookahead + 1`` rotating
-slots by the copy engines, ``lookahead`` layers ahead of the layer that computes
+The GPU holds ``lookahead + 3`` layer slots (``lookahead + 2`` without ``across_steps``). The first
+full-attention layer keeps its own slot for good; every other one is streamed into a slot by the
+copy engines, ``lookahead`` layers ahead of the layer that computes
 (``torch.ops.kv_ops.prefetch_layer`` on a load stream of its own, ``torch.ops.kv_ops.wait_prefetch``
-before the layer reads it). A step's new tokens go to the
-slot and, through a zero-copy view, to the host copy: the rest is never copied back.
+before the layer reads it), and an eager step's last layer already streams the next step's first
+ones. A step's new tokens go to the slot and, through a zero-copy view, to the host copy: the
+rest is never copied back.
 Sliding-window layers stay on the GPU as transformers' own static layers, as its
 ``offload_only_non_sliding`` does. The ops carry the cache's name, never an address, so the cache
 works eagerly, under ``torch.compile(fullgraph=True)`` and in a captured CUDA graph (the copies
@@ -275,13 +276,16 @@ class HostOffloadedLayer(StaticLayer):
 
 class HostOffloadedCache(Cache):
     """A ``transformers.Cache`` for ``model.generate(..., past_key_values=cache)`` that keeps the
-    full-attention layers' K and V in page-locked host memory and ``lookahead + 2`` layer slots on
-    the GPU.
+    full-attention layers' K and V in page-locked host memory and ``lookahead + 3`` layer slots on
+    the GPU (``lookahead + 2`` without ``across_steps``; at most one per full-attention layer).
 
     Made like ``StaticCache``: ``HostOffloadedCache(config=model.config, max_cache_len=N)``.
     ``lookahead`` (default 2) is how many full-attention layers ahead of the computing one the
     copies run: one more slot per layer of lookahead buys the copy engines slack against a layer
     that computes longer than its copy takes (the step's copies then run back to back).
+    ``across_steps`` (default True): an eager step's last layer also prefetches the next step's
+    first ``lookahead`` layers, so the copies run on through the step's tail and the host's work
+    between steps; it costs one more slot and turns itself off once a step is compiled or captured.
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
     :meth:`reset` before reusing it for another prompt, as with ``StaticCache``.
