@@ -112,7 +112,7 @@ def copies_alone(layer_bytes: int, streamed: int, reps: int = 5) -> float:
     return best
 
 
-def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: list[int]) -> list[dict]:
+def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: list[int], across: bool) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(1, cfg.vocab_size, (batch, context - NEW), generator=torch.Generator().manual_seed(1)).cuda()
@@ -121,7 +121,7 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: lis
         return StaticCache(config=cfg, max_cache_len=context)
 
     def ours(lookahead):
-        return lambda: HostOffloadedCache(config=cfg, max_cache_len=context, lookahead=lookahead)
+        return lambda: HostOffloadedCache(config=cfg, max_cache_len=context, lookahead=lookahead, across_steps=across)
 
     modes = ["eager", "compiled", "cudagraphs"] if graphs else ["eager"]
     runs = [("static", None, m, static) for m in modes]
@@ -147,7 +147,7 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: lis
             reference[mode] = step
         base_step = reference.get(shown)
         moved = {"static": 0, "HostOffloadedCache": h2d}.get(cache, all_bytes)
-        slots = 1 + min(lookahead + 1, layers - 1) if lookahead else 0
+        slots = min(lookahead + 2 + across, layers) if lookahead else 0
         kv_gpu = {"static": all_bytes, "HostOffloadedCache": slots * layer_bytes}.get(cache, 2 * layer_bytes)
         target = max(floor, base_step) if base_step is not None else floor
         rows.append(
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
         "--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run compiled and with CUDA graphs"
     )
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
-    p.add_argument("--lookahead", default="2", help="HostOffloadedCache's lookahead, comma-separated: one run each")
+    p.add_argument("--lookahead", default="1", help="HostOffloadedCache's lookahead, comma-separated: one run each")
+    p.add_argument("--across-steps", action="store_true", help="HostOffloadedCache(across_steps=True)")
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
@@ -245,7 +246,9 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         layers, batch, context = (int(v) for v in shape.split("x"))
         lookaheads = [int(a) for a in args.lookahead.split(",")]
-        rows += shape_rows(layers, batch, context, args.reps, rate, shape in graph_shapes, lookaheads)
+        rows += shape_rows(
+            layers, batch, context, args.reps, rate, shape in graph_shapes, lookaheads, args.across_steps
+        )
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows, rate), plot=plot)
     finish()
     return 0

@@ -280,10 +280,10 @@ class HostOffloadedCache(Cache):
     the GPU (``lookahead + 2`` without ``across_steps``; at most one per full-attention layer).
 
     Made like ``StaticCache``: ``HostOffloadedCache(config=model.config, max_cache_len=N)``.
-    ``lookahead`` (default 2) is how many full-attention layers ahead of the computing one the
+    ``lookahead`` (default 1) is how many full-attention layers ahead of the computing one the
     copies run: one more slot per layer of lookahead buys the copy engines slack against a layer
     that computes longer than its copy takes (the step's copies then run back to back).
-    ``across_steps`` (default True): an eager step's last layer also prefetches the next step's
+    ``across_steps`` (default False): an eager step's last layer also prefetches the next step's
     first ``lookahead`` layers, so the copies run on through the step's tail and the host's work
     between steps; it costs one more slot and turns itself off once a step is compiled or captured.
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
@@ -309,8 +309,8 @@ class HostOffloadedCache(Cache):
         max_cache_len: int,
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
-        lookahead: int = 2,
-        across_steps: bool = True,
+        lookahead: int = 1,
+        across_steps: bool = False,
         **kwargs,
     ):
         self.max_cache_len_ = arguments.positive_int("HostOffloadedCache", "max_cache_len", max_cache_len)

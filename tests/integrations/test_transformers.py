@@ -95,7 +95,7 @@ def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
     assert same(generate(model, ids, cache, gen()), want)
     full = [i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "HostOffloadedLayer"]
     assert full == cache.state.offloaded and len(full) >= 2
-    assert len(cache.state.slots) == min(5, len(full))  # the GPU holds the slots, the host the rest
+    assert len(cache.state.slots) == min(3, len(full))  # the GPU holds the slots, the host the rest
     assert set(cache.state.host) == set(full[1:])
 
 
@@ -172,7 +172,7 @@ def test_a_step_across_a_reset_reads_no_prefetch_of_the_old_prompt():
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM)
     a, b = prompt(cfg.vocab_size), prompt(cfg.vocab_size).flip(1)
-    cache = HostOffloadedCache(config=cfg, max_cache_len=a.shape[1] + NEW)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=a.shape[1] + NEW, across_steps=True)
     generate(model, a, cache, gen())
     assert cache.state.ahead
     cache.reset()
@@ -196,8 +196,10 @@ def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
     layer = 2 * 3 * cfg.num_key_value_heads * (ids.shape[1] + NEW) * cfg.head_dim * 4  # K and V, float32
-    for lookahead, slots in [(1, 4), (2, 5)]:
-        cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW, lookahead=lookahead)
+    for lookahead, across_steps, slots in [(1, False, 3), (2, False, 4), (1, True, 4), (2, True, 5)]:
+        cache = HostOffloadedCache(
+            config=cfg, max_cache_len=ids.shape[1] + NEW, lookahead=lookahead, across_steps=across_steps
+        )
         generate(model, ids, cache, gen())
         assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
         assert cache.gpu_bytes() == slots * layer
@@ -277,27 +279,32 @@ def test_a_cuda_cache_on_a_machine_without_cuda_is_refused():
 # --- on the GPU ------------------------------------------------------------------------------------
 
 
-def cuda_run(cfg, cls, compile_config=None, before_decode=None):
+def cuda_run(cfg, cls, compile_config=None, before_decode=None, **cache_kwargs):
     model = model_of(cfg, cls, "cuda", torch.bfloat16)
     ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
     length = ids.shape[1] + NEW
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(compile_config))
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, **cache_kwargs)
     if before_decode is not None:
         before_decode(cache, model, ids)
     return generate(model, ids, cache, gen(compile_config)), want, cache
 
 
+ACROSS = pytest.mark.parametrize("across_steps", [False, True], ids=["within-steps", "across-steps"])
+
+
 @gpu
+@ACROSS
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
-def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
-    got, want, cache = cuda_run(cfg, cls)
+def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, across_steps):
+    got, want, cache = cuda_run(cfg, cls, lookahead=2, across_steps=across_steps)
     assert same(got, want)
     assert all(k.is_pinned() and v.is_pinned() for k, v in cache.state.host.values())
 
 
 @gpu
-def test_on_a_gpu_a_delayed_load_is_waited_for():
+@ACROSS
+def test_on_a_gpu_a_delayed_load_is_waited_for(across_steps):
     # The load stream sleeps 50 ms before the first prefetch: the layer that reads the slot must wait.
     def delay(cache, model, ids):
         with torch.no_grad():
@@ -306,21 +313,26 @@ def test_on_a_gpu_a_delayed_load_is_waited_for():
         with torch.cuda.stream(cache.state.stream):
             torch.cuda._sleep(100_000_000)
 
-    got, want, _ = cuda_run(llama(), LlamaForCausalLM, before_decode=delay)
+    got, want, _ = cuda_run(llama(), LlamaForCausalLM, before_decode=delay, across_steps=across_steps)
     assert same(got, want)
 
 
 @gpu
-def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens():
+@ACROSS
+def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(across_steps):
+    # Across steps: the eager prefill's tail prefetches, the compiled, captured steps do not.
     config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config)
+    got, want, cache = cuda_run(llama(), LlamaForCausalLM, compile_config=config, across_steps=across_steps)
+    assert cache.state.graphed
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
 
 
 @gpu
-def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
+@ACROSS
+def test_on_a_gpu_a_captured_decode_step_replays_the_loads(across_steps):
+    # Across steps, the eager warm-up's tail prefetches before the capture: the graph waits for it.
     # A decode step of the model captured by hand in a torch.cuda.CUDAGraph and replayed per token.
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
@@ -367,5 +379,7 @@ def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
         return torch.cat(tokens, 1)
 
     want = decode(StaticCache(config=cfg, max_cache_len=length), graphed=False)
-    got = decode(HostOffloadedCache(config=cfg, max_cache_len=length + 1), graphed=True)  # + the warm-up
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length + 1, across_steps=across_steps)  # + the warm-up
+    got = decode(cache, graphed=True)
+    assert cache.state.graphed
     assert torch.equal(got, want)
