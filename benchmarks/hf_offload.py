@@ -40,7 +40,7 @@ build, config, generate, generation = example.build, example.config, example.gen
 
 NEW = 32
 COLUMNS = [
-    "layers", "batch", "context", "cache", "lookahead", "mode", "decode_tok_s", "step_ms", "vs_best_transformers_offload",
+    "layers", "batch", "context", "cache", "mode", "decode_tok_s", "step_ms", "vs_best_transformers_offload",
     "floor_ms", "floor_all_ms", "copies_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "h2d_mib_per_step",
 ]  # fmt: skip
@@ -112,7 +112,7 @@ def copies_alone(layer_bytes: int, streamed: int, reps: int = 5) -> float:
     return best
 
 
-def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: list[int], across: bool) -> list[dict]:
+def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(1, cfg.vocab_size, (batch, context - NEW), generator=torch.Generator().manual_seed(1)).cuda()
@@ -120,23 +120,20 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: lis
     def static():
         return StaticCache(config=cfg, max_cache_len=context)
 
-    def ours(lookahead):
-        return lambda: HostOffloadedCache(config=cfg, max_cache_len=context, lookahead=lookahead, across_steps=across)
+    def ours():
+        return HostOffloadedCache(config=cfg, max_cache_len=context)
 
     modes = ["eager", "compiled", "cudagraphs"] if graphs else ["eager"]
-    runs = [("static", None, m, static) for m in modes]
-    runs += [
-        ("offloaded", None, "transformers:offloaded", None),
-        ("offloaded_static", None, "transformers:offloaded_static", None),
-    ]
-    runs += [("HostOffloadedCache", a, m, ours(a)) for m in modes for a in lookaheads]
+    runs = [("static", m, static) for m in modes]
+    runs += [("offloaded", "transformers:offloaded", None), ("offloaded_static", "transformers:offloaded_static", None)]
+    runs += [("HostOffloadedCache", m, ours) for m in modes]
     layer_bytes = 2 * batch * cfg.num_key_value_heads * context * cfg.head_dim * 2
     h2d = (layers - 1) * layer_bytes  # what HostOffloadedCache streams per step
     all_bytes = layers * layer_bytes  # what a cache that crosses the link once per step moves
     floor, floor_all = h2d / rate, all_bytes / rate
     copies = copies_alone(layer_bytes, layers - 1)
     rows, reference = [], {}
-    for cache, lookahead, mode, factory in runs:
+    for cache, mode, factory in runs:
         where = f"{cache} {mode} at {layers} layers, batch {batch}, context {context}"
         got = guard(where, decode, model, ids, factory or (lambda: None), mode, reps)
         if got is None:
@@ -147,13 +144,11 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool, lookaheads: lis
             reference[mode] = step
         base_step = reference.get(shown)
         moved = {"static": 0, "HostOffloadedCache": h2d}.get(cache, all_bytes)
-        slots = min(lookahead + 2 + across, layers) if lookahead else 0
-        kv_gpu = {"static": all_bytes, "HostOffloadedCache": slots * layer_bytes}.get(cache, 2 * layer_bytes)
+        kv_gpu = {"static": all_bytes, "HostOffloadedCache": min(3, layers) * layer_bytes}.get(cache, 2 * layer_bytes)
         target = max(floor, base_step) if base_step is not None else floor
         rows.append(
             {
-                "layers": layers, "batch": batch, "context": context, "cache": cache, "lookahead": lookahead,
-                "mode": shown,
+                "layers": layers, "batch": batch, "context": context, "cache": cache, "mode": shown,
                 "decode_tok_s": batch / step, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
                 "floor_all_ms": floor_all * 1e3, "copies_ms": copies * 1e3, "target_ms": target * 1e3,
                 "step_vs_target": step / target if cache == "HostOffloadedCache" else None,
@@ -173,10 +168,6 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def label(row) -> str:
-    return row["cache"] if row["lookahead"] is None else f"{row['cache']} (lookahead {row['lookahead']})"
-
-
 def markdown(rows, rate) -> str:
     lines = [
         "# HostOffloadedCache in generate()",
@@ -193,7 +184,7 @@ def markdown(rows, rate) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['context']} | {label(r)} | {r['mode']} | {r['decode_tok_s']:.0f} "
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['decode_tok_s']:.0f} "
             f"| {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
             f"| {r['floor_ms']:.2f} / {r['floor_all_ms']:.2f} / {r['copies_ms']:.2f} "
             f"| {fmt(r['step_vs_target'], '.2f')} | {r['kv_gpu_mib']:.0f} | {r['kv_gpu_saved_mib']:.0f} |"
@@ -205,14 +196,14 @@ def plot(rows, path) -> None:
     import matplotlib.pyplot as plt
 
     shapes = sorted({(r["layers"], r["batch"], r["context"]) for r in rows})
-    series = sorted({(label(r), r["mode"]) for r in rows})
+    series = sorted({(r["cache"], r["mode"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
     width = 0.8 / len(series)
     for i, (cache, mode) in enumerate(series):
         got = {
             (r["layers"], r["batch"], r["context"]): r["decode_tok_s"]
             for r in rows
-            if (label(r), r["mode"]) == (cache, mode)
+            if (r["cache"], r["mode"]) == (cache, mode)
         }
         xs = [j + i * width for j, s in enumerate(shapes) if s in got]
         ax.bar(xs, [got[s] for s in shapes if s in got], width, label=f"{cache} ({mode})")
@@ -237,18 +228,13 @@ def main(argv=None) -> int:
         "--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run compiled and with CUDA graphs"
     )
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
-    p.add_argument("--lookahead", default="1", help="HostOffloadedCache's lookahead, comma-separated: one run each")
-    p.add_argument("--across-steps", action="store_true", help="HostOffloadedCache(across_steps=True)")
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
     rows = []
     for shape in args.shapes.split(","):
         layers, batch, context = (int(v) for v in shape.split("x"))
-        lookaheads = [int(a) for a in args.lookahead.split(",")]
-        rows += shape_rows(
-            layers, batch, context, args.reps, rate, shape in graph_shapes, lookaheads, args.across_steps
-        )
+        rows += shape_rows(layers, batch, context, args.reps, rate, shape in graph_shapes)
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows, rate), plot=plot)
     finish()
     return 0

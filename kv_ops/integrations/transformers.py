@@ -1,12 +1,10 @@
 """HostOffloadedCache: a transformers ``Cache`` whose full-attention K and V live in page-locked host memory.
 
-The GPU holds ``lookahead + 3`` layer slots (``lookahead + 2`` without ``across_steps``). The first
-full-attention layer keeps its own slot for good; every other one is streamed into a slot by the
-copy engines, ``lookahead`` layers ahead of the layer that computes
-(``torch.ops.kv_ops.prefetch_layer`` on a load stream of its own, ``torch.ops.kv_ops.wait_prefetch``
-before the layer reads it), and an eager step's last layer already streams the next step's first
-ones. A step's new tokens go to the slot and, through a zero-copy view, to the host copy: the
-rest is never copied back.
+The GPU holds three layer slots. The first full-attention layer keeps its own slot for good;
+every other full-attention layer is streamed into one of two rotating slots by the copy engines
+while the layer before it computes (``torch.ops.kv_ops.prefetch_layer`` on a load stream of its
+own, ``torch.ops.kv_ops.wait_prefetch`` before the layer reads it). A step's new tokens go to the
+slot and, through a zero-copy view, to the host copy: the rest is never copied back.
 Sliding-window layers stay on the GPU as transformers' own static layers, as its
 ``offload_only_non_sliding`` does. The ops carry the cache's name, never an address, so the cache
 works eagerly, under ``torch.compile(fullgraph=True)`` and in a captured CUDA graph (the copies
@@ -53,34 +51,12 @@ def _lookup(name: str) -> _Offload:
 class _Offload:
     """The live state behind one cache's ops: host copies, slots, the load stream and its events."""
 
-    def __init__(self, name: str, offloaded: list[int], lookahead: int, across_steps: bool):
+    def __init__(self, name: str, offloaded: list[int]):
         self.name = name
         self.offloaded = offloaded  # model layer indices of the full-attention layers, in order
-        streamed = offloaded[1:]
-        # Layer k's update issues the prefetch of layer k+lookahead (the first layer's, layers
-        # 1..lookahead), into a slot whose last reader (layer k-1 or before) is already enqueued
-        # on the compute stream: the event recorded at layer k's update follows it. Across steps,
-        # the last layer's update also issues the next step's first ``wrap`` layers, so that the
-        # copies run on through the step's tail (the last layer, lm_head, sampling, the host's
-        # work between steps); the first layer's update then skips them.
-        self.wrap = streamed[: max(0, min(lookahead, len(streamed) - 1))] if across_steps else []
-        # Slots: the first full-attention layer keeps slot 0; the others rotate through
-        # lookahead + 1 slots, so that any lookahead + 1 consecutive layers hold distinct ones.
-        # Across steps the last layer has a slot of its own: the next step's first layers go in
-        # while it is still to be read.
-        rotating = streamed[:-1] if self.wrap else streamed
-        ring = min(lookahead + 1, len(rotating))
-        self.slot = {offloaded[0]: 0} | {layer: 1 + k % ring for k, layer in enumerate(rotating)}
-        if self.wrap:
-            self.slot[streamed[-1]] = 1 + ring
-        self.num_slots = 1 + ring + bool(self.wrap)
-        self.prefetches = {layer: offloaded[k + lookahead : k + lookahead + 1] for k, layer in enumerate(offloaded)}
-        self.prefetches[offloaded[0]] = streamed[:lookahead]
-        self.ahead: set[int] = set()  # layers the last step's tail prefetched for the coming one
-        # Set once any step of this cache is compiled or captured: a replay, which runs no Python,
-        # may follow any later step, and its first layer loads its own; so no more wraps.
-        self.graphed = False
-        self.wrapped: torch.cuda.Event | None = None  # recorded after each wrap's copies
+        # The first full-attention layer keeps slot 0; the others alternate between slots 1 and 2,
+        # so a layer's prefetch overwrites the slot of the layer two before it, which has been read.
+        self.slot = {layer: 0 if k == 0 else 1 + (k - 1) % 2 for k, layer in enumerate(offloaded)}
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> page-locked (K, V)
         self.host_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # what the GPU writes through
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -110,7 +86,7 @@ class _Offload:
                 k, v = torch.zeros(k_shape, dtype=keys.dtype), torch.zeros(v_shape, dtype=values.dtype)
                 self.host_views[layer] = (k, v)
             self.host[layer] = (k, v)
-        for _ in range(self.num_slots):
+        for _ in range(min(3, len(self.offloaded))):
             k = torch.zeros(k_shape, dtype=keys.dtype, device=device)
             v = torch.zeros(v_shape, dtype=values.dtype, device=device)
             for t in (k, v):
@@ -124,61 +100,31 @@ class _Offload:
             self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
             self.free = {layer: torch.cuda.Event() for layer in streamed}
             self.loaded = {layer: torch.cuda.Event() for layer in streamed}
-            # External: a captured wait on it is a wait node that, at each replay, waits for its
-            # last record (an internal one would refer to a record inside the capture).
-            self.wrapped = torch.cuda.Event(external=True)
 
     def reset(self) -> None:
-        if self.stream is not None:
-            # A wrap's copies may still be landing in the slots that are zeroed here.
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        self.ahead.clear()
         for k, v in [*self.host.values(), *self.slots]:
             k.zero_()
             v.zero_()
-
-    def issue(self, layer: int, next_step: bool, compiled: bool, device: torch.device) -> bool:
-        """Whether this call of ``prefetch_layer`` copies ``layer`` now (and the bookkeeping)."""
-        captured = capturing(device)
-        if compiled or captured:
-            self.graphed = True
-        if next_step:
-            if self.graphed:
-                return False  # a captured step must join its load stream inside itself
-            self.ahead.add(layer)
-            return True
-        if layer not in self.ahead:
-            return True
-        self.ahead.discard(layer)
-        if captured and self.wrapped is not None:
-            # The eager wrap's copy into this slot must land before the graph's own copy and the
-            # step's new tokens do, at every replay: order the graph after it.
-            torch.cuda.current_stream(device).wait_event(self.wrapped)
-        return compiled or captured  # eagerly, the step before issued it
 
 
 # --- prefetch_layer / wait_prefetch ---------------------------------------------------------------
 
 
-def _fake(slot_k, slot_v, dep, name, layer, *flags):
+def _fake(slot_k, slot_v, dep, name, layer):
     torch._check(layer >= 0, lambda: f"kv_ops.prefetch_layer: layer must be >= 0, got {layer}")
 
 
-def _prefetch_cpu(slot_k, slot_v, dep, name, layer, next_step, compiled) -> None:
-    state = _lookup(name)
-    if state.issue(layer, next_step, compiled, slot_k.device):
-        k, v = state.host[layer]
-        slot_k.copy_(k)
-        slot_v.copy_(v)
+def _prefetch_cpu(slot_k, slot_v, dep, name, layer) -> None:
+    k, v = _lookup(name).host[layer]
+    slot_k.copy_(k)
+    slot_v.copy_(v)
 
 
-def _prefetch_cuda(slot_k, slot_v, dep, name, layer, next_step, compiled) -> None:
+def _prefetch_cuda(slot_k, slot_v, dep, name, layer) -> None:
     state = _lookup(name)
-    if not state.issue(layer, next_step, compiled, slot_k.device):
-        return
     k, v = state.host[layer]
-    # The slot's last reader is already on the current stream: the load stream waits for it
-    # there, then copies the whole layer; ``loaded`` marks the end.
+    # The slot's last reader (the layer two before) is already on the current stream: the load
+    # stream waits for it there, then copies the whole layer; ``loaded`` marks the end.
     free = state.free[layer]
     free.record()
     state.stream.wait_event(free)
@@ -186,8 +132,6 @@ def _prefetch_cuda(slot_k, slot_v, dep, name, layer, next_step, compiled) -> Non
         slot_k.copy_(k, non_blocking=True)
         slot_v.copy_(v, non_blocking=True)
         state.loaded[layer].record()
-        if next_step:
-            state.wrapped.record()
 
 
 def _wait_cpu(slot_k, slot_v, dep, name, layer) -> None:
@@ -200,8 +144,7 @@ def _wait_cuda(slot_k, slot_v, dep, name, layer) -> None:
 
 register_op(
     "kv_ops",
-    "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer, bool next_step, "
-    "bool compiled) -> ()",
+    "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer) -> ()",
     fake=_fake,
     cpu=_prefetch_cpu,
     cuda=_prefetch_cuda,
@@ -221,9 +164,9 @@ register_op(
 class HostOffloadedLayer(StaticLayer):
     """One full-attention layer: its K and V in a GPU slot, streamed from page-locked host memory."""
 
-    def __init__(self, max_cache_len: int, state: _Offload, index: int, **kwargs):
+    def __init__(self, max_cache_len: int, state: _Offload, index: int, following: int | None, **kwargs):
         super().__init__(max_cache_len=max_cache_len)
-        self.state, self.index = state, index
+        self.state, self.index, self.following = state, index, following
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         state = self.state
@@ -250,16 +193,9 @@ class HostOffloadedLayer(StaticLayer):
         state = self.state
         if self.index != state.offloaded[0]:
             torch.ops.kv_ops.wait_prefetch(self.keys, self.values, key_states, state.name, self.index)
-        # Whether the step is compiled goes in as a constant of the graph: the op decides when
-        # it runs (a compiled step's Python runs once, its graph many times).
-        compiled = torch.compiler.is_compiling()
-        for layer in state.prefetches[self.index]:
-            k, v = state.slots[state.slot[layer]]
-            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, layer, False, compiled)
-        if self.index == state.offloaded[-1]:
-            for layer in state.wrap:
-                k, v = state.slots[state.slot[layer]]
-                torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, layer, True, compiled)
+        if self.following is not None:
+            k, v = state.slots[state.slot[self.following]]
+            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, self.following)
         positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
@@ -276,16 +212,9 @@ class HostOffloadedLayer(StaticLayer):
 
 class HostOffloadedCache(Cache):
     """A ``transformers.Cache`` for ``model.generate(..., past_key_values=cache)`` that keeps the
-    full-attention layers' K and V in page-locked host memory and ``lookahead + 3`` layer slots on
-    the GPU (``lookahead + 2`` without ``across_steps``; at most one per full-attention layer).
+    full-attention layers' K and V in page-locked host memory and three layer slots on the GPU.
 
     Made like ``StaticCache``: ``HostOffloadedCache(config=model.config, max_cache_len=N)``.
-    ``lookahead`` (default 1) is how many full-attention layers ahead of the computing one the
-    copies run: one more slot per layer of lookahead buys the copy engines slack against a layer
-    that computes longer than its copy takes (the step's copies then run back to back).
-    ``across_steps`` (default False): an eager step's last layer also prefetches the next step's
-    first ``lookahead`` layers, so the copies run on through the step's tail and the host's work
-    between steps; it costs one more slot and turns itself off once a step is compiled or captured.
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
     :meth:`reset` before reusing it for another prompt, as with ``StaticCache``.
@@ -296,7 +225,7 @@ class HostOffloadedCache(Cache):
     Raises
     ------
     ValueError
-        At construction: a bad ``max_cache_len``, ``max_batch_size`` or ``lookahead``, a model with no
+        At construction: a bad ``max_cache_len`` or ``max_batch_size``, a model with no
         full-attention layer, or a layer type other than full, sliding or chunked attention. At
         the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, or host memory the machine
@@ -309,14 +238,9 @@ class HostOffloadedCache(Cache):
         max_cache_len: int,
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
-        lookahead: int = 1,
-        across_steps: bool = False,
         **kwargs,
     ):
         self.max_cache_len_ = arguments.positive_int("HostOffloadedCache", "max_cache_len", max_cache_len)
-        lookahead = arguments.positive_int("HostOffloadedCache", "lookahead", lookahead)
-        if not isinstance(across_steps, bool):
-            raise ValueError(f"HostOffloadedCache: across_steps must be True or False, got {across_steps!r}")
         self.max_batch_size_ = (
             None
             if max_batch_size is None
@@ -340,9 +264,10 @@ class HostOffloadedCache(Cache):
                 f"(layer types {sorted(set(layer_types))}); use transformers' StaticCache"
             )
         self.name = f"hf-cache-{next(_names)}"
-        self.state = _Offload(self.name, offloaded, lookahead, across_steps)
+        self.state = _Offload(self.name, offloaded)
+        following = dict(zip(offloaded, offloaded[1:]))
         layers = [
-            HostOffloadedLayer(self.max_cache_len_, self.state, i)
+            HostOffloadedLayer(self.max_cache_len_, self.state, i, following.get(i))
             if t == FULL
             else StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_, sliding_window=kw["sliding_window"])
             for i, (t, kw) in enumerate(zip(layer_types, per_layer, strict=True))

@@ -23,7 +23,7 @@ gpu = pytest.mark.gpu
 
 
 def llama(layers=5) -> LlamaConfig:
-    # Five full-attention layers: one keeps its slot, four rotate through lookahead + 1 (reused at 1 and 2).
+    # Five full-attention layers: one keeps its slot, four rotate through two (odd and even reuse).
     return LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -122,8 +122,7 @@ def test_the_decode_steps_read_the_host_copy():
     cache = HostOffloadedCache(config=cfg, max_cache_len=length)
     with torch.no_grad():
         first = model(ids, past_key_values=cache, use_cache=True).logits
-        # The last layer: the first ones were prefetched at the prefill's tail, before this write.
-        k, _ = cache.state.host[cache.state.offloaded[-1]]
+        k, _ = cache.state.host[cache.state.offloaded[2]]
         k[:, :, : ids.shape[1]] = torch.randn(k[:, :, : ids.shape[1]].shape, generator=torch.Generator().manual_seed(3))
         step = model(first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
     fresh = HostOffloadedCache(config=cfg, max_cache_len=length)
@@ -131,54 +130,6 @@ def test_the_decode_steps_read_the_host_copy():
         model(ids, past_key_values=fresh, use_cache=True)
         want = model(first[:, -1:].argmax(-1), past_key_values=fresh, use_cache=True).logits
     assert not torch.equal(step, want)
-
-
-# Slots for llama(layers=7): 6 streamed layers, by (lookahead, across_steps).
-SLOTS = {
-    (1, False): 3,
-    (2, False): 4,
-    (3, False): 5,
-    (9, False): 7,
-    (1, True): 4,
-    (2, True): 5,
-    (3, True): 6,
-    (9, True): 7,
-}
-
-
-@pytest.mark.parametrize(("lookahead", "across_steps"), list(SLOTS))
-def test_every_lookahead_is_bitwise_the_static_caches(lookahead, across_steps):
-    # 1-3 reuse rotating slots within a step; 9 asks past the end (each layer a slot of its own).
-    cfg = llama(layers=7)
-    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
-    length = ids.shape[1] + NEW
-    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length, lookahead=lookahead, across_steps=across_steps)
-    assert same(generate(model, ids, cache, gen()), want)
-    assert len(cache.state.slots) == SLOTS[lookahead, across_steps]
-    # Each streamed layer is prefetched once per step, by a layer before it, or by the step before.
-    offloaded = cache.state.offloaded
-    issued = [(k, layer) for k, first in enumerate(offloaded) for layer in cache.state.prefetches[first]]
-    assert sorted(layer for _, layer in issued) == offloaded[1:]
-    assert all(offloaded.index(layer) > k for k, layer in issued)
-    # The next step's first layers, never the last one (its slot is still to be read).
-    assert cache.state.wrap == (offloaded[1 : min(1 + lookahead, len(offloaded) - 1)] if across_steps else [])
-    # The last generate's tail prefetched the first layers of a step that never came.
-    assert cache.state.ahead == set(cache.state.wrap)
-
-
-def test_a_step_across_a_reset_reads_no_prefetch_of_the_old_prompt():
-    # The tail of the first prompt's last step prefetched layers for a next step; reset drops them.
-    cfg = llama()
-    model = model_of(cfg, LlamaForCausalLM)
-    a, b = prompt(cfg.vocab_size), prompt(cfg.vocab_size).flip(1)
-    cache = HostOffloadedCache(config=cfg, max_cache_len=a.shape[1] + NEW, across_steps=True)
-    generate(model, a, cache, gen())
-    assert cache.state.ahead
-    cache.reset()
-    assert not cache.state.ahead
-    want = generate(model, b, StaticCache(config=cfg, max_cache_len=b.shape[1] + NEW), gen())
-    assert same(generate(model, b, cache, gen()), want)
 
 
 def test_reset_serves_a_second_prompt_like_a_fresh_cache():
@@ -195,14 +146,11 @@ def test_reset_serves_a_second_prompt_like_a_fresh_cache():
 def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW)
+    generate(model, ids, cache, gen())
     layer = 2 * 3 * cfg.num_key_value_heads * (ids.shape[1] + NEW) * cfg.head_dim * 4  # K and V, float32
-    for lookahead, across_steps, slots in [(1, False, 3), (2, False, 4), (1, True, 4), (2, True, 5)]:
-        cache = HostOffloadedCache(
-            config=cfg, max_cache_len=ids.shape[1] + NEW, lookahead=lookahead, across_steps=across_steps
-        )
-        generate(model, ids, cache, gen())
-        assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
-        assert cache.gpu_bytes() == slots * layer
+    assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
+    assert cache.gpu_bytes() == 3 * layer
 
 
 # --- what it refuses ------------------------------------------------------------------------------
@@ -214,18 +162,6 @@ def test_a_max_cache_len_that_is_not_a_positive_integer_is_refused(value):
         ValueError, match=f"HostOffloadedCache: max_cache_len must be a positive integer, got {value!r}"
     ):
         HostOffloadedCache(config=llama(), max_cache_len=value)
-
-
-@pytest.mark.parametrize("value", [0, -1, 1.0, False, None])
-def test_a_lookahead_that_is_not_a_positive_integer_is_refused(value):
-    with pytest.raises(ValueError, match=f"HostOffloadedCache: lookahead must be a positive integer, got {value!r}"):
-        HostOffloadedCache(config=llama(), max_cache_len=32, lookahead=value)
-
-
-@pytest.mark.parametrize("value", [0, 1, "yes", None])
-def test_an_across_steps_that_is_not_a_bool_is_refused(value):
-    with pytest.raises(ValueError, match=f"HostOffloadedCache: across_steps must be True or False, got {value!r}"):
-        HostOffloadedCache(config=llama(), max_cache_len=32, across_steps=value)
 
 
 def test_a_model_with_no_full_attention_layer_is_refused():
@@ -279,32 +215,27 @@ def test_a_cuda_cache_on_a_machine_without_cuda_is_refused():
 # --- on the GPU ------------------------------------------------------------------------------------
 
 
-def cuda_run(cfg, cls, compile_config=None, before_decode=None, **cache_kwargs):
+def cuda_run(cfg, cls, compile_config=None, before_decode=None):
     model = model_of(cfg, cls, "cuda", torch.bfloat16)
     ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
     length = ids.shape[1] + NEW
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(compile_config))
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length, **cache_kwargs)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
     if before_decode is not None:
         before_decode(cache, model, ids)
     return generate(model, ids, cache, gen(compile_config)), want, cache
 
 
-ACROSS = pytest.mark.parametrize("across_steps", [False, True], ids=["within-steps", "across-steps"])
-
-
 @gpu
-@ACROSS
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
-def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, across_steps):
-    got, want, cache = cuda_run(cfg, cls, lookahead=2, across_steps=across_steps)
+def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
+    got, want, cache = cuda_run(cfg, cls)
     assert same(got, want)
     assert all(k.is_pinned() and v.is_pinned() for k, v in cache.state.host.values())
 
 
 @gpu
-@ACROSS
-def test_on_a_gpu_a_delayed_load_is_waited_for(across_steps):
+def test_on_a_gpu_a_delayed_load_is_waited_for():
     # The load stream sleeps 50 ms before the first prefetch: the layer that reads the slot must wait.
     def delay(cache, model, ids):
         with torch.no_grad():
@@ -313,26 +244,21 @@ def test_on_a_gpu_a_delayed_load_is_waited_for(across_steps):
         with torch.cuda.stream(cache.state.stream):
             torch.cuda._sleep(100_000_000)
 
-    got, want, _ = cuda_run(llama(), LlamaForCausalLM, before_decode=delay, across_steps=across_steps)
+    got, want, _ = cuda_run(llama(), LlamaForCausalLM, before_decode=delay)
     assert same(got, want)
 
 
 @gpu
-@ACROSS
-def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(across_steps):
-    # Across steps: the eager prefill's tail prefetches, the compiled, captured steps do not.
+def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens():
     config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    got, want, cache = cuda_run(llama(), LlamaForCausalLM, compile_config=config, across_steps=across_steps)
-    assert cache.state.graphed
+    got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config)
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
 
 
 @gpu
-@ACROSS
-def test_on_a_gpu_a_captured_decode_step_replays_the_loads(across_steps):
-    # Across steps, the eager warm-up's tail prefetches before the capture: the graph waits for it.
+def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
     # A decode step of the model captured by hand in a torch.cuda.CUDAGraph and replayed per token.
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
@@ -379,7 +305,5 @@ def test_on_a_gpu_a_captured_decode_step_replays_the_loads(across_steps):
         return torch.cat(tokens, 1)
 
     want = decode(StaticCache(config=cfg, max_cache_len=length), graphed=False)
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length + 1, across_steps=across_steps)  # + the warm-up
-    got = decode(cache, graphed=True)
-    assert cache.state.graphed
+    got = decode(HostOffloadedCache(config=cfg, max_cache_len=length + 1), graphed=True)  # + the warm-up
     assert torch.equal(got, want)
