@@ -36,6 +36,7 @@ The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the
 * ``transfer.host_blocks`` -- ``HostBlockAllocator``: which host blocks are free, handed out in runs (best fit).
 * ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
 * ``transfer.layerwise_ring`` -- their ``copies="staged"``: copy engines into a GPU ring, a scatter per layer.
+* ``transfer.step_transfers`` -- ``StepTransfers``, ``step_transfers``: stores and loads a captured step runs itself.
 
 Tools (``kv_ops/tools/``), imported only when asked for:
 
@@ -65,6 +66,7 @@ from .transfer.disk import BlockFile
 from .transfer.engine import AllRanks, Completed, EngineClosedError, OffloadEngine
 from .transfer.host_blocks import HostBlockAllocator, OutOfHostBlocksError
 from .transfer.layerwise import LayerwiseLoads, wait_layer
+from .transfer.step_transfers import StepTransfers, step_transfers
 from .validation import error_count, error_counter, id_checks, reset_error_count, set_id_checks
 
 __all__ = [
@@ -92,5 +94,7 @@ __all__ = [
     "OutOfHostBlocksError",
     "LayerwiseLoads",
     "wait_layer",
+    "StepTransfers",
+    "step_transfers",
     "dma",
 ]

@@ -32,4 +32,22 @@ def register_op(namespace: str, schema: str, *, fake: Callable, cpu: Callable, c
     lib.impl(name, cpu if cuda is None else cuda, "CUDA")
 
 
-__all__ = ["register_op"]
+def find_named(registry: dict, name: str, op: str, kind: str, hint: str = ""):
+    """``registry[name]``: the live instance an op's name resolves to in this process, else a
+    ``ValueError`` from ``op`` naming the ``kind`` of instance, the live names, and ``hint``."""
+    found = registry.get(name)
+    if found is None:
+        known = ", ".join(map(repr, sorted(registry))) or "none"
+        raise ValueError(f"{op}: no {kind} named {name!r} in this process (live: {known}){hint}")
+    return found
+
+
+def check_new_name(registry: dict, owner: str, name) -> None:
+    """A ``ValueError`` from ``owner`` unless ``name`` is a non-empty string no live instance has."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{owner}: name must be a non-empty string, got {name!r}")
+    if name in registry:
+        raise ValueError(f"{owner}: the name {name!r} is taken; close() that instance or pick another")
+
+
+__all__ = ["register_op", "find_named", "check_new_name"]

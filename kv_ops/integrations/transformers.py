@@ -30,7 +30,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 from .. import arguments
 from ..capture import capturing
 from ..host_memory import check_host_bytes, device_view, pinned_empty
-from ..registration import register_op
+from ..registration import find_named, register_op
 
 # Layer types this cache serves: full attention (offloaded) and the windowed kinds (kept on the GPU).
 FULL = "full_attention"
@@ -41,11 +41,7 @@ _names = itertools.count()
 
 
 def _lookup(name: str) -> _Offload:
-    found = _registry.get(name)
-    if found is None:
-        known = ", ".join(map(repr, sorted(_registry))) or "none"
-        raise ValueError(f"kv_ops.prefetch_layer: no HostOffloadedCache named {name!r} in this process (live: {known})")
-    return found
+    return find_named(_registry, name, "kv_ops.prefetch_layer", "HostOffloadedCache")
 
 
 class _Offload:

@@ -14,4 +14,6 @@ Where each piece lives (each imports only the op floor, ``kv_ops/*.py``, and the
 * ``layerwise`` -- ``LayerwiseLoads`` and the op ``torch.ops.kv_ops.wait_layer`` (defined here:
                    it resolves its name to a ``LayerwiseLoads``, so it cannot live on the op floor).
 * ``layerwise_ring`` -- the staged mechanism of ``LayerwiseLoads``: a GPU ring and a scatter per layer.
+* ``step_transfers`` -- ``StepTransfers`` and the op ``torch.ops.kv_ops.step_transfers``: stores and
+                   loads a captured step runs at its start, from ids staged in page-locked memory.
 """

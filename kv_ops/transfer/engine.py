@@ -462,6 +462,17 @@ class OffloadEngine:
 
     # --- transfers ---------------------------------------------------------------------------
 
+    def order_after_transfers(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait for every transfer issued so far: for copies of these blocks
+        that do not go through the engine (:class:`kv_ops.StepTransfers`). Transfers of one
+        direction complete in issue order (see :meth:`_transfer`), so the last one's event
+        covers the others."""
+        for _, done in self._last.values():
+            if isinstance(done, torch.cuda.Event):
+                stream.wait_event(done)
+            elif done is not None:  # the disk tier's completion: never on a mirror engine
+                raise ValueError("OffloadEngine.order_after_transfers: a disk-tier transfer has no stream event")
+
     def _ready(self, op: str, after, fresh: bool) -> torch.cuda.Event | None:
         """The event the transfer waits for: ``after`` itself, or recorded now on ``after`` (a
         stream) or on the caller's current stream. Nothing blocks the caller's thread.

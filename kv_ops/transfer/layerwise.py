@@ -42,7 +42,7 @@ from ..driver import (
     write_value,
 )
 from ..host_memory import lasting_copy, pinned_empty
-from ..registration import register_op
+from ..registration import check_new_name, find_named, register_op
 from ..validation import error_counter
 from . import dma, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
@@ -79,14 +79,13 @@ _registry: dict[str, LayerwiseLoads] = {}
 
 def lookup(name: str) -> LayerwiseLoads:
     """The live :class:`LayerwiseLoads` called ``name`` in this process."""
-    found = _registry.get(name)
-    if found is None:
-        known = ", ".join(map(repr, sorted(_registry))) or "none"
-        raise ValueError(
-            f"kv_ops.wait_layer: no LayerwiseLoads named {name!r} in this process (live: {known}); "
-            "make it (kv_ops.LayerwiseLoads(engine, name)) before running the step"
-        )
-    return found
+    return find_named(
+        _registry,
+        name,
+        "kv_ops.wait_layer",
+        "LayerwiseLoads",
+        "; make it (kv_ops.LayerwiseLoads(engine, name)) before running the step",
+    )
 
 
 def _layer_groups(engine, layers) -> list[list[str]]:
@@ -247,10 +246,7 @@ class LayerwiseLoads:
         if copies not in COPIES:
             raise ValueError(f"LayerwiseLoads: copies must be one of {', '.join(map(repr, COPIES))}, got {copies!r}")
         ring_bytes = positive_int("LayerwiseLoads", "ring_bytes", ring_bytes)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"LayerwiseLoads: name must be a non-empty string, got {name!r}")
-        if name in _registry:
-            raise ValueError(f"LayerwiseLoads: the name {name!r} is taken; close() that instance or pick another")
+        check_new_name(_registry, "LayerwiseLoads", name)
         engine.check_open("LayerwiseLoads")
         if engine.disk is not None:
             raise ValueError(
