@@ -307,7 +307,8 @@ def decode_loop() -> list[str]:
         f"The run: {first}; `{last}`. The PLE cost is read from the two placements decoding in turn, three rounds "
         "each over one stretch of the host's time. Each placement's own phase, minutes apart, step p50 (ratio): "
         f"{', '.join(phases)}. KV stores and "
-        f"loads under pressure, as a ratio to the link: {'; '.join(stores)}. Results: {_links('decode_loop')}.",
+        f"loads under pressure, as a ratio to the link (resume step: the bytes over what a step that moves them takes "
+        f"beyond the median step): {'; '.join(stores)}. Results: {_links('decode_loop')}.",
         "",
         *in_turn,
         "",

@@ -14,10 +14,12 @@ What it checks, exiting non-zero on any mismatch:
 
 * the run with KV memory pressure (sequences preempted to the ``kv_ops.OffloadEngine`` and
   loaded back into other GPU blocks) and the run of the AOT artifact in a fresh process give
-  logits bitwise equal to the run without pressure, for every sequence at every position;
-  a resumed sequence's blocks are loaded layer by layer by the step that first reads them
-  (``kv_ops.LayerwiseLoads``: every layer waits only for its own blocks), and once more, for the
-  report, by load, flush, then step;
+  logits bitwise equal to the run without pressure, for every sequence at every position. A
+  preempted sequence's blocks are stored, and a resumed one's loaded, by the step itself, first
+  thing (``kv_ops.StepTransfers``: the scheduler only writes their ids); and for the report, once
+  stored by the engine and loaded layer by layer by the step that first reads them
+  (``kv_ops.LayerwiseLoads``: every layer waits only for its own blocks), once stored and loaded
+  by the engine, each flushed, before the step;
 * every layer's ``kv_ops.wait_layer`` ran at every host run of the compiled (or loaded) step;
 * the same model with its PLE table on the GPU gives the same tokens (the largest logit
   difference is reported: Inductor may round a fused table lookup differently);
@@ -28,7 +30,7 @@ Usage::
     python examples/decode_loop.py                          # small on CPU, Gemma-3n widths on a GPU
     python examples/decode_loop.py --ple-transport gather   # one transport only
     python examples/decode_loop.py --disk /nvme/kv          # preempt through the disk tier too
-    python examples/decode_loop.py --resume flush           # process B resumes by load, flush, step
+    python examples/decode_loop.py --resume flush           # process B stores and loads by call and flush
 
 The last line is ``decode loop: tokens match`` or ``decode loop: MISMATCH ...``.
 
@@ -59,11 +61,11 @@ import kv_ops.tools.aot
 import ple_ops
 
 from decode_graph import Step, StepBuffer
-from decode_model import CONFIGS, LOADS, Config, DecoderLM, decode_step, make_model
+from decode_model import CONFIGS, LOADS, TRANSFERS, Config, DecoderLM, decode_step, make_model
 from decode_report import report
 from decode_scheduler import Run, Scheduler, blocks_needed, make_sequences, pressure_blocks
 
-RESUME_MODES = ("layerwise", "flush")
+RESUME_MODES = ("layerwise", "flush", "step")
 WARM_REPEATS = 10  # replays of a run's stores for their back-to-back baseline (warm_stores)
 
 # --- a run --------------------------------------------------------------------------------------
@@ -76,16 +78,18 @@ def decode(
     gpu_blocks: int,
     engine=None,
     loads=None,
+    transfers=None,
     keep_logits=False,
     compare_to=None,
     label="",
 ):
     """Decode the workload with ``step``; with ``compare_to``, check every row bitwise as it comes.
-    With ``loads``, resumed sequences are loaded layer by layer by the step itself."""
+    With ``loads``, resumed sequences are loaded layer by layer by the step itself; with
+    ``transfers``, preempted blocks are stored and resumed ones loaded by the step, first thing."""
     for cache in caches.values():
         cache.zero_()  # finite bytes in every block, whatever ran before
     seqs = make_sequences(cfg)
-    sched = Scheduler(cfg, seqs, gpu_blocks, engine, loads)
+    sched = Scheduler(cfg, seqs, gpu_blocks, engine, loads, transfers)
     logits_rows: dict[tuple[int, int], torch.Tensor] = {}
     mismatches: list[tuple[int, int]] = []
     times = []
@@ -99,6 +103,8 @@ def decode(
         logits, next_tokens = step(inputs)
         end = time.perf_counter()  # next_tokens are on the host: the step has finished
         times.append(end - stepped)
+        if transfers is not None:
+            sched.traffic.step_transfers.append((*sched.staged, end - start))
         if resumed:
             sched.traffic.resume_step_times.append(end - start)
         sched.collect()
@@ -150,10 +156,12 @@ class Built(NamedTuple):
     runtime: ple_ops.OffloadRuntime | None
     engine: kv_ops.OffloadEngine  # host memory: the pressure runs' and the LayerwiseLoads'
     loads: kv_ops.LayerwiseLoads  # named LOADS: every run's waits resolve to it
-    shared: bool = False  # caches, engine and loads are another Built's (build's share=)
+    transfers: kv_ops.StepTransfers  # named TRANSFERS: every step's own stores and loads
+    shared: bool = False  # caches, engine, loads and transfers are another Built's (build's share=)
 
     def close(self) -> None:
         if not self.shared:
+            self.transfers.close()
             self.loads.close()
             self.engine.close()
         if self.runtime is not None:
@@ -164,12 +172,13 @@ def build(transport: str, cfg: Config, device: torch.device, share: Built | None
     """``process``: PLE table in an offload process; ``gather``: in page-locked host memory;
     ``gpu``: on the GPU (the local model, the reference for tokens).
 
-    Every model gets a host-memory engine and the LayerwiseLoads its layers wait on, made before
-    the step is compiled, warmed up and captured: the waits need a live instance of the name
-    in every run (with no pressure nothing is started, and they find the last start's layers
-    landed), and a captured graph waits on the flags of the instance that was live at its capture.
-    With ``share`` the model takes that Built's caches, engine and LayerwiseLoads (one instance
-    of the name may live at a time), for steps run in turn with its own (``alternate``)."""
+    Every model gets a host-memory engine, the LayerwiseLoads its layers wait on and the
+    StepTransfers its step runs, made before the step is compiled, warmed up and captured: the
+    ops need a live instance of their name in every run (with nothing started or staged they
+    wait for nothing and move nothing), and a captured graph reads the flags and id words of the
+    instances live at its capture. With ``share`` the model takes that Built's caches, engine,
+    LayerwiseLoads and StepTransfers (one instance of a name may live at a time), for steps run
+    in turn with its own (``alternate``)."""
     runtime = None
     if transport == "process":
         runtime = ple_ops.OffloadRuntime(functools.partial(make_model, cfg), max_tokens=cfg.batch, device=device)
@@ -180,11 +189,12 @@ def build(transport: str, cfg: Config, device: torch.device, share: Built | None
         model = make_model(cfg).to(device)
     if share is not None:
         caches = model.attach_kv_cache(blocks_needed(cfg) + 1, device, shared=share.caches)
-        return Built(model, caches, runtime, share.engine, share.loads, shared=True)
+        return Built(model, caches, runtime, share.engine, share.loads, share.transfers, shared=True)
     caches = model.attach_kv_cache(blocks_needed(cfg) + 1, device)
     try:
         engine = make_engine(caches, cfg, None)
         loads = kv_ops.LayerwiseLoads(engine, LOADS)  # one layer per cache tensor: layers.0, layers.1, ...
+        transfers = kv_ops.StepTransfers(engine, TRANSFERS)
     except BaseException:
         if runtime is not None:
             runtime.close()
@@ -192,7 +202,7 @@ def build(transport: str, cfg: Config, device: torch.device, share: Built | None
     for count in range(1, cfg.max_blocks + 1):  # as make_engine's warm-up, for the layer-wise path
         loads.start(list(range(count)), list(range(1, count + 1)))
     engine.flush()
-    return Built(model, caches, runtime, engine, loads)
+    return Built(model, caches, runtime, engine, loads, transfers)
 
 
 def compiled_step(built: Built, cfg: Config, device: torch.device, save_to: str | None = None) -> Step:
@@ -249,6 +259,7 @@ def pressure_runs(step: Step, built: Built, cfg: Config, runs, disk: str | None,
                 pressure_blocks(cfg),
                 engine,
                 built.loads if mode == "layerwise" else None,
+                built.transfers if mode == "step" else None,
                 compare_to=compare_to,
                 label=f"{label}, KV pressure, {tier}, resume {mode}",
             )
@@ -279,7 +290,7 @@ def warm_stores(engine: kv_ops.OffloadEngine, traffic, repeats: int = WARM_REPEA
 
 
 def pressure_plan(args, both: bool) -> list[tuple[str, str]]:
-    """The pressure runs: host memory resuming by ``--resume`` (and by the other mode too, for
+    """The pressure runs: host memory resuming by ``--resume`` (and by the other modes too, for
     the report's comparison, when ``both``), then the disk tier if asked for."""
     modes = [args.resume] + ([m for m in RESUME_MODES if m != args.resume] if both else [])
     return [("host memory", m) for m in modes] + ([("disk", "flush")] if args.disk else [])
@@ -295,8 +306,9 @@ def check_waits(built: Built, step: Step) -> tuple[str, bool]:
 
 
 def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
-    """Process B: a fresh runtime and engine, its own LayerwiseLoads of the same name (the loaded
-    graph carries only the name), the AOT artifact, the pressure runs, bitwise check."""
+    """Process B: a fresh runtime and engine, its own LayerwiseLoads and StepTransfers of the same
+    names (the loaded graph carries only the names), the AOT artifact, the pressure runs, bitwise
+    check."""
     reference = torch.load(args.expect)
     expected = {key: row.to(device) for key, row in reference["logits"].items()}
     built = build(args.ple_transport[0], cfg, device)
@@ -339,10 +351,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--resume",
         choices=RESUME_MODES,
-        default="layerwise",
-        help="how a resumed sequence's blocks come back from host memory: layer by layer inside the step "
-        "that reads them (default), or load, flush, then step. Process B runs this one; the main process "
-        "runs both, this one first, for the report",
+        default="step",
+        help="how a preempted sequence's blocks go to host memory and come back: stored and loaded by the "
+        "step itself, first thing (default); stored by the engine and flushed, then loaded layer by layer "
+        "inside the step that reads them; or stored, then loaded, each flushed, before the step. Process B "
+        "runs this one; the main process runs all three, this one first, for the report",
     )
     parser.add_argument(
         "--alternate",

@@ -23,6 +23,8 @@ import ple_ops
 # The LayerwiseLoads every layer's wait_layer names. The graph carries only this string, so each
 # process (the AOT-loading one too) makes its own instance of this name before it runs the step.
 LOADS = "decode_loop.resume"
+# The StepTransfers whose staged stores and loads the step runs first (the same rule for the name).
+TRANSFERS = "decode_loop.step"
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,10 @@ def make_model(cfg: Config) -> DecoderLM:
 
 def decode_step(model: DecoderLM, tokens, positions, seq_lens, block_table, slot_block, slot_offset):
     """One decode step of every batch row: logits and the greedy next tokens. The model is the
-    first argument (the AOT recipe, kv_ops.tools.aot), and the graph holds the PLE flag resets."""
+    first argument (the AOT recipe, kv_ops.tools.aot), and the graph holds the PLE flag resets.
+    First the step stores the blocks of the sequences preempted for it and loads those of the
+    sequences it resumes, as staged (nothing when nothing is)."""
+    kv_ops.step_transfers(TRANSFERS, [layer.attn.kv_cache for layer in model.layers])
     logits = model(tokens, Slots(positions, seq_lens, block_table, slot_block, slot_offset))
     model.release_offloaded()
     return logits, logits.argmax(dim=-1)

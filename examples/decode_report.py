@@ -43,6 +43,53 @@ def _report_alternated(device: torch.device, alternated: dict[str, list[list[flo
         )
 
 
+def _report_step_transfers(tier: str, kv, link) -> None:
+    """A run whose steps stored and loaded the blocks themselves: what a transfer adds to the step
+    that carries it, over the median step that moved nothing, as a rate and a ratio to the link."""
+    blocks = sum(len(gpu) for gpu, _ in kv.stores)
+    block_bytes = kv.stored_bytes / blocks if blocks else 0
+    print(
+        f"KV pressure, {tier}, resume step: {kv.preemptions} preemptions ({kv.single_run_preemptions} stored to one "
+        f"run of host blocks), {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} and loaded "
+        f"{_size(kv.loaded_bytes)} by the steps themselves (kv_ops.StepTransfers); per stage, median (max) of "
+        f"{len(kv.stage_times)}: {_us(kv.stage_times)} us of host time"
+    )
+    plain = [t for stored, loaded, t in kv.step_transfers if stored == loaded == 0]
+    if not plain:
+        return
+    base = percentile(plain, 0.5)
+    rates = {}
+    for direction, pick in (("store", lambda s, lo: s and not lo), ("load", lambda s, lo: lo and not s)):
+        done = {"store": "stored", "load": "loaded"}[direction]
+        steps = [(s + lo, t) for s, lo, t in kv.step_transfers if pick(s, lo)]
+        if not steps:
+            continue
+        moved = sum(n for n, _ in steps) * block_bytes
+        extra = sum(t - base for _, t in steps)
+        rates[direction] = moved / max(extra, 1e-9) / 1e9
+        print(
+            f"  steps that {done} only ({len(steps)}): {_us([t for _, t in steps])} us from the stage to the step's "
+            f"end, {extra / len(steps) * 1e6:.0f} us each over the median step that moved nothing ({base * 1e6:.0f} "
+            f"us, {len(plain)} steps): {direction} at {rates[direction]:.2f} GB/s"
+        )
+    both = sum(1 for s, lo, _ in kv.step_transfers if s and lo)
+    if both:
+        print(f"  ({both} steps both stored and loaded: in neither figure)")
+    if kv.warm_store_call_times:
+        print(
+            f"  the same {len(kv.stores)} stores by engine.store, replayed back to back after the run: "
+            f"{_us(kv.warm_store_call_times)} us inside engine.store, {_us(kv.warm_store_flush_times)} us call to flush"
+        )
+    if link is not None and rates:
+        ratios = ", ".join(
+            f"{d} {r / (link.d2h_gbps if d == 'store' else link.h2d_gbps):.2f}" for d, r in rates.items()
+        )
+        print(
+            f"  as a ratio to the link doctor measured ({link.d2h_gbps:.1f} GB/s to host, {link.h2d_gbps:.1f} to "
+            f"GPU): {ratios}"
+        )
+
+
 def report(
     cfg: Config,
     device: torch.device,
@@ -54,7 +101,7 @@ def report(
     """The table the README quotes: step time per PLE placement as a ratio to the table in the
     model, tokens/s, the memory moved off the GPU; the same placements decoded in turn
     (``alternated``, rounds of step seconds per placement); the KV traffic of each pressure run;
-    and the resume-step time with layer-wise loads against load-then-step."""
+    and the resume-step time of each way back (staged, layer-wise, load-then-step)."""
     table_bytes = cfg.vocab * cfg.layers * cfg.ple_dim * 4
     print(f"\nlargest logit difference against the model that holds its PLE table: {max_diff:.3g}")
     print(f"{device.type.upper()} memory the offloaded PLE table no longer takes: {_size(table_bytes)}")
@@ -92,6 +139,9 @@ def report(
     print()
     for tier, mode, run in pressured:
         kv = run.traffic
+        if mode == "step":
+            _report_step_transfers(tier, kv, link)
+            continue
         store = kv.stored_bytes / max(kv.store_seconds, 1e-9) / 1e9
         load = kv.loaded_bytes / max(kv.load_seconds, 1e-9) / 1e9
         if mode == "layerwise":
@@ -141,7 +191,13 @@ def report(
     print(f"\n| resume ({device.type}) | resumed steps | median (us) | max (us) | median ratio |")
     print("| --- | ---: | ---: | ---: | ---: |")
     flushed = percentile(resumes["flush"].traffic.resume_step_times, 0.5)
-    for mode, label in [("layerwise", "layer-wise loads, then the step"), ("flush", "load, flush, then the step")]:
+    for mode, label in [
+        ("step", "staged, loaded by the step itself"),
+        ("layerwise", "layer-wise loads, then the step"),
+        ("flush", "load, flush, then the step"),
+    ]:
+        if mode not in resumes:
+            continue
         t = resumes[mode].traffic.resume_step_times
         print(
             f"| {label} | {len(t)} | {percentile(t, 0.5) * 1e6:.0f} | {max(t) * 1e6:.0f} | "
@@ -149,6 +205,6 @@ def report(
         )
     if device.type == "cpu":
         print(
-            "(on the CPU LayerwiseLoads.start copies at call time and the waits only count, so both rows do the "
+            "(on the CPU LayerwiseLoads.start copies at call time and the waits only count, so the rows do the "
             "same work in another order, on a spinning offload process: times say nothing)"
         )

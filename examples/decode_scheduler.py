@@ -63,9 +63,13 @@ class KVTraffic:
     warm_store_flush_times: list[float] = field(default_factory=list)
     # Per layer-wise load: seconds inside LayerwiseLoads.start (host work; the copies go on).
     start_times: list[float] = field(default_factory=list)
-    # Per step that resumed a sequence: from the call that loads its blocks (start, or load)
-    # to the end of the step (its tokens on the host).
+    # Per step that resumed a sequence: from the call that loads its blocks (start, load, or
+    # stage) to the end of the step (its tokens on the host).
     resume_step_times: list[float] = field(default_factory=list)
+    # With the step's own transfers (kv_ops.StepTransfers), per step: the blocks it stored and
+    # loaded, and the seconds from the stage to the end of the step; per stage, its host time.
+    step_transfers: list[tuple[int, int, float]] = field(default_factory=list)
+    stage_times: list[float] = field(default_factory=list)
     paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma, layerwise)
 
 
@@ -82,6 +86,12 @@ class Scheduler:
     :meth:`load_resumed`, just before the step that first reads them: with ``loads`` (a
     :class:`kv_ops.LayerwiseLoads` of ``engine``) layer by layer, each layer of the step waiting
     for its own blocks; without, by load, flush, then step.
+
+    With ``transfers`` (a :class:`kv_ops.StepTransfers` of ``engine``) the step itself stores the
+    preempted blocks and loads the resumed ones, first thing: the scheduler only stages their ids
+    (:meth:`load_resumed`), and a preempted sequence's blocks are free for this very step (its
+    stores run before anything writes them). A resumed sequence's host blocks go back to the
+    allocator after the step, once it has read them.
     """
 
     def __init__(
@@ -91,12 +101,19 @@ class Scheduler:
         gpu_blocks: int,
         engine: kv_ops.OffloadEngine | None,
         loads: kv_ops.LayerwiseLoads | None = None,
+        transfers: kv_ops.StepTransfers | None = None,
     ):
         if gpu_blocks < cfg.max_blocks:
             raise ValueError(f"{gpu_blocks} GPU blocks cannot hold one sequence of {cfg.max_blocks} blocks")
-        if loads is not None and loads.engine is not engine:
-            raise ValueError("the LayerwiseLoads must belong to this run's engine")
-        self.cfg, self.seqs, self.engine, self.loads = cfg, seqs, engine, loads
+        for given, what in ((loads, "LayerwiseLoads"), (transfers, "StepTransfers")):
+            if given is not None and given.engine is not engine:
+                raise ValueError(f"the {what} must belong to this run's engine")
+        if loads is not None and transfers is not None:
+            raise ValueError("resume by LayerwiseLoads or by StepTransfers, not both")
+        self.cfg, self.seqs, self.engine, self.loads, self.transfers = cfg, seqs, engine, loads, transfers
+        self.storing: list[tuple[list[int], list[int]]] = []  # this step's (gpu, host) stores, staged
+        self.read_host: list[int] = []  # host blocks the last step loaded from, freed after it
+        self.staged = (0, 0)  # blocks the next step stores and loads (with transfers)
         self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
         self.host = kv_ops.HostBlockAllocator(engine.num_host_blocks) if engine is not None else None
         self.preempted: list[Sequence] = []  # oldest first
@@ -151,11 +168,14 @@ class Scheduler:
             host = self.host.allocate(len(seq.blocks)).tolist()
         except kv_ops.OutOfHostBlocksError as e:
             raise RuntimeError(f"out of KV blocks with nowhere to preempt to ({e})") from None
-        self.traffic.store_seconds += self._wait_for(
-            f"storing the blocks of sequence {seq.index}", lambda: self.engine.store(seq.blocks, host)
-        )
+        if self.transfers is not None:
+            self.storing.append((list(seq.blocks), host))  # staged by load_resumed, run by the step
+        else:
+            self.traffic.store_seconds += self._wait_for(
+                f"storing the blocks of sequence {seq.index}", lambda: self.engine.store(seq.blocks, host)
+            )
+            self.traffic.store_call_times.append(self.traffic.call_times[-1])
         self.traffic.stores.append((list(seq.blocks), host))
-        self.traffic.store_call_times.append(self.traffic.call_times[-1])
         self.traffic.stored_bytes += len(host) * self.engine.block_bytes
         self.traffic.preemptions += 1
         self.traffic.single_run_preemptions += host[-1] - host[0] + 1 == len(host)  # allocate's ids ascend
@@ -173,8 +193,11 @@ class Scheduler:
         self.preempted.remove(seq)
 
     def load_resumed(self) -> bool:
-        """Load the blocks of the sequences :meth:`plan` resumed, as one transfer; call it just
-        before the step that first reads them. Returns whether there were any."""
+        """Load the blocks of the sequences :meth:`plan` resumed, as one transfer (with
+        ``transfers``: stage them, and this step's stores); call it just before the step that
+        first reads them. Returns whether there were any."""
+        if self.transfers is not None:
+            return self._stage()
         if not self.resuming:
             return False
         host = [h for _, hs, _ in self.resuming for h in hs]
@@ -194,8 +217,26 @@ class Scheduler:
             self.host.free(host)
         return True
 
+    def _stage(self) -> bool:
+        """The step's stores and loads, staged for the step to run."""
+        store = ([g for gs, _ in self.storing for g in gs], [h for _, hs in self.storing for h in hs])
+        load = ([h for _, hs, _ in self.resuming for h in hs], [g for _, _, gs in self.resuming for g in gs])
+        self.staged = (len(store[0]), len(load[0]))
+        self.storing, self.resuming = [], []
+        if self.staged == (0, 0):
+            return False
+        start = time.perf_counter()
+        self.transfers.stage(store=store, load=load)
+        self.traffic.stage_times.append(time.perf_counter() - start)
+        self.read_host = load[0]
+        return bool(load[0])
+
     def collect(self) -> None:
-        """After a step: take back the host blocks of the layer-wise loads that have landed."""
+        """After a step: take back the host blocks of the layer-wise loads that have landed (with
+        ``transfers``: those the step loaded from)."""
+        if self.read_host:
+            self.host.free(self.read_host)
+            self.read_host = []
         if self.loading:
             self._reclaim(self.engine.poll())
 

@@ -94,6 +94,12 @@ class StepTransfers:
     def __init__(self, engine, name: str, capacity: int | None = None):
         check_new_name(_registry, "StepTransfers", name)
         engine.check_open("StepTransfers")
+        capture.refuse_capture(
+            "StepTransfers",
+            "making one warms its kernel up on the GPU, which the capture would record",
+            "make it before capturing the step",
+            device=engine.device,
+        )
         if engine.disk is not None:
             raise ValueError(
                 "StepTransfers: this engine keeps its blocks on disk (disk_dir=); a step's transfers move "
