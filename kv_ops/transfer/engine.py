@@ -342,6 +342,9 @@ class OffloadEngine:
         self._last: dict[Direction, tuple[object, torch.cuda.Event | None]] = {}
         self._next_tid = 0  # taken only by a call that enqueued its transfer
         self._closed = False
+        # Called at close(), before the mirror goes: what copies these blocks outside the engine
+        # (kv_ops.StepTransfers) drops what it has not yet run.
+        self._on_close: list = []
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
@@ -780,6 +783,8 @@ class OffloadEngine:
         if self._closed:
             return Completed()
         self._closed = True  # from here on every call is refused, even if the wait below fails
+        for drop in self._on_close:
+            drop()
         try:
             return self._collect(wait=True)
         finally:

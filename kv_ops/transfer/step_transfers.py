@@ -133,6 +133,7 @@ class StepTransfers:
             with torch.cuda.device(self.device):
                 self._run()  # compiles the kernel outside any capture (both counts are zero)
                 torch.cuda.current_stream().synchronize()
+        engine._on_close.append(self._drop)  # a step after the engine's close moves nothing
         _registry[name] = self
 
     # --- host side ---------------------------------------------------------------------------
@@ -231,7 +232,10 @@ class StepTransfers:
         against this instance may still replay and moves nothing."""
         if _registry.get(self.name) is self:
             del _registry[self.name]
-            self._words[0] = self._words[self._load_at] = 0
+            self._drop()
+
+    def _drop(self) -> None:
+        self._words[0] = self._words[self._load_at] = 0
 
     def __enter__(self) -> StepTransfers:
         return self

@@ -235,11 +235,17 @@ def test_close_drops_the_name_and_what_was_staged():
         assert torch.equal(State(engine, caches).mirror, before.mirror)
 
 
-def test_staging_on_a_closed_engine_is_refused():
+def test_closing_the_engine_drops_what_was_staged_and_refuses_further_stages():
     with setup("cpu", "engine-closed") as (engine, transfers, caches):
+        before = State(engine, caches)
+        mirror = engine.mirror
+        transfers.stage(store=([1], [1]), load=([2], [3]))
         engine.close()
         with pytest.raises(kv_ops.EngineClosedError):
             transfers.stage(store=([1], [1]))
+        kv_ops.step_transfers("engine-closed", caches)  # a step after the close moves nothing
+        assert torch.equal(mirror, before.mirror)
+        assert all(torch.equal(c, before.caches[f"layer{i}"]) for i, c in enumerate(caches))
 
 
 # --- GPU only ------------------------------------------------------------------------------------
