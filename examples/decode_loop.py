@@ -104,7 +104,7 @@ def decode(
         end = time.perf_counter()  # next_tokens are on the host: the step has finished
         times.append(end - stepped)
         if transfers is not None:
-            sched.traffic.step_transfers.append((*sched.staged, end - start))
+            sched.traffic.step_transfers.append((*sched.staged, end - start, sched.stage_seconds))
         if resumed:
             sched.traffic.resume_step_times.append(end - start)
         sched.collect()

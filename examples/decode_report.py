@@ -54,25 +54,28 @@ def _report_step_transfers(tier: str, kv, link) -> None:
         f"{_size(kv.loaded_bytes)} by the steps themselves (kv_ops.StepTransfers); per stage, median (max) of "
         f"{len(kv.stage_times)}: {_us(kv.stage_times)} us of host time"
     )
-    plain = [t for stored, loaded, t in kv.step_transfers if stored == loaded == 0]
+    plain = [t for stored, loaded, t, _ in kv.step_transfers if stored == loaded == 0]
     if not plain:
         return
     base = percentile(plain, 0.5)
     rates = {}
     for direction, pick in (("store", lambda s, lo: s and not lo), ("load", lambda s, lo: lo and not s)):
         done = {"store": "stored", "load": "loaded"}[direction]
-        steps = [(s + lo, t) for s, lo, t in kv.step_transfers if pick(s, lo)]
+        steps = [(s + lo, t, staging) for s, lo, t, staging in kv.step_transfers if pick(s, lo)]
         if not steps:
             continue
-        moved = sum(n for n, _ in steps) * block_bytes
-        extra = sum(t - base for _, t in steps)
+        moved = sum(n for n, _, _ in steps) * block_bytes
+        extra = sum(t - base for _, t, _ in steps)
+        staging = sum(st for _, _, st in steps)
         rates[direction] = moved / max(extra, 1e-9) / 1e9
         print(
-            f"  steps that {done} only ({len(steps)}): {_us([t for _, t in steps])} us from the stage to the step's "
-            f"end, {extra / len(steps) * 1e6:.0f} us each over the median step that moved nothing ({base * 1e6:.0f} "
-            f"us, {len(plain)} steps): {direction} at {rates[direction]:.2f} GB/s"
+            f"  steps that {done} only ({len(steps)}): {_us([t for _, t, _ in steps])} us from the stage to the "
+            f"step's end, {extra / len(steps) * 1e6:.0f} us each over the median step that moved nothing "
+            f"({base * 1e6:.0f} us, {len(plain)} steps): {direction} at {rates[direction]:.2f} GB/s; of the "
+            f"{extra / len(steps) * 1e6:.0f} us, {staging / len(steps) * 1e6:.0f} us in the stage (host), the rest "
+            f"at {moved / max(extra - staging, 1e-9) / 1e9:.2f} GB/s"
         )
-    both = sum(1 for s, lo, _ in kv.step_transfers if s and lo)
+    both = sum(1 for s, lo, _, _ in kv.step_transfers if s and lo)
     if both:
         print(f"  ({both} steps both stored and loaded: in neither figure)")
     if kv.warm_store_call_times:

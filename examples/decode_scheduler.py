@@ -67,8 +67,9 @@ class KVTraffic:
     # stage) to the end of the step (its tokens on the host).
     resume_step_times: list[float] = field(default_factory=list)
     # With the step's own transfers (kv_ops.StepTransfers), per step: the blocks it stored and
-    # loaded, and the seconds from the stage to the end of the step; per stage, its host time.
-    step_transfers: list[tuple[int, int, float]] = field(default_factory=list)
+    # loaded, the seconds from the stage to the end of the step, and the stage's own (host time);
+    # and per stage, its host time.
+    step_transfers: list[tuple[int, int, float, float]] = field(default_factory=list)
     stage_times: list[float] = field(default_factory=list)
     paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma, layerwise)
 
@@ -114,6 +115,7 @@ class Scheduler:
         self.storing: list[tuple[list[int], list[int]]] = []  # this step's (gpu, host) stores, staged
         self.read_host: list[int] = []  # host blocks the last step loaded from, freed after it
         self.staged = (0, 0)  # blocks the next step stores and loads (with transfers)
+        self.stage_seconds = 0.0  # and the host time of their stage
         self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
         self.host = kv_ops.HostBlockAllocator(engine.num_host_blocks) if engine is not None else None
         self.preempted: list[Sequence] = []  # oldest first
@@ -222,12 +224,14 @@ class Scheduler:
         store = ([g for gs, _ in self.storing for g in gs], [h for _, hs in self.storing for h in hs])
         load = ([h for _, hs, _ in self.resuming for h in hs], [g for _, _, gs in self.resuming for g in gs])
         self.staged = (len(store[0]), len(load[0]))
+        self.stage_seconds = 0.0
         self.storing, self.resuming = [], []
         if self.staged == (0, 0):
             return False
         start = time.perf_counter()
         self.transfers.stage(store=store, load=load)
-        self.traffic.stage_times.append(time.perf_counter() - start)
+        self.stage_seconds = time.perf_counter() - start
+        self.traffic.stage_times.append(self.stage_seconds)
         self.read_host = load[0]
         return bool(load[0])
 

@@ -470,7 +470,9 @@ class OffloadEngine:
         that do not go through the engine (:class:`kv_ops.StepTransfers`). Transfers of one
         direction complete in issue order (see :meth:`_transfer`), so the last one's event
         covers the others."""
-        for _, done in self._last.values():
+        for direction, (_, done) in self._last.items():
+            if not self._lanes[direction].pending:
+                continue  # every transfer of this direction has been reported: nothing to wait for
             if isinstance(done, torch.cuda.Event):
                 stream.wait_event(done)
             elif done is not None:  # the disk tier's completion: never on a mirror engine
