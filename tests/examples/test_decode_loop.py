@@ -37,8 +37,8 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
         re.MULTILINE,
     )
     assert staged and float(staged.group(1)) > 0 and float(staged.group(2)) > 0 and int(staged.group(3)) >= 2, out
-    for direction in ["store", "load"]:
-        line = rf"^  steps that {direction}d only \(\d+\): .* {direction} at [\d.]+ GB/s; .* the rest at [\d.]+ GB/s$"
+    for direction, done in [("store", "stored"), ("load", "loaded")]:
+        line = rf"^  steps that {done} only \(\d+\): .* {direction} at [\d.]+ GB/s; .* the rest at [\d.]+ GB/s$"
         assert re.search(line, out, re.MULTILINE), out
     # Preemption happened in host memory, and the resumed blocks came back layer by layer (one
     # LayerwiseLoads.start per resumed step, each reported as the engine's "layerwise" path),
