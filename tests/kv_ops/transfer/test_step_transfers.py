@@ -6,6 +6,8 @@ import contextlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from layerwise_models import fill_mirror, make_caches
 
 import kv_ops
@@ -304,3 +306,40 @@ def test_a_stage_waits_for_the_step_still_queued_behind_gpu_work(monkeypatch):
         transfers.stage(store=([1], [1]))
         with pytest.raises(RuntimeError, match=r"not read by a step within 0.2 s"):
             transfers.stage(store=([2], [2]))
+
+
+# --- property ------------------------------------------------------------------------------------
+
+pairs = st.integers(0, 4).flatmap(
+    lambda n: st.tuples(
+        st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=n, max_size=n),  # sources may repeat
+        st.lists(st.integers(0, HOST_BLOCKS - 1), min_size=n, max_size=n, unique=True),
+    )
+)
+steps = st.lists(st.tuples(pairs, pairs, st.booleans()), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=steps)
+def test_any_sequence_of_stages_and_steps_moves_what_a_copy_in_order_would(steps):
+    # Each step: stage its stores (GPU -> host) and loads (host -> GPU, the host ids as sources,
+    # the GPU ids, distinct, as destinations), or stage nothing; then the step. The oracle copies
+    # stores then loads, block by block, in pure torch over its own copy of the bytes.
+    with setup("cpu", "property") as (engine, transfers, caches):
+        want = State(engine, caches)
+        for (store_gpu, store_host), (load_gpu_pool, load_host), stage in steps:
+            load_gpu = list(dict.fromkeys(load_gpu_pool))  # destinations distinct
+            load_host = load_host[: len(load_gpu)]
+            if stage:
+                transfers.stage(store=(store_gpu, store_host), load=(load_host, load_gpu))
+                for g, h in zip(store_gpu, store_host):
+                    want.mirror[h] = want.gpu_block(g)
+                for h, g in zip(load_host, load_gpu):
+                    row, at = want.mirror[h], 0
+                    for region in want.regions.values():
+                        region[g] = row[at : at + region.shape[1]]
+                        at += region.shape[1]
+            kv_ops.step_transfers("property", caches)
+        got = State(engine, caches)
+        assert torch.equal(got.mirror, want.mirror)
+        assert all(torch.equal(got.caches[k], want.caches[k]) for k in got.caches)
