@@ -342,9 +342,7 @@ class OffloadEngine:
         self._last: dict[Direction, tuple[object, torch.cuda.Event | None]] = {}
         self._next_tid = 0  # taken only by a call that enqueued its transfer
         self._closed = False
-        # Called at close(), before the mirror goes: what copies these blocks outside the engine
-        # (kv_ops.StepTransfers) drops what it has not yet run.
-        self._on_close: list = []
+        self._on_close: list = []  # see on_close()
         self.mirror: torch.Tensor | None = None
         self.mirror_regions: dict[str, torch.Tensor] | None = None
         self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
@@ -464,6 +462,11 @@ class OffloadEngine:
         return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, path=path, op=op, instead=instead)
 
     # --- transfers ---------------------------------------------------------------------------
+
+    def on_close(self, callback) -> None:
+        """Call ``callback()`` at :meth:`close`, before the mirror goes: for what copies these
+        blocks outside the engine (:class:`kv_ops.StepTransfers` drops what it has staged)."""
+        self._on_close.append(callback)
 
     def order_after_transfers(self, stream: torch.cuda.Stream) -> None:
         """Make ``stream`` wait for every transfer issued so far: for copies of these blocks

@@ -124,6 +124,12 @@ class StepTransfers:
         self._twin.zero_()
         self._words = self._twin.numpy()
         self.staged = {"store": 0, "load": 0}  # pairs staged so far, per direction
+        # Per direction, its id sides as stage() checks them: (name, limit, destinations distinct).
+        gpu_side, host_side = ("gpu_ids", engine.num_blocks), ("host_ids", engine.num_host_blocks)
+        self._sides = (
+            ("store", ((*gpu_side, False), (*host_side, True))),
+            ("load", ((*host_side, False), (*gpu_side, True))),
+        )
         if self.device.type == "cuda":
             self._block = lasting_copy(torch.zeros(words, dtype=torch.int64), self.device)
             self._zero = lasting_copy(torch.zeros(1, dtype=torch.int64), self.device)
@@ -133,7 +139,7 @@ class StepTransfers:
             with torch.cuda.device(self.device):
                 self._run()  # compiles the kernel outside any capture (both counts are zero)
                 torch.cuda.current_stream().synchronize()
-        engine._on_close.append(self._drop)  # a step after the engine's close moves nothing
+        engine.on_close(self._drop)  # a step after the engine's close moves nothing
         _registry[name] = self
 
     # --- host side ---------------------------------------------------------------------------
@@ -169,10 +175,7 @@ class StepTransfers:
         engine = self.engine
         engine.check_open("StepTransfers.stage")
         pairs = []
-        for direction, given, sides in (
-            ("store", store, (("gpu_ids", engine.num_blocks, False), ("host_ids", engine.num_host_blocks, True))),
-            ("load", load, (("host_ids", engine.num_host_blocks, False), ("gpu_ids", engine.num_blocks, True))),
-        ):
+        for (direction, sides), given in zip(self._sides, (store, load)):
             if given is None:
                 pairs.append(None)
                 continue
