@@ -57,6 +57,7 @@ class Step:
         self.fn, self.model, self.runtime = fn, model, runtime
         self.static = StepBuffer(cfg, device)
         self.graph = None
+        self._running = None  # the launched step's outputs (logits, next tokens), until finish()
         # Times the step's code ran on the host (eager calls and the capture; a replay runs
         # none): what every layer's LayerwiseLoads.waits must equal if the graph kept its waits.
         self.host_runs = 0
@@ -85,7 +86,12 @@ class Step:
 
     def __call__(self, host: StepBuffer) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one step; returns the logits (on the model's device) and the next tokens (CPU)."""
-        # Asynchronous from pinned memory; the caller rewrites it only after the .cpu() below.
+        self.launch(host)
+        return self.finish()
+
+    def launch(self, host: StepBuffer) -> None:
+        """Start one step and return while it runs (on a GPU); :meth:`finish` waits for it. The
+        caller leaves ``host`` alone until then: its copy to the graph's inputs is asynchronous."""
         self.static.flat.copy_(host.flat, non_blocking=True)
         t0 = time.perf_counter()
         if self.runtime is not None:
@@ -98,27 +104,30 @@ class Step:
             launch = time.perf_counter()
         if self.graph is not None:
             self.graph.replay()
-            logits, next_tokens = self.outputs
+            outputs = self.outputs
         else:
-            logits, next_tokens = self.fn(self.model, *self.static.inputs)
+            outputs = self.fn(self.model, *self.static.inputs)
             self.host_runs += 1
         t2 = time.perf_counter()
         if self.runtime is not None:
             self.runtime.release(enqueue=False)  # the resets are in the step itself
         t3 = time.perf_counter()
-        if self.graph is None:
-            return logits, next_tokens.cpu()
-        span = self._gpu_span
-        if span is not None:
-            span[1].record()
+        if self.graph is not None:
+            if self._gpu_span is not None:
+                self._gpu_span[1].record()
+            if self.runtime is not None:
+                self.host_times["prepare"].append(t1 - t0)
+                self.host_times["release"].append(t3 - t2)
+            self.host_times["replay"].append(t2 - launch)
+        self._running = outputs
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the step :meth:`launch` started: its logits (on the model's device) and next
+        tokens (CPU). The logits stay valid until the next launch."""
+        logits, next_tokens = self._running
         next_tokens = next_tokens.cpu()  # after the replay on this stream: both events have run
-        times = self.host_times
-        if self.runtime is not None:
-            times["prepare"].append(t1 - t0)
-            times["release"].append(t3 - t2)
-        times["replay"].append(t2 - launch)
-        if span is not None:
-            times["gpu"].append(span[0].elapsed_time(span[1]) / 1e3)
+        if self.graph is not None and self._gpu_span is not None:
+            self.host_times["gpu"].append(self._gpu_span[0].elapsed_time(self._gpu_span[1]) / 1e3)
         return logits, next_tokens
 
     def take_host_times(self) -> dict[str, list[float]]:

@@ -16,10 +16,10 @@ What it checks, exiting non-zero on any mismatch:
   loaded back into other GPU blocks) and the run of the AOT artifact in a fresh process give
   logits bitwise equal to the run without pressure, for every sequence at every position. A
   preempted sequence's blocks are stored, and a resumed one's loaded, by the step itself, first
-  thing (``kv_ops.StepTransfers``: the scheduler only writes their ids); and for the report, once
-  stored by the engine and loaded layer by layer by the step that first reads them
-  (``kv_ops.LayerwiseLoads``: every layer waits only for its own blocks), once stored and loaded
-  by the engine, each flushed, before the step;
+  thing (``kv_ops.StepTransfers``: the scheduler only writes their ids, while the step before
+  runs); and for the report, once stored by the engine and loaded layer by layer by the step
+  that first reads them (``kv_ops.LayerwiseLoads``: every layer waits only for its own blocks),
+  once stored and loaded by the engine, each flushed, before the step;
 * every layer's ``kv_ops.wait_layer`` ran at every host run of the compiled (or loaded) step;
 * the same model with its PLE table on the GPU gives the same tokens (the largest logit
   difference is reported: Inductor may round a fused table lookup differently);
@@ -85,7 +85,8 @@ def decode(
 ):
     """Decode the workload with ``step``; with ``compare_to``, check every row bitwise as it comes.
     With ``loads``, resumed sequences are loaded layer by layer by the step itself; with
-    ``transfers``, preempted blocks are stored and resumed ones loaded by the step, first thing."""
+    ``transfers``, preempted blocks are stored and resumed ones loaded by the step, first thing,
+    and each step is planned and staged while the step before runs."""
     for cache in caches.values():
         cache.zero_()  # finite bytes in every block, whatever ran before
     seqs = make_sequences(cfg)
@@ -95,20 +96,36 @@ def decode(
     times = []
     total = sum(s.total - 1 for s in seqs)
     shown = 0
+    ahead = transfers is not None
     step.take_host_times()  # this run's only
-    while (inputs := sched.plan()) is not None:
+    inputs = sched.plan()
+    if ahead and inputs is not None:
+        sched.load_resumed()
+    while inputs is not None:
         start = time.perf_counter()
-        resumed = sched.load_resumed()
+        resumed = sched.load_resumed() if not ahead else sched.staged[1] > 0  # ahead: staged already
+        staged = sched.staged
         stepped = time.perf_counter()
-        logits, next_tokens = step(inputs)
+        step.launch(inputs)
+        if ahead:
+            # While the step runs: account for it, plan the next one and stage its transfers (the
+            # stage waits only until this step has read the last ids, its first op). The sampled
+            # tokens are filled in once they are on the host.
+            ran = sched.advance(None)
+            if (inputs := sched.plan()) is not None:
+                sched.load_resumed()
+        logits, next_tokens = step.finish()
         end = time.perf_counter()  # next_tokens are on the host: the step has finished
         times.append(end - stepped)
-        if transfers is not None:
-            sched.traffic.step_transfers.append((*sched.staged, end - start, sched.stage_seconds))
+        if ahead:
+            sched.fill(next_tokens)
+            sched.traffic.step_transfers.append((*staged, end - stepped))
         if resumed:
-            sched.traffic.resume_step_times.append(end - start)
+            sched.traffic.resume_step_times.append(end - (stepped if ahead else start))
         sched.collect()
-        ran = sched.advance(next_tokens)
+        if not ahead:
+            ran = sched.advance(next_tokens)
+            inputs = sched.plan()
         if keep_logits or compare_to is not None:
             for seq, pos in ran:
                 row = logits[seq]

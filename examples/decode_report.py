@@ -44,38 +44,36 @@ def _report_alternated(device: torch.device, alternated: dict[str, list[list[flo
 
 
 def _report_step_transfers(tier: str, kv, link) -> None:
-    """A run whose steps stored and loaded the blocks themselves: what a transfer adds to the step
-    that carries it, over the median step that moved nothing, as a rate and a ratio to the link."""
+    """A run whose steps stored and loaded the blocks themselves, each staged while the step before
+    ran: what a transfer adds to the step that carries it (from its launch to its tokens on the
+    host), over the median step that moved nothing, as a rate and a ratio to the link."""
     blocks = sum(len(gpu) for gpu, _ in kv.stores)
     block_bytes = kv.stored_bytes / blocks if blocks else 0
     print(
         f"KV pressure, {tier}, resume step: {kv.preemptions} preemptions ({kv.single_run_preemptions} stored to one "
         f"run of host blocks), {kv.resumptions} resumptions; stored {_size(kv.stored_bytes)} and loaded "
         f"{_size(kv.loaded_bytes)} by the steps themselves (kv_ops.StepTransfers); per stage, median (max) of "
-        f"{len(kv.stage_times)}: {_us(kv.stage_times)} us of host time"
+        f"{len(kv.stage_times)}: {_us(kv.stage_times)} us of host time, while the step before ran"
     )
-    plain = [t for stored, loaded, t, _ in kv.step_transfers if stored == loaded == 0]
+    plain = [t for stored, loaded, t in kv.step_transfers if stored == loaded == 0]
     if not plain:
         return
     base = percentile(plain, 0.5)
     rates = {}
     for direction, pick in (("store", lambda s, lo: s and not lo), ("load", lambda s, lo: lo and not s)):
         done = {"store": "stored", "load": "loaded"}[direction]
-        steps = [(s + lo, t, staging) for s, lo, t, staging in kv.step_transfers if pick(s, lo)]
+        steps = [(s + lo, t) for s, lo, t in kv.step_transfers if pick(s, lo)]
         if not steps:
             continue
-        moved = sum(n for n, _, _ in steps) * block_bytes
-        extra = sum(t - base for _, t, _ in steps)
-        staging = sum(st for _, _, st in steps)
+        moved = sum(n for n, _ in steps) * block_bytes
+        extra = sum(t - base for _, t in steps)
         rates[direction] = moved / max(extra, 1e-9) / 1e9
         print(
-            f"  steps that {done} only ({len(steps)}): {_us([t for _, t, _ in steps])} us from the stage to the "
+            f"  steps that {done} only ({len(steps)}): {_us([t for _, t in steps])} us from the launch to the "
             f"step's end, {extra / len(steps) * 1e6:.0f} us each over the median step that moved nothing "
-            f"({base * 1e6:.0f} us, {len(plain)} steps): {direction} at {rates[direction]:.2f} GB/s; of the "
-            f"{extra / len(steps) * 1e6:.0f} us, {staging / len(steps) * 1e6:.0f} us in the stage (host), the rest "
-            f"at {moved / max(extra - staging, 1e-9) / 1e9:.2f} GB/s"
+            f"({base * 1e6:.0f} us, {len(plain)} steps): {direction} at {rates[direction]:.2f} GB/s"
         )
-    both = sum(1 for s, lo, _, _ in kv.step_transfers if s and lo)
+    both = sum(1 for s, lo, _ in kv.step_transfers if s and lo)
     if both:
         print(f"  ({both} steps both stored and loaded: in neither figure)")
     if kv.warm_store_call_times:
@@ -189,7 +187,8 @@ def report(
         return
     print(
         "\nresume steps (host memory, same engine, workload and process): from the call that loads a resumed "
-        "sequence's blocks to the end of the step that first reads them (its tokens on the host)"
+        "sequence's blocks to the end of the step that first reads them (its tokens on the host); staged while "
+        "the step before ran, from that step's launch"
     )
     print(f"\n| resume ({device.type}) | resumed steps | median (us) | max (us) | median ratio |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -63,13 +64,14 @@ class KVTraffic:
     warm_store_flush_times: list[float] = field(default_factory=list)
     # Per layer-wise load: seconds inside LayerwiseLoads.start (host work; the copies go on).
     start_times: list[float] = field(default_factory=list)
-    # Per step that resumed a sequence: from the call that loads its blocks (start, load, or
-    # stage) to the end of the step (its tokens on the host).
+    # Per step that resumed a sequence: from the call that loads its blocks (start or load; with
+    # the step's own transfers, staged while the step before ran: the step's launch) to the end
+    # of the step (its tokens on the host).
     resume_step_times: list[float] = field(default_factory=list)
     # With the step's own transfers (kv_ops.StepTransfers), per step: the blocks it stored and
-    # loaded, the seconds from the stage to the end of the step, and the stage's own (host time);
-    # and per stage, its host time.
-    step_transfers: list[tuple[int, int, float, float]] = field(default_factory=list)
+    # loaded, and the seconds from its launch to its end; and per stage (run while the step
+    # before ran), its host time.
+    step_transfers: list[tuple[int, int, float]] = field(default_factory=list)
     stage_times: list[float] = field(default_factory=list)
     paths: dict[str, int] = field(default_factory=dict)  # transfers per engine path (kernel, dma, layerwise)
 
@@ -92,7 +94,11 @@ class Scheduler:
     preempted blocks and loads the resumed ones, first thing: the scheduler only stages their ids
     (:meth:`load_resumed`), and a preempted sequence's blocks are free for this very step (its
     stores run before anything writes them). A resumed sequence's host blocks go back to the
-    allocator after the step, once it has read them.
+    allocator after the step, once it has read them. The loop then plans each step while the step
+    before runs, as an asynchronous scheduler does: :meth:`advance` with no tokens, :meth:`plan`,
+    :meth:`load_resumed`, and :meth:`fill` once the tokens are on the host. Nothing a plan decides
+    depends on a token's value, and the stage waits only until the running step has read the ids
+    staged for it, which is that step's first op.
     """
 
     def __init__(
@@ -113,9 +119,10 @@ class Scheduler:
             raise ValueError("resume by LayerwiseLoads or by StepTransfers, not both")
         self.cfg, self.seqs, self.engine, self.loads, self.transfers = cfg, seqs, engine, loads, transfers
         self.storing: list[tuple[list[int], list[int]]] = []  # this step's (gpu, host) stores, staged
-        self.read_host: list[int] = []  # host blocks the last step loaded from, freed after it
+        # Per staged step, oldest first: the host blocks it loads from, freed once it has run (the
+        # next step may be staged before the last one has finished).
+        self.read_host: deque[list[int]] = deque()
         self.staged = (0, 0)  # blocks the next step stores and loads (with transfers)
-        self.stage_seconds = 0.0  # and the host time of their stage
         self.free = list(range(gpu_blocks, 0, -1))  # block 0 is the null block, never handed out
         self.host = kv_ops.HostBlockAllocator(engine.num_host_blocks) if engine is not None else None
         self.preempted: list[Sequence] = []  # oldest first
@@ -125,7 +132,11 @@ class Scheduler:
         # could overwrite bytes still on their way to the GPU).
         self.loading: dict[int, list[int]] = {}
         self.traffic = KVTraffic()
-        self.buffer = StepBuffer(cfg, pin=torch.cuda.is_available())
+        # Two, taken in turn: a step's inputs are planned while the step before runs, whose
+        # asynchronous copy may still read the other.
+        self.buffers = [StepBuffer(cfg, pin=torch.cuda.is_available()) for _ in range(2)]
+        self.planned: list[Sequence] = []  # the rows of the last plan
+        self.sampling: list[Sequence] = []  # advanced without their sampled token (advance(None))
 
     def running(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished and s.host_blocks is None]
@@ -224,23 +235,20 @@ class Scheduler:
         store = ([g for gs, _ in self.storing for g in gs], [h for _, hs in self.storing for h in hs])
         load = ([h for _, hs, _ in self.resuming for h in hs], [g for _, _, gs in self.resuming for g in gs])
         self.staged = (len(store[0]), len(load[0]))
-        self.stage_seconds = 0.0
         self.storing, self.resuming = [], []
+        self.read_host.append(load[0])
         if self.staged == (0, 0):
             return False
         start = time.perf_counter()
         self.transfers.stage(store=store, load=load)
-        self.stage_seconds = time.perf_counter() - start
-        self.traffic.stage_times.append(self.stage_seconds)
-        self.read_host = load[0]
+        self.traffic.stage_times.append(time.perf_counter() - start)
         return bool(load[0])
 
     def collect(self) -> None:
         """After a step: take back the host blocks of the layer-wise loads that have landed (with
         ``transfers``: those the step loaded from)."""
-        if self.read_host:
-            self.host.free(self.read_host)
-            self.read_host = []
+        if self.read_host and (read := self.read_host.popleft()):
+            self.host.free(read)
         if self.loading:
             self._reclaim(self.engine.poll())
 
@@ -254,6 +262,7 @@ class Scheduler:
     def plan(self) -> StepBuffer | None:
         """The next step's inputs, after resuming and preempting; None when every sequence is done."""
         cfg = self.cfg
+        self.planned = []
         for seq in list(self.preempted):
             need = len(seq.host_blocks) + (seq.done % cfg.block_size == 0) + len(self.running())
             if len(self.free) < need:
@@ -271,29 +280,48 @@ class Scheduler:
             return None
         if not rows:
             raise RuntimeError(f"no sequence can run: {len(self.free)} free blocks, {len(self.preempted)} preempted")
-        inputs = self.buffer.reset()
+        self.buffers.reverse()
+        inputs = self.buffers[0].reset()
+        self.planned = rows
         for seq in rows:
             i, p = seq.index, seq.done
-            inputs.tokens[i] = seq.tokens[p]
+            inputs.tokens[i] = seq.tokens[p] if seq.tokens[p] is not None else 0  # None: see fill()
             inputs.positions[i] = p
             inputs.seq_lens[i] = p + 1
             inputs.block_table[i, : len(seq.blocks)] = torch.tensor(seq.blocks)
             inputs.slot_block[i] = seq.blocks[p // cfg.block_size]
             inputs.slot_offset[i] = p % cfg.block_size
-        return self.buffer
+        return self.buffers[0]
 
-    def advance(self, next_tokens: torch.Tensor) -> list[tuple[int, int]]:
-        """Account for a finished step; returns the (sequence, position) of every row that ran."""
+    def advance(self, next_tokens: torch.Tensor | None) -> list[tuple[int, int]]:
+        """Account for a step; returns the (sequence, position) of every row that ran.
+
+        With ``next_tokens=None``, for a step still running: a sequence that samples a token gets
+        a placeholder (its length, so whether it is finished, does not depend on the token's
+        value), so the next step can be planned now; :meth:`fill` writes the tokens once known."""
         ran = []
         for seq in self.running():
             ran.append((seq.index, seq.done))
             seq.done += 1
             if seq.done == len(seq.tokens):  # the last known token was processed: sample the next
-                seq.tokens.append(int(next_tokens[seq.index]))
+                seq.tokens.append(None if next_tokens is None else int(next_tokens[seq.index]))
+                if next_tokens is None:
+                    self.sampling.append(seq)
             if seq.finished:
                 self.free += reversed(seq.blocks)
                 seq.blocks = []
         return ran
+
+    def fill(self, next_tokens: torch.Tensor) -> None:
+        """The sampled tokens of the step that :meth:`advance` accounted for with none, into their
+        sequences and into the inputs :meth:`plan` made since (rows that read them are waiting)."""
+        planned = {id(seq) for seq in self.planned}
+        inputs = self.buffers[0].inputs
+        for seq in self.sampling:
+            token = seq.tokens[-1] = int(next_tokens[seq.index])
+            if id(seq) in planned and seq.done == len(seq.tokens) - 1:
+                inputs.tokens[seq.index] = token
+        self.sampling = []
 
 
 def blocks_needed(cfg: Config) -> int:
