@@ -8,15 +8,18 @@ from torch import nn
 from ..ops import gather_rows
 from .host_rows import pin_rows
 
-# Subclasses of nn.Embedding whose forward is known: (module, qualified name) -> how the table
-# is pre-scaled so that a plain lookup gives what their forward gives. Gemma 3n's and Gemma 4's
-# forwards are both ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)``
-# (transformers 5.16 to 5.25): an elementwise product of each row with one scalar, cast to the
-# weight's dtype first (the buffer is made in the default dtype and may differ from the weight's),
-# which commutes with the row lookup bit for bit. Gemma 4's per-layer table is scaled by
-# sqrt(hidden_size_per_layer_input) and pads with config.pad_token_id, which may be None; the
-# padding row only matters to gradients. ``host_embedding`` also checks each conversion against
-# the original forward on a sample of ids, so a forward changed in another release is refused.
+# Subclasses of nn.Embedding whose forward is known: (module, qualified name). Gemma 3n's and
+# Gemma 4's forwards are both ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)``
+# (transformers 5.16 to 5.25): each row times one scalar, cast to the weight's dtype first (the
+# buffer is made in the default dtype and may differ from the weight's). HostEmbedding gathers the
+# rows as stored and multiplies them in its forward, outside the gather op, as the stock forward
+# does after its lookup: Inductor then fuses the product into the ops after it exactly as it does
+# in the stock model (it keeps a fused kernel's bf16 intermediates in fp32, so a table stored
+# pre-scaled, rounded to bf16 once, gives other greedy tokens at Gemma 4 E2B's widths). Gemma 4's
+# per-layer table is scaled by sqrt(hidden_size_per_layer_input) and pads with
+# config.pad_token_id, which may be None; the padding row only matters to gradients.
+# ``host_embedding`` also checks each conversion against the original forward on a sample of ids,
+# so a forward changed in another release is refused.
 _SCALED = {
     ("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nTextScaledWordEmbedding"),
     ("transformers.models.gemma4.modeling_gemma4", "Gemma4TextScaledWordEmbedding"),
@@ -34,13 +37,22 @@ class HostEmbedding(nn.Module):
     conversion (``model.to(dtype)`` leaves it alone).
     """
 
-    def __init__(self, host_rows: torch.Tensor, embedding_dim: int, dtype: torch.dtype, source: str):
+    def __init__(
+        self,
+        host_rows: torch.Tensor,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        source: str,
+        scale: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.num_embeddings = host_rows.shape[0]
         self.embedding_dim = embedding_dim
         self.dtype = dtype
         self.source = source
         self.register_buffer("host_rows", host_rows, persistent=False)
+        # The scaled embeddings' factor (a scalar in the rows' dtype, on their device), or None.
+        self.register_buffer("scale", scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # As nn.Embedding: ids are a tensor on the rows' device (a list would fail deep in the
@@ -55,7 +67,8 @@ class HostEmbedding(nn.Module):
                 f"{self.host_rows.device}: move the ids there"
             )
         rows = gather_rows(self.host_rows, input_ids.reshape(-1), self.dtype)
-        return rows.view(*input_ids.shape, self.embedding_dim)
+        rows = rows.view(*input_ids.shape, self.embedding_dim)
+        return rows if self.scale is None else rows * self.scale
 
     def extra_repr(self) -> str:
         return (
@@ -64,14 +77,14 @@ class HostEmbedding(nn.Module):
         )
 
 
-def _scale_of(module: nn.Embedding):
-    """The elementwise transform that makes ``weight[ids]`` equal ``module(ids)``, or raise."""
+def _scale_of(module: nn.Embedding) -> torch.Tensor | None:
+    """The factor ``module``'s forward multiplies the looked-up rows by (None: none), or raise."""
     cls = type(module)
     if cls is nn.Embedding:
         return None
     if (cls.__module__, cls.__qualname__) in _SCALED:
-        scale = module.embed_scale.to(module.weight.dtype)  # exactly the forward's factor
-        return lambda rows: rows * scale.to(rows.device)
+        # Exactly the forward's factor, on the rows' device.
+        return module.embed_scale.detach().to(module.weight.dtype).to(module.weight.device).clone()
     raise ValueError(
         f"host_embedding: {cls.__module__}.{cls.__qualname__} is a subclass of nn.Embedding whose forward "
         "is not known to be a plain row lookup (or a known elementwise scaling of one); refusing to replace it"
@@ -89,9 +102,10 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
 
     Outputs are bitwise what ``module(ids)`` gives, in the weight's dtype. For transformers'
     ``Gemma3nTextScaledWordEmbedding`` and ``Gemma4TextScaledWordEmbedding`` (rows times
-    ``embed_scale`` cast to the weight's dtype) the table is stored pre-scaled: an elementwise
-    product with one scalar commutes with the lookup exactly. Every conversion is also checked
-    against ``module``'s own forward on a sample of ids and refused if any bit differs.
+    ``embed_scale`` cast to the weight's dtype) the forward multiplies the gathered rows by the
+    same factor, after the gather, as theirs does after the lookup, so a compiled model fuses it
+    as it fuses theirs. Every conversion is also checked against ``module``'s own forward on a
+    sample of ids and refused if any bit differs.
 
     Parameters
     ----------
@@ -112,8 +126,7 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
         out-of-range id is skipped and counted (``kv_ops.error_count``), its row left
         unwritten. No gradient reaches the table. Convert after the model is on its device: a
         later ``.to("cuda")`` of a module converted on the CPU copies the rows onto the GPU.
-        The table is not in its ``state_dict`` (for Gemma 3n and 4 it holds pre-scaled rows, which are
-        not the checkpoint's weights): save the model before converting it, or convert it after
+        The table is not in its ``state_dict``: save the model before converting it, or convert it after
         loading; a checkpoint saved after the conversion lacks the table, and a strict
         ``load_state_dict`` of the original weights into it raises for the unexpected ``weight``.
 
@@ -130,7 +143,7 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
     if not isinstance(module, nn.Embedding):
         raise ValueError(f"host_embedding: expected an nn.Embedding, got {type(module).__qualname__}")
     name = f"{type(module).__module__}.{type(module).__qualname__}"
-    transform = _scale_of(module)
+    scale = _scale_of(module)
     if module.max_norm is not None:
         raise ValueError(f"host_embedding: {name} has max_norm={module.max_norm}, which renormalises rows in forward")
     if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
@@ -142,7 +155,7 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"host_embedding: {name}'s weight is on {device}; only CUDA and CPU are supported")
     table = weight.detach().contiguous()
-    out = HostEmbedding(pin_rows(table, device, transform), table.shape[1], table.dtype, type(module).__qualname__)
+    out = HostEmbedding(pin_rows(table, device), table.shape[1], table.dtype, type(module).__qualname__, scale)
     del table
     _check_against(module, out, name)
     return out
@@ -157,7 +170,7 @@ def _check_against(module: nn.Embedding, out: HostEmbedding, name: str) -> None:
     with torch.no_grad():
         want, got = module(ids), out(ids)
     if want.dtype != got.dtype or not torch.equal(want.view(torch.uint8), got.view(torch.uint8)):
-        raise ValueError(f"host_embedding: {name}'s forward does not equal a lookup of its pre-scaled table; refused")
+        raise ValueError(f"host_embedding: {name}'s forward does not equal a lookup of its table; refused")
 
 
 __all__ = ["HostEmbedding", "host_embedding"]

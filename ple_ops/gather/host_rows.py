@@ -11,12 +11,9 @@ from kv_ops.host_memory import device_view, pinned_empty
 _CHUNK_BYTES = 64 << 20  # tables are copied (and transformed) this many bytes of rows at a time
 
 
-def pin_rows(table: torch.Tensor, device: torch.device, transform=None) -> torch.Tensor:
-    """Copy a ``[vocab, dim]`` table into page-locked host memory, as gatherable uint8 rows.
-
-    ``transform`` (elementwise, dtype-keeping) is applied to each chunk of rows on the table's
-    own device before the copy, so no second full-size copy of the table is made anywhere.
-    Returns uint8 ``[vocab, row_bytes]``: a device view of the page-locked bytes on CUDA
+def pin_rows(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a ``[vocab, dim]`` table into page-locked host memory, as gatherable uint8 rows, a
+    chunk at a time (no second full-size copy of the table is made anywhere). Returns uint8 ``[vocab, row_bytes]``: a device view of the page-locked bytes on CUDA
     (:func:`kv_ops.device_view`), the page-locked tensor itself otherwise.
     """
     pinned = pinned_empty(table.shape, table.dtype)
@@ -24,7 +21,7 @@ def pin_rows(table: torch.Tensor, device: torch.device, transform=None) -> torch
     with torch.no_grad():
         for start in range(0, table.shape[0], step):
             chunk = table.detach()[start : start + step]
-            pinned[start : start + step].copy_(chunk if transform is None else transform(chunk))
+            pinned[start : start + step].copy_(chunk)
     rows = pinned.view(torch.uint8).view(table.shape[0], -1)
     return device_view(rows, device) if device.type == "cuda" else rows
 
