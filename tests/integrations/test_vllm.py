@@ -451,13 +451,15 @@ def test_submit_overhead_is_reported(layout, blocks_per_chunk):
     )
 
 
-def test_llm_end_to_end_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_llm_end_to_end_on_the_cpu(tmp_path, kind):
     """vLLM's own engine on the CPU: the OffloadingConnector loads OffloadOpsSpec from its
     module path, stores the prompt's blocks, and after the prefix cache is dropped the second
-    generation loads them back through the worker and gives the same greedy tokens."""
+    generation loads them back through the worker and gives the same greedy tokens. For a tiny
+    Llama and for a tiny DeepSeek-V2 ("mla": MLA's compressed latent cache, one tensor per layer)."""
     harness = Path(__file__).with_name("vllm_e2e_harness.py")
     out = subprocess.run(
-        [sys.executable, str(harness), str(tmp_path / "tiny")], capture_output=True, text=True, timeout=600
+        [sys.executable, str(harness), str(tmp_path / "tiny"), kind], capture_output=True, text=True, timeout=600
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, (out.stdout + out.stderr)[-4000:]

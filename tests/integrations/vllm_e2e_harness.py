@@ -1,9 +1,10 @@
 """vLLM's LLM(...) on the CPU with the OffloadingConnector backed by kv_ops (run by test_vllm.py).
 
-Makes a tiny random Llama in argv[1], generates greedily from a prompt of four blocks, drops
-vLLM's prefix cache, and generates again: the second run's prefix comes back through
-OffloadOpsWorker.submit_load; then zeroes the worker's host copy and generates a third time.
-Prints one JSON line: the token lists and the worker's calls.
+Makes a tiny random model in argv[1] (argv[2]: "llama", the default, or "mla", a DeepSeek-V2
+with its compressed latent KV cache), generates greedily from a 128-token prompt (four blocks;
+eight at MLA's block size 16), drops vLLM's prefix cache, and generates again: the second
+run's prefix comes back through OffloadOpsWorker.submit_load; then zeroes the worker's host
+copy and generates a third time. Prints one JSON line: the token lists and the worker's calls.
 """
 
 import json
@@ -14,7 +15,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of CPU "GPU" cache
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
@@ -48,19 +49,37 @@ kv_vllm.OffloadOpsWorker.submit_load = _counted(_load, "loads")
 
 model_dir = sys.argv[1]
 torch.manual_seed(0)
-config = LlamaConfig(
+kind = sys.argv[2] if len(sys.argv) > 2 else "llama"
+common = dict(
     vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
     num_hidden_layers=2,
-    num_attention_heads=2,  # head_dim 64: the CPU attention backend refuses 16
-    num_key_value_heads=2,
+    num_attention_heads=2,
     max_position_embeddings=512,
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_id=2,
 )
-LlamaForCausalLM(config).save_pretrained(model_dir)
+if kind == "llama":
+    # head_dim 64: the CPU attention backend refuses 16
+    model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+elif kind == "mla":
+    # The CPU MLA decode kernel only takes a latent of kv_lora_rank 512 + rope 64.
+    config = DeepseekV2Config(
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        q_lora_rank=None,
+        first_k_dense_replace=2,  # no MoE layers
+        rope_scaling=None,
+        **common,
+    )
+    model = DeepseekV2ForCausalLM(config)
+else:
+    raise SystemExit(f"unknown model kind {kind!r}")
+model.save_pretrained(model_dir)
 
 llm = LLM(
     model=model_dir,
@@ -68,6 +87,10 @@ llm = LLM(
     dtype="float32",
     max_model_len=256,
     enforce_eager=True,
+    # MLA: pin the reference CPU_MLA backend (AMX_MLA, picked where AMX is, wants 16-bit
+    # weights); vLLM then forces block_size 16 and turns its own prefix caching off, so
+    # the second run's prefix can only come back through the connector.
+    attention_config={"backend": "CPU_MLA"} if kind == "mla" else None,
     block_size=32,  # the CPU attention backend wants multiples of 32
     max_num_seqs=4,
     enable_prefix_caching=True,
