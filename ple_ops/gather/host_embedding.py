@@ -34,7 +34,9 @@ class HostEmbedding(nn.Module):
     Made by :func:`host_embedding`; it holds no parameter. ``host_rows`` is uint8
     ``[num_embeddings, row_bytes]``: a CUDA device view of the page-locked bytes (rows land on
     the GPU) or, on the CPU, the page-locked tensor itself. The rows' dtype is fixed at
-    conversion (``model.to(dtype)`` leaves it alone).
+    conversion (``model.to(dtype)`` leaves it alone); cast the model before converting it. A scaled
+    embedding's ``scale`` is a buffer, like the original's ``embed_scale``: a Python number there
+    makes Inductor fuse the product otherwise than the original's, off by a bf16 rounding.
     """
 
     def __init__(
