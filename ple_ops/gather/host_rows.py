@@ -8,12 +8,13 @@ import torch
 
 from kv_ops.host_memory import device_view, pinned_empty
 
-_CHUNK_BYTES = 64 << 20  # tables are copied (and transformed) this many bytes of rows at a time
+_CHUNK_BYTES = 64 << 20  # tables are copied this many bytes of rows at a time
 
 
 def pin_rows(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a ``[vocab, dim]`` table into page-locked host memory, as gatherable uint8 rows, a
-    chunk at a time (no second full-size copy of the table is made anywhere). Returns uint8 ``[vocab, row_bytes]``: a device view of the page-locked bytes on CUDA
+    """Copy a ``[vocab, dim]`` table into page-locked host memory, as gatherable uint8 rows.
+
+    Returns uint8 ``[vocab, row_bytes]``: a device view of the page-locked bytes on CUDA
     (:func:`kv_ops.device_view`), the page-locked tensor itself otherwise.
     """
     pinned = pinned_empty(table.shape, table.dtype)
