@@ -15,11 +15,17 @@ stream to an event after the copies on their stream (``copy_ms``) and after the 
   with ``path="kernel"`` over the same cache);
 * ``copies beside step`` and ``one launch beside step``: the two at once, no waits: what the
   copies and the matmuls cost each other when nothing orders them;
-* ``layer-wise step``: ``start``, then the step with a wait per layer.
+* ``layer-wise step``: ``start``, then the step with a wait per layer;
+* ``step, matmuls leave N SMs`` and ``layer-wise step, matmuls leave N SMs`` (``--sm-carveout
+  N``, default 8, the copy kernel's programs; 0 leaves them out): the same two steps compiled and
+  captured with the matmuls on cuBLASLt told to target N SMs fewer
+  (``torch._C._set_sm_carveout_experimental``), so the copy kernel's CTAs need not wait for a
+  second wave of the matmul's persistent CTAs.
 
 ``vs_target``: ``max(copy_ms, step_ms) / max(step alone, copies alone)``. Reading the cases
 together: the copies' slowdown beside the step is SM sharing; one launch against the graph is
-the per-layer granularity; the layer-wise step against ``copies beside step`` is the waits'.
+the per-layer granularity; the layer-wise step against ``copies beside step`` is the waits'. The
+carved-out steps are measured against the same target (the step alone, all SMs).
 
 Writes layerwise_parts.csv, layerwise_parts.md (also printed) and layerwise_parts.png to --out.
 Needs a CUDA device.
@@ -72,6 +78,21 @@ def measure(args) -> list[dict]:
         "one launch beside step": (one, plain),
         "layer-wise step": (graph, waiting),
     }
+    if args.sm_carveout:
+        # The carveout is read when a matmul is launched, so it must hold while the steps are
+        # captured; cuBLASLt honours it, cuBLAS's own heuristics do not (measured: no change).
+        blas = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+        try:
+            carved = Captured(PrefillStep(layers, args.hidden, args.mlp, None, like=plain.model), h, read_ids)
+            carved_waiting = Captured(PrefillStep(layers, args.hidden, args.mlp, NAME, like=plain.model), h, read_ids)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library(blas)
+        leave = f"matmuls leave {args.sm_carveout} SMs"
+        cases[f"step, {leave}"] = (None, carved)
+        cases[f"layer-wise step, {leave}"] = (graph, carved_waiting)
 
     def run(copy, step, host_ids, gpu_ids) -> tuple[float, float]:
         torch.cuda.synchronize()
@@ -151,6 +172,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     p = parser(__doc__)
     add_step_arguments(p, "512,1024", 5)
+    p.add_argument(
+        "--sm-carveout",
+        type=int,
+        default=kv_ops.kernels.NUM_PROGRAMS,
+        help="also the steps with the matmuls on this many SMs fewer (default: the copy kernel's programs; 0: not)",
+    )
     args = parse(p, cuda=True)
     rows = measure(args)
     save(args.out, "layerwise_parts", rows, COLUMNS, table=markdown(rows), plot=plot, digits=4)

@@ -237,6 +237,34 @@ def layerwise() -> list[str]:
         f"Results: {_links('layerwise')}.",
         "",
         *_table(head, "rrrrll", body),
+        "",
+        *layerwise_parts(),
+    ]
+
+
+def layerwise_parts() -> list[str]:
+    rows = [r for r in _rows("layerwise_parts.csv") if r["hosts"] == "random"]
+    cells = {(r["blocks"], r["case"]): r for r in rows}
+    carved = [c for c in dict.fromkeys(r["case"] for r in rows) if c.startswith("step, matmuls leave")]
+    leave = carved[0].removeprefix("step, ") if carved else None
+    cases = ["copies beside step", "one launch beside step", "layer-wise step"]
+    if leave:
+        cases += [f"step, {leave}", f"layer-wise step, {leave}"]
+    body = [
+        [r_blocks] + [_f(cells.get((r_blocks, c), {}).get("vs_target")) for c in cases]
+        for r_blocks in dict.fromkeys(r["blocks"] for r in rows)
+    ]
+    return [
+        "Where the kernel copies' time goes (`benchmarks/layerwise_parts.py`, random host ids; each case's later end "
+        "over the same target, on GPU events): the copies beside the step without waits already cost what the "
+        "layer-wise step loses, so the loss is SM sharing, not the waits or the per-layer launches. "
+        "The copy kernel holds 8 SMs, and the step's persistent cuBLAS matmuls, one CTA per SM, then run their "
+        "last CTAs in a second wave: captured with the matmuls on cuBLASLt targeting that many SMs fewer "
+        "(`torch._C._set_sm_carveout_experimental`, the last two columns), the step alone costs more, and the "
+        "layer-wise step with the most blocks loses least. "
+        f"Results: {_links('layerwise_parts')}.",
+        "",
+        *_table(["blocks of 2 MiB", *cases], "r" * (len(cases) + 1), body),
     ]
 
 
@@ -316,8 +344,9 @@ def decode_loop() -> list[str]:
     ]
 
 
-def gemma3n() -> list[str]:
-    text = (RESULTS / "gemma3n.txt").read_text()
+def gemma(model: str, title: str) -> list[str]:
+    """The section of ``examples/{model}_transformers.py``'s report (``{model}.txt``)."""
+    text = (RESULTS / f"{model}.txt").read_text()
     lines = text.splitlines()
     table = _md_tables(text)[0]
     rates = ", ".join(
@@ -325,9 +354,9 @@ def gemma3n() -> list[str]:
         for c in ([x.strip() for x in line.strip("|").split("|")] for line in table[2:])
     )
     return [
-        "### `host_embedding` in stock transformers Gemma 3n: `examples/gemma3n_transformers.py`",
+        f"### `host_embedding` in stock transformers {title}: `examples/{model}_transformers.py`",
         f"{lines[0]}; compiled `generate()` with a static cache. Decode: {rates}; {lines[-2]}. {lines[2]}; "
-        f"`{lines[-1]}`. Results: {_links('gemma3n')}.",
+        f"`{lines[-1]}`. Results: {_links(model)}.",
     ]
 
 
@@ -383,7 +412,17 @@ def section() -> str:
         "runs them all, with the `gpu` tests and `compute-sanitizer` (its header says how to narrow it); "
         "`python benchmarks/report.py` rewrites this section from `benchmarks/results/`.",
     ]
-    for make in (block_copy, engine, host_cost, layerwise, ple_latency, decode_loop, gemma3n, hf_offload):
+    for make in (
+        block_copy,
+        engine,
+        host_cost,
+        layerwise,
+        ple_latency,
+        decode_loop,
+        lambda: gemma("gemma3n", "Gemma 3n"),
+        lambda: gemma("gemma4", "Gemma 4"),
+        hf_offload,
+    ):
         parts += ["", *make()]
     return "\n".join(parts) + "\n"
 

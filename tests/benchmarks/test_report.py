@@ -139,10 +139,11 @@ def test_readme_performance_section_is_what_the_results_give():
 
 def test_the_section_has_a_table_and_links_for_every_benchmark():
     section = report.section()
-    for name in ("block_copy", "engine", "host_cost", "layerwise", "ple_latency", "hf_offload"):
+    for name in ("block_copy", "engine", "host_cost", "layerwise", "layerwise_parts", "ple_latency", "hf_offload"):
         assert f"(benchmarks/results/{name}.csv)" in section and f"(benchmarks/results/{name}.png)" in section, name
-    assert "(benchmarks/results/decode_loop.txt)" in section
-    assert section.count("### ") == 8 and section.count("| --- ") + section.count("| ---: ") >= 6
+    for name in ("decode_loop", "gemma3n", "gemma4"):
+        assert f"(benchmarks/results/{name}.txt)" in section, name
+    assert section.count("### ") == 9 and section.count("| --- ") + section.count("| ---: ") >= 7
 
 
 def test_render_replaces_only_between_the_markers_and_check_fails_on_a_stale_section(tmp_path, monkeypatch, capsys):
