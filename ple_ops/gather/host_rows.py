@@ -8,7 +8,10 @@ import torch
 
 from kv_ops.host_memory import device_view, pinned_empty
 
-_CHUNK_BYTES = 64 << 20  # tables are copied this many bytes of rows at a time
+# Tables are copied this many bytes of rows at a time: a table that is not contiguous (a view of
+# a larger weight, a transposed tie) is made contiguous by copy_ through a temporary of the
+# copied part's size, which must not be a second whole table on a full GPU.
+_CHUNK_BYTES = 64 << 20
 
 
 def pin_rows(table: torch.Tensor, device: torch.device) -> torch.Tensor:
