@@ -256,8 +256,8 @@ def layerwise_parts() -> list[str]:
     ]
     return [
         "Where the kernel copies' time goes (`benchmarks/layerwise_parts.py`, random host ids; each case's later end "
-        "over the same target, on GPU events): the copies beside the step without waits already cost what the "
-        "layer-wise step loses, so the loss is SM sharing, not the waits or the per-layer launches. "
+        "over the same target, on GPU events): the copies beside the step without waits already cost most of what the "
+        "layer-wise step loses, so most of the loss is SM sharing, not the waits or the per-layer launches. "
         "The copy kernel holds 8 SMs, and the step's persistent cuBLAS matmuls, one CTA per SM, then run their "
         "last CTAs in a second wave: captured with the matmuls on cuBLASLt targeting that many SMs fewer "
         "(`torch._C._set_sm_carveout_experimental`, the last two columns), the step alone costs more, and the "
