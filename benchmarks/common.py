@@ -63,15 +63,22 @@ def require_cuda(script: str) -> None:
         sys.exit(NO_CUDA_STATUS)
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(low: int):
+    """An argparse type: a whole number of at least ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+at_least_one = at_least(1)
 
 
 # --- failures ----------------------------------------------------------------------------------
@@ -186,6 +193,7 @@ __all__ = [
     "NO_CUDA_STATUS",
     "PATH_COLORS",
     "RESULTS",
+    "at_least",
     "at_least_one",
     "can_plot",
     "columns",

@@ -45,7 +45,7 @@ import torch
 
 import kv_ops
 
-from common import figure, finish, parse, parser, save, save_figure, table_head  # this script's own directory
+from common import at_least, figure, finish, parse, parser, save, save_figure, table_head  # this script's own directory
 from layerwise import READS, Captured, PrefillStep, add_step_arguments, make_cache
 
 NAME = "benchmark-layerwise-parts"
@@ -174,11 +174,14 @@ def main() -> int:
     add_step_arguments(p, "512,1024", 5)
     p.add_argument(
         "--sm-carveout",
-        type=int,
+        type=at_least(0),
         default=kv_ops.kernels.NUM_PROGRAMS,
         help="also the steps with the matmuls on this many SMs fewer (default: the copy kernel's programs; 0: not)",
     )
     args = parse(p, cuda=True)
+    sms = torch.cuda.get_device_properties().multi_processor_count
+    if args.sm_carveout >= sms:
+        p.error(f"--sm-carveout must leave the matmuls an SM: this GPU has {sms}, got {args.sm_carveout}")
     rows = measure(args)
     save(args.out, "layerwise_parts", rows, COLUMNS, table=markdown(rows), plot=plot, digits=4)
     finish()
