@@ -1,24 +1,28 @@
 """Decode with transformers' generate(): kv_ops's HostOffloadedCache against transformers' own caches.
 
 One process, one random-weight Llama at Llama-3-8B widths per layer count, greedy decoding from a
-random prompt; per shape, side by side: transformers' on-GPU ``static`` cache, its ``offloaded``
-and ``offloaded_static`` caches (eager: neither keeps CUDA graphs), and ``HostOffloadedCache``,
-eager at every shape, and at the ``--graph-shapes`` also compiled (``fullgraph=True``) and with
-CUDA graphs (``mode="reduce-overhead"``), ``static`` likewise. Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a
-generate of one (the prefill taken out), best of ``--reps``.
+random prompt, sized the way a static cache is sized: ``max_cache_len`` at 1x, 4x or 8x the
+sequence. Per shape, side by side: transformers' on-GPU ``static`` cache, its ``offloaded`` and
+``offloaded_static`` caches (eager: neither keeps CUDA graphs), ``HostOffloadedCache``, and at the
+``--graph-shapes`` also with CUDA graphs (``mode="reduce-overhead"``), static and ours alike, and
+ours with a GPU budget for half the layers (``max_gpu_bytes``). Decode tokens/s is
+``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the prefill taken
+out), best of ``--reps``.
 
-Floors, from the same run's pinned host-to-GPU memcpy rate: ``floor`` is the bytes
-HostOffloadedCache streams per step (every full-attention layer but the one that keeps its slot),
-``floor_all`` the whole KV cache crossing the link once. ``copies`` times the cache's own copies
-alone (every streamed layer into its slot, back to back on a side stream), and ``target`` is
-max(floor, the on-GPU static step of the same mode). Attention is transformers' ``sdpa``, the
-fast one; its decode logits do not repeat bit for bit from run to run at these widths, so tokens
-are not compared here: examples/hf_offload.py (eager attention) checks them bit for bit.
+Floor: the bytes HostOffloadedCache streams per step (the positions in use of every streamed
+layer in, one new position of each out, at the decode's mean length) at the same run's pinned
+host-to-GPU memcpy rate; target: max(floor, the on-GPU static step at the same ``max_cache_len``
+and mode). Host time per layer update, eager: ``Cache.update`` of a decode token over every
+layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours in the same run.
+Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
+at these widths, so tokens are not compared here: examples/hf_offload.py (eager attention)
+checks them bit for bit.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,9 +44,9 @@ build, config, generate, generation = example.build, example.config, example.gen
 
 NEW = 32
 COLUMNS = [
-    "layers", "batch", "context", "cache", "mode", "decode_tok_s", "step_ms", "vs_best_transformers_offload",
-    "floor_ms", "floor_all_ms", "copies_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
-    "peak_gpu_gib", "h2d_mib_per_step",
+    "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "decode_tok_s", "step_ms",
+    "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
+    "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
 ]  # fmt: skip
 
 
@@ -61,6 +65,8 @@ def memcpy_rate() -> float:
 
 
 def timed(model, ids, cache, gen) -> tuple[float, torch.Tensor]:
+    if cache is not None:
+        cache.reset()  # generate() continues a cache it is handed: each run starts from the prompt
     torch.cuda.synchronize()
     t = time.perf_counter()
     out = generate(model, ids, cache, gen)
@@ -94,48 +100,63 @@ def make(mode, new):
     return generation(new, None if mode == "eager" else mode)
 
 
-def copies_alone(layer_bytes: int, streamed: int, reps: int = 5) -> float:
-    """Seconds for the cache's copies of one step alone: ``streamed`` layers, back to back."""
-    host = torch.empty(layer_bytes, dtype=torch.uint8).pin_memory()
-    slot = torch.empty(layer_bytes, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[0])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
+def update_host_us(model, ids, cache, reps: int = 20) -> float:
+    """Host microseconds per layer of ``cache.update`` with a decode token (p50 over ``reps``
+    steps of every layer, the GPU idle before each), after a prefill through the model."""
+    cache.reset()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    cfg = model.config
+    shape = (ids.shape[0], cfg.num_key_value_heads, 1, cfg.head_dim)
+    k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+    )
+    times = []
     for _ in range(reps):
-        with torch.cuda.stream(stream):
-            start.record()
-            for _ in range(streamed):
-                slot.copy_(host, non_blocking=True)
-            end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(k, v, layer)
+        times.append((time.perf_counter() - t) / cfg.num_hidden_layers)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
-def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
+def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
-    ids = torch.randint(1, cfg.vocab_size, (batch, context - NEW), generator=torch.Generator().manual_seed(1)).cuda()
+    context = capacity * sequence  # max_cache_len, as a static cache is sized
+    ids = torch.randint(1, cfg.vocab_size, (batch, sequence - NEW), generator=torch.Generator().manual_seed(1)).cuda()
+    per_position = 2 * batch * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    layer_bytes = per_position * context
+    half = (layers // 2 + 2) * layer_bytes  # half the layers resident, beside the two shared slots
+    made = {}
 
-    def static():
-        return StaticCache(config=cfg, max_cache_len=context)
+    def factory(cls, **kw):
+        def make_cache():
+            made["cache"] = cls(config=cfg, max_cache_len=context, **kw)
+            return made["cache"]
 
-    def ours():
-        return HostOffloadedCache(config=cfg, max_cache_len=context)
+        return make_cache
 
-    modes = ["eager", "compiled", "cudagraphs"] if graphs else ["eager"]
-    runs = [("static", m, static) for m in modes]
+    modes = ["eager", "cudagraphs"] if graphs else ["eager"]
+    runs = [("static", m, factory(StaticCache)) for m in modes]
     runs += [("offloaded", "transformers:offloaded", None), ("offloaded_static", "transformers:offloaded_static", None)]
-    runs += [("HostOffloadedCache", m, ours) for m in modes]
-    layer_bytes = 2 * batch * cfg.num_key_value_heads * context * cfg.head_dim * 2
-    h2d = (layers - 1) * layer_bytes  # what HostOffloadedCache streams per step
-    all_bytes = layers * layer_bytes  # what a cache that crosses the link once per step moves
-    floor, floor_all = h2d / rate, all_bytes / rate
-    copies = copies_alone(layer_bytes, layers - 1)
+    runs += [("HostOffloadedCache", m, factory(HostOffloadedCache)) for m in modes]
+    if graphs:
+        runs += [
+            ("HostOffloadedCache, half resident", m, factory(HostOffloadedCache, max_gpu_bytes=half)) for m in modes
+        ]
+    static_us = update_host_us(model, ids, StaticCache(config=cfg, max_cache_len=context))
+    ours_us = update_host_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
+    all_bytes = layers * layer_bytes
+    mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
     rows, reference = [], {}
-    for cache, mode, factory in runs:
-        where = f"{cache} {mode} at {layers} layers, batch {batch}, context {context}"
-        got = guard(where, decode, model, ids, factory or (lambda: None), mode, reps)
+    for cache, mode, make_cache in runs:
+        where = f"{cache} {mode} at {layers} layers, batch {batch}, sequence {sequence}, max_cache_len {context}"
+        made.clear()
+        got = guard(where, decode, model, ids, make_cache or (lambda: None), mode, reps)
         if got is None:
             continue
         step, peak = got
@@ -143,23 +164,34 @@ def shape_rows(layers, batch, context, reps, rate, graphs: bool) -> list[dict]:
         if cache == "static":
             reference[mode] = step
         base_step = reference.get(shown)
-        moved = {"static": 0, "HostOffloadedCache": h2d}.get(cache, all_bytes)
-        kv_gpu = {"static": all_bytes, "HostOffloadedCache": min(3, layers) * layer_bytes}.get(cache, 2 * layer_bytes)
+        ours = made.get("cache") if cache.startswith("HostOffloadedCache") else None
+        streamed = len(ours.loads.plan.streamed) if ours is not None else 0
+        moved = streamed * (mean_positions + 1) * per_position
+        if cache == "static":
+            kv_gpu = all_bytes
+        elif ours is not None:
+            kv_gpu = ours.gpu_bytes()
+        else:  # transformers' offloaded caches hold two layers on the GPU, at the sequence's length
+            kv_gpu = 2 * per_position * sequence
+        floor = moved / rate
         target = max(floor, base_step) if base_step is not None else floor
         rows.append(
             {
-                "layers": layers, "batch": batch, "context": context, "cache": cache, "mode": shown,
-                "decode_tok_s": batch / step, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
-                "floor_all_ms": floor_all * 1e3, "copies_ms": copies * 1e3, "target_ms": target * 1e3,
-                "step_vs_target": step / target if cache == "HostOffloadedCache" else None,
+                "layers": layers, "batch": batch, "sequence": sequence, "capacity": capacity, "context": context,
+                "cache": cache, "mode": shown, "decode_tok_s": batch / step, "step_ms": step * 1e3,
+                "floor_ms": floor * 1e3, "target_ms": target * 1e3,
+                "step_vs_target": step / target if ours is not None else None,
                 "kv_gpu_mib": kv_gpu / 2**20, "kv_gpu_saved_mib": (all_bytes - kv_gpu) / 2**20,
-                "peak_gpu_gib": peak, "h2d_mib_per_step": moved / 2**20,
+                "peak_gpu_gib": peak, "mib_per_step": moved / 2**20,
+                "update_host_us": ours_us if cache == "HostOffloadedCache" and shown == "eager" else None,
+                "static_update_host_us": static_us if cache == "static" and shown == "eager" else None,
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
     for r in rows:
         r["vs_best_transformers_offload"] = r["decode_tok_s"] / best_hf if best_hf else None
     del model
+    torch._dynamo.reset()  # the next shape compiles afresh, within dynamo's recompile limit
     torch.cuda.empty_cache()
     return rows
 
@@ -174,20 +206,21 @@ def markdown(rows, rate) -> str:
         "",
         f"Random-weight Llama at Llama-3-8B widths, bf16, greedy, {NEW} new tokens, sdpa attention; pinned "
         f"host-to-GPU memcpy {rate / 1e9:.1f} GB/s in this run. Decode tokens/s; `vs offload`: over the better of "
-        "transformers' offloaded caches at the shape; floor: HostOffloadedCache's bytes per step at the memcpy rate "
-        "(all: the whole KV cache once); copies: the cache's copies alone; target: max(floor, static's step in the "
-        "same mode).",
+        "transformers' offloaded caches at the shape; floor: HostOffloadedCache's bytes per step at the memcpy rate; "
+        "target: max(floor, static's step at the same max_cache_len and mode); update us: host time per layer "
+        "update, eager.",
         "",
-        "| layers | batch | context | cache | mode | tokens/s | step ms | vs offload | floor / all / copies ms "
-        "| step / target | KV on GPU MiB | saved MiB |",
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layers | batch | sequence | max_cache_len | cache | mode | tokens/s | step ms | vs offload | floor ms "
+        "| step / target | MiB per step | KV on GPU MiB | update us |",
+        "| ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
+        update = r["update_host_us"] if r["update_host_us"] is not None else r["static_update_host_us"]
         lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['decode_tok_s']:.0f} "
-            f"| {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
-            f"| {r['floor_ms']:.2f} / {r['floor_all_ms']:.2f} / {r['copies_ms']:.2f} "
-            f"| {fmt(r['step_vs_target'], '.2f')} | {r['kv_gpu_mib']:.0f} | {r['kv_gpu_saved_mib']:.0f} |"
+            f"| {r['layers']} | {r['batch']} | {r['sequence']} | {r['context']} | {r['cache']} | {r['mode']} "
+            f"| {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
+            f"| {r['floor_ms']:.2f} | {fmt(r['step_vs_target'], '.2f')} | {r['mib_per_step']:.0f} "
+            f"| {r['kv_gpu_mib']:.0f} | {fmt(update, '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -195,7 +228,7 @@ def markdown(rows, rate) -> str:
 def plot(rows, path) -> None:
     import matplotlib.pyplot as plt
 
-    shapes = sorted({(r["layers"], r["batch"], r["context"]) for r in rows})
+    shapes = sorted({(r["layers"], r["batch"], r["context"]) for r in rows})  # context: max_cache_len
     series = sorted({(r["cache"], r["mode"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4))
     width = 0.8 / len(series)
@@ -221,20 +254,24 @@ def main(argv=None) -> int:
     p = parser(__doc__)
     p.add_argument(
         "--shapes",
-        default="8x1x4096,8x4x4096,8x16x2048,8x4x16384,8x1x32768,32x4x4096",
-        help="LAYERSxBATCHxCONTEXT, comma-separated: every cache eager, transformers' offloaded caches",
+        default="8x1x2048x4,8x4x2048x1,8x4x2048x4,8x4x2048x8,8x16x2048x4,32x4x2048x4",
+        help="LAYERSxBATCHxSEQUENCExCAPACITY (max_cache_len = CAPACITY x SEQUENCE), comma-separated: every "
+        "cache eager, transformers' offloaded caches",
     )
     p.add_argument(
-        "--graph-shapes", default="8x4x4096,32x4x4096", help="the shapes that also run compiled and with CUDA graphs"
+        "--graph-shapes",
+        default="8x4x2048x1,8x4x2048x4,8x4x2048x8,32x4x2048x4",
+        help="the shapes that also run with CUDA graphs, and with a budget for half the layers",
     )
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows = []
     for shape in args.shapes.split(","):
-        layers, batch, context = (int(v) for v in shape.split("x"))
-        rows += shape_rows(layers, batch, context, args.reps, rate, shape in graph_shapes)
+        layers, batch, sequence, capacity = (int(v) for v in shape.split("x"))
+        rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes)
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows, rate), plot=plot)
     finish()
     return 0

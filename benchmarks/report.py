@@ -359,42 +359,47 @@ def gemma(model: str, title: str) -> list[str]:
 
 def hf_offload() -> list[str]:
     rows = _rows("hf_offload.csv")
-    cells = {(r["layers"], r["batch"], r["context"], r["cache"], r["mode"]): r for r in rows}
+    shape = ("layers", "batch", "sequence", "context")
+    cells = {(*(r[k] for k in shape), r["cache"], r["mode"]): r for r in rows}
     body = []
-    for layers, batch, context in dict.fromkeys((r["layers"], r["batch"], r["context"]) for r in rows):
-        for mode in dict.fromkeys(r["mode"] for r in rows if r["cache"] == "HostOffloadedCache"):
-            ours = cells.get((layers, batch, context, "HostOffloadedCache", mode))
-            if ours is None:
-                continue
-            static = cells.get((layers, batch, context, "static", mode), {})
-            offload = max(
-                (
-                    float(r["decode_tok_s"])
-                    for k, r in cells.items()
-                    if k[:3] == (layers, batch, context) and k[3].startswith("offloaded")
-                ),
-                default=None,
-            )
-            body.append(
-                [f"{layers} x {batch} x {int(context) // 1024}k", mode, _f(static.get("decode_tok_s"), 0),
-                 "-" if offload is None else f"{offload:.0f}", _f(ours["decode_tok_s"], 0),
-                 _f(ours["vs_best_transformers_offload"]), _f(ours["step_ms"]),
-                 f"{_f(ours['floor_ms'])} / {_f(ours['copies_ms'])}", _f(ours["step_vs_target"]),
-                 f"{float(ours['kv_gpu_saved_mib']):.0f}"]
-            )  # fmt: skip
+    for key in dict.fromkeys(tuple(r[k] for k in shape) for r in rows):
+        layers, batch, sequence, context = key
+        offload = max(
+            (float(r["decode_tok_s"]) for k, r in cells.items() if k[:4] == key and k[4].startswith("offloaded")),
+            default=None,
+        )
+        for cache in dict.fromkeys(r["cache"] for r in rows if r["cache"].startswith("HostOffloadedCache")):
+            for mode in dict.fromkeys(r["mode"] for r in rows):
+                ours = cells.get((*key, cache, mode))
+                if ours is None:
+                    continue
+                static = cells.get((*key, "static", mode), {})
+                update = "-"
+                if ours.get("update_host_us"):
+                    update = f"{float(ours['update_host_us']):.0f} ({float(static['static_update_host_us']):.0f})"
+                name = "" if cache == "HostOffloadedCache" else cache.split(", ", 1)[1]
+                body.append(
+                    [f"{layers} x {batch} x {int(sequence) // 1024}k, {int(context) // int(sequence)}x", mode, name,
+                     _f(static.get("decode_tok_s"), 0), "-" if offload is None else f"{offload:.0f}",
+                     _f(ours["decode_tok_s"], 0), _f(ours["vs_best_transformers_offload"]), _f(ours["step_ms"]),
+                     _f(ours["floor_ms"]), _f(ours["step_vs_target"]), f"{float(ours['kv_gpu_saved_mib']):.0f}", update]
+                )  # fmt: skip
     head = [
-        "layers x batch x context", "mode", "static tok/s", "best transformers offload tok/s",
-        "HostOffloadedCache tok/s", "vs offload", "step ms", "floor / copies ms", "step / target", "GPU MiB saved",
+        "layers x batch x sequence, max_cache_len", "mode", "budget", "static tok/s", "best transformers offload tok/s",
+        "HostOffloadedCache tok/s", "vs offload", "step ms", "floor ms", "step / target", "GPU MiB saved",
+        "update us (static)",
     ]  # fmt: skip
     return [
         "### transformers `generate()` with `HostOffloadedCache`: `benchmarks/hf_offload.py`",
-        "A random-weight Llama at Llama-3-8B widths, bf16, greedy, sdpa attention, decode tokens/s against "
-        "transformers' on-GPU `static` cache and the better of its `offloaded` and `offloaded_static` caches (eager: "
-        "neither keeps CUDA graphs). Floor: the bytes HostOffloadedCache streams per step at the same run's pinned "
-        "memcpy rate; copies: those copies alone; target: max(floor, static's step in the same mode). "
+        "A random-weight Llama at Llama-3-8B widths, bf16, greedy, sdpa attention, `max_cache_len` a multiple of the "
+        "sequence as a static cache is sized; decode tokens/s against transformers' on-GPU `static` cache at the "
+        "same `max_cache_len` and the better of its `offloaded` and `offloaded_static` caches (eager: neither keeps "
+        "CUDA graphs). Floor: the bytes HostOffloadedCache moves per step (positions in use of the streamed layers) "
+        "at the same run's pinned memcpy rate; target: max(floor, static's step in the same mode); update us: host "
+        "time of one eager layer update, StaticCache's in brackets. Budget: `max_gpu_bytes` for half the layers. "
         f"Results: {_links('hf_offload')}.",
         "",
-        *_table(head, "llrrrrrrrr", body),
+        *_table(head, "lllrrrrrrrrr", body),
     ]
 
 

@@ -203,6 +203,17 @@ def wait_event(stream: int, event: torch.cuda.Event) -> None:
 
 
 @functools.cache
+def _graph_launch_call():
+    return c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
+
+
+def graph_launch(graph_exec: int, stream: int) -> None:
+    """Launch an instantiated CUDA graph (``CUDAGraph.raw_cuda_graph_exec()``) on the raw ``stream``
+    handle: one driver call, the cheapest way to replay work bound once."""
+    check_code(_graph_launch_call()(graph_exec, stream), "cuGraphLaunch")
+
+
+@functools.cache
 def copy_calls():
     """``cuMemcpyAsync(dst, src, bytes, stream)`` and ``cuStreamSynchronize(stream)`` as ctypes
     functions (:func:`c_function`), bound once per process: the DMA path's per-copy fallback and
@@ -293,6 +304,7 @@ __all__ = [
     "copy_calls",
     "record_event",
     "wait_event",
+    "graph_launch",
     "write_value",
     "wait_value_reached",
     "current_stream_handle",

@@ -16,7 +16,6 @@ a plain kernel node that CUDA graphs capture.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 from collections.abc import Sequence
@@ -350,18 +349,17 @@ class BoundCopy:
             align, in_block, src_ids, dst_ids, packed, (packed_stride, num_pairs, src_limit, dst_limit)
         )
         compiled = self._compiled.get(key)
-        if compiled is not None and torch.cuda.current_device() == self.device.index and not _launch_hooks():
+        if compiled is not None:
             handle = stream.cuda_stream if stream is not None else driver.current_stream_handle(self.device.index)
-            # Exactly what @jit's run() does once it has the kernel (Triton 3.6 to 3.9).
-            compiled.run(programs, 1, 1, handle, compiled.function, compiled.packed_metadata, None, None, None, *args)
-            return compiled
+            if launch_compiled(compiled, self.device, programs, handle, args):
+                return compiled
         on_device = self.device.type == "cuda" and torch.cuda.current_device() != self.device.index
         with (
             torch.cuda.device(self.device) if on_device else contextlib.nullcontext(),
             torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
         ):
             handle = _block_copy_kernel[(max(1, programs),)](*args, num_warps=self.num_warps)
-        if _direct_launcher(handle):
+        if direct_launcher(handle):
             self._compiled[key] = handle
         return handle
 
@@ -398,10 +396,23 @@ def _launch_hooks() -> bool:
     )
 
 
-def _direct_launcher(handle) -> bool:
-    """Whether what @jit returned can be launched directly (a compiled kernel; the interpreter
-    returns none)."""
+def direct_launcher(handle) -> bool:
+    """Whether what ``@jit`` returned can be launched by :func:`launch_compiled` (a compiled
+    kernel; the interpreter returns none)."""
     return all(hasattr(handle, name) for name in ("run", "function", "packed_metadata"))
+
+
+def launch_compiled(compiled, device: torch.device, programs: int, stream: int, args: tuple) -> bool:
+    """Launch a kernel ``@jit`` compiled before with the same specialisation, on ``programs``
+    programs and the raw ``stream`` handle, skipping ``@jit``'s binder (which costs more host time
+    than the launch). Returns False, launching nothing, where the caller must go through ``@jit``:
+    another device is current (the compiled function belongs to ``device``'s context) or a launch
+    hook is installed (a profiler's, which only ``@jit`` feeds)."""
+    if torch.cuda.current_device() != device.index or _launch_hooks():
+        return False
+    # Exactly what @jit's run() does once it has the kernel (Triton 3.6 to 3.9).
+    compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+    return True
 
 
 class GraphedCopy:
@@ -454,11 +465,10 @@ class GraphedCopy:
                     self.block.copy_(self.twin, non_blocking=True)  # a memcpy node: the ids come in
                 bound.launch_from_block(packed, self.block, capacity, errors)
         self._exec = self.graph.raw_cuda_graph_exec()
-        self._graph_launch = driver.c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
 
-    def replay(self, stream: ctypes.c_void_p) -> None:
+    def replay(self, stream: int) -> None:
         """Launch the graph on ``stream`` (a raw handle), after whatever wrote the block there."""
-        driver.check_code(self._graph_launch(self._exec, stream), "cuGraphLaunch")
+        driver.graph_launch(self._exec, stream)
 
 
 # --- the layer-wise wait ------------------------------------------------------------------------
@@ -540,6 +550,8 @@ __all__ = [
     "BoundCopy",
     "GraphedCopy",
     "alignment",
+    "direct_launcher",
+    "launch_compiled",
     "NUM_PROGRAMS",
     "TILE_BYTES",
     "NUM_WARPS",

@@ -1,4 +1,4 @@
-"""Pure-torch block copies: the CPU implementation of the ops and the oracle the tests use.
+"""Pure-torch block and prefix copies: the CPU implementation of the ops and the oracle the tests use.
 
 Each function moves the same bytes as its Triton kernel, including the rule for invalid pairs:
 a pair whose source or destination id lies outside ``[0, num_blocks)`` is skipped in every
@@ -62,4 +62,18 @@ def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Sequence[to
     return int((~ok).sum())
 
 
-__all__ = ["in_range", "num_blocks", "copy_blocks", "gather_blocks", "scatter_blocks"]
+def prefix_copy(slot, host, length: int, out, out_length: int, out_saved: int) -> int:
+    """What :class:`kv_ops.prefix_copy.PrefixCopy` does, for (keys, values) pairs of
+    ``[batch, heads, max_cache_len, dim]``: first ``out[..., out_saved:out_length, :] = slot[...]``
+    (the evicted layer's new positions; none where a crop left ``out_length <= out_saved``),
+    then ``slot[..., :length, :] = host[...]``. Returns the bytes moved."""
+    lo = min(out_saved, out_length)
+    moved = 0
+    for s, h, o in zip(slot, host, out):
+        o[:, :, lo:out_length] = s[:, :, lo:out_length]
+        s[:, :, :length] = h[:, :, :length]
+        moved += (out_length - lo + length) * s[:, :, :1].numel() * s.element_size()
+    return moved
+
+
+__all__ = ["in_range", "num_blocks", "copy_blocks", "gather_blocks", "scatter_blocks", "prefix_copy"]

@@ -1,19 +1,18 @@
 """HostOffloadedCache: a transformers ``Cache`` whose full-attention K and V live in page-locked host memory.
 
-The GPU holds three layer slots. The first full-attention layer keeps its own slot for good;
-every other full-attention layer is streamed into one of two rotating slots by the copy engines
-while the layer before it computes (``torch.ops.kv_ops.prefetch_layer`` on a load stream of its
-own, ``torch.ops.kv_ops.wait_prefetch`` before the layer reads it). A step's new tokens go to the
-slot and, through a zero-copy view, to the host copy: the rest is never copied back.
-Sliding-window layers stay on the GPU as transformers' own static layers, as its
-``offload_only_non_sliding`` does. The ops carry the cache's name, never an address, so the cache
-works eagerly, under ``torch.compile(fullgraph=True)`` and in a captured CUDA graph (the copies
-become memcpy nodes at fixed addresses, the waits event edges).
+The full-attention layers hold GPU slots by a :class:`~kv_ops.transfer.slot_loads.SlotPlan`:
+some keep a slot of their own (*resident*; by default only the first, with ``max_gpu_bytes`` as
+many as the budget holds), the others (*streamed*) take turns in two slots, each loaded while an
+earlier layer computes. A load moves only the positions the layer has written, and writes back
+the new positions of the layer it evicts (:mod:`kv_ops.transfer.slot_loads`). Sliding-window
+layers stay on the GPU as transformers' own static layers, as its ``offload_only_non_sliding``
+does. The ops carry the cache's name, never an address, so the cache works eagerly, under
+``torch.compile(fullgraph=True)`` and in a captured CUDA graph.
 
-Why a slot holds a whole layer: a layer's attention reads every position up to
-``max_cache_len`` (the static mask hides the rest), so the slot must hold the layer's own bytes
-there; copying all of them keeps the content bitwise what ``StaticCache`` holds, and the copy is
-one contiguous transfer per tensor, at the link's rate.
+Why a slot is a whole ``max_cache_len`` layer: attention reads every position up to
+``max_cache_len`` (the static mask hides the rest), as it does in ``StaticCache``, so the step's
+kernels and their results are the static cache's; a slot's positions past the sequence hold an
+earlier layer's finite values, which the mask zeroes exactly.
 """
 
 from __future__ import annotations
@@ -23,184 +22,69 @@ import itertools
 import torch
 
 try:
+    from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("kv_ops.integrations.transformers needs transformers: pip install 'offload-ops[hf]'") from error
 
 from .. import arguments
 from ..capture import capturing
-from ..host_memory import check_host_bytes, device_view, pinned_empty
-from ..registration import find_named, register_op
+from ..transfer.slot_loads import SlotLoads, plan_slots
 
 # Layer types this cache serves: full attention (offloaded) and the windowed kinds (kept on the GPU).
 FULL = "full_attention"
 WINDOWED = ("sliding_attention", "chunked_attention")
 
-_registry: dict[str, _Offload] = {}
 _names = itertools.count()
 
 
-def _lookup(name: str) -> _Offload:
-    return find_named(_registry, name, "kv_ops.prefetch_layer", "HostOffloadedCache")
-
-
-class _Offload:
-    """The live state behind one cache's ops: host copies, slots, the load stream and its events."""
-
-    def __init__(self, name: str, offloaded: list[int]):
-        self.name = name
-        self.offloaded = offloaded  # model layer indices of the full-attention layers, in order
-        # The first full-attention layer keeps slot 0; the others alternate between slots 1 and 2,
-        # so a layer's prefetch overwrites the slot of the layer two before it, which has been read.
-        self.slot = {layer: 0 if k == 0 else 1 + (k - 1) % 2 for k, layer in enumerate(offloaded)}
-        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> page-locked (K, V)
-        self.host_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # what the GPU writes through
-        self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.stream: torch.cuda.Stream | None = None
-        self.free: dict[int, torch.cuda.Event] = {}  # recorded where a layer's slot may be overwritten
-        self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a layer's copy into its slot
-
-    def allocate(self, keys: torch.Tensor, values: torch.Tensor, max_cache_len: int) -> None:
-        batch, heads, _, k_dim = keys.shape
-        v_dim = values.shape[-1]
-        k_shape, v_shape = (batch, heads, max_cache_len, k_dim), (batch, heads, max_cache_len, v_dim)
-        layer_bytes = (k_dim + v_dim) * batch * heads * max_cache_len * keys.element_size()
-        device = keys.device
-        streamed = self.offloaded[1:]
-        if device.type == "cuda":
-            check_host_bytes(
-                "HostOffloadedCache", "the host copy of the full-attention layers", len(streamed) * layer_bytes
-            )
-        for layer in streamed:
-            if device.type == "cuda":
-                # Zeros, as StaticCache's: positions past the sequence are read (and masked); stale
-                # page-locked bytes could hold NaN, which a zero attention weight does not cancel.
-                k = pinned_empty(k_shape, dtype=keys.dtype).zero_()
-                v = pinned_empty(v_shape, dtype=values.dtype).zero_()
-                self.host_views[layer] = (device_view(k, device), device_view(v, device))
-            else:
-                k, v = torch.zeros(k_shape, dtype=keys.dtype), torch.zeros(v_shape, dtype=values.dtype)
-                self.host_views[layer] = (k, v)
-            self.host[layer] = (k, v)
-        for _ in range(min(3, len(self.offloaded))):
-            k = torch.zeros(k_shape, dtype=keys.dtype, device=device)
-            v = torch.zeros(v_shape, dtype=values.dtype, device=device)
-            for t in (k, v):
-                torch._dynamo.mark_static_address(t)
-            self.slots.append((k, v))
-        for views in self.host_views.values():
-            for t in views:
-                torch._dynamo.mark_static_address(t)
-        if device.type == "cuda":
-            # Low priority: a prefetch must never delay the layer that computes beside it.
-            self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
-            self.free = {layer: torch.cuda.Event() for layer in streamed}
-            self.loaded = {layer: torch.cuda.Event() for layer in streamed}
-
-    def reset(self) -> None:
-        for k, v in [*self.host.values(), *self.slots]:
-            k.zero_()
-            v.zero_()
-
-
-# --- prefetch_layer / wait_prefetch ---------------------------------------------------------------
-
-
-def _fake(slot_k, slot_v, dep, name, layer):
-    torch._check(layer >= 0, lambda: f"kv_ops.prefetch_layer: layer must be >= 0, got {layer}")
-
-
-def _prefetch_cpu(slot_k, slot_v, dep, name, layer) -> None:
-    k, v = _lookup(name).host[layer]
-    slot_k.copy_(k)
-    slot_v.copy_(v)
-
-
-def _prefetch_cuda(slot_k, slot_v, dep, name, layer) -> None:
-    state = _lookup(name)
-    k, v = state.host[layer]
-    # The slot's last reader (the layer two before) is already on the current stream: the load
-    # stream waits for it there, then copies the whole layer; ``loaded`` marks the end.
-    free = state.free[layer]
-    free.record()
-    state.stream.wait_event(free)
-    with torch.cuda.stream(state.stream):
-        slot_k.copy_(k, non_blocking=True)
-        slot_v.copy_(v, non_blocking=True)
-        state.loaded[layer].record()
-
-
-def _wait_cpu(slot_k, slot_v, dep, name, layer) -> None:
-    _lookup(name)
-
-
-def _wait_cuda(slot_k, slot_v, dep, name, layer) -> None:
-    torch.cuda.current_stream().wait_event(_lookup(name).loaded[layer])
-
-
-register_op(
-    "kv_ops",
-    "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer) -> ()",
-    fake=_fake,
-    cpu=_prefetch_cpu,
-    cuda=_prefetch_cuda,
-)
-register_op(
-    "kv_ops",
-    "wait_prefetch(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer) -> ()",
-    fake=_fake,
-    cpu=_wait_cpu,
-    cuda=_wait_cuda,
-)
-
-
-# --- the cache -------------------------------------------------------------------------------------
-
-
 class HostOffloadedLayer(StaticLayer):
-    """One full-attention layer: its K and V in a GPU slot, streamed from page-locked host memory."""
+    """One full-attention layer: its K and V in a GPU slot, its own or one it shares with others."""
 
-    def __init__(self, max_cache_len: int, state: _Offload, index: int, following: int | None, **kwargs):
+    def __init__(self, max_cache_len: int, cache: HostOffloadedCache, index: int, **kwargs):
         super().__init__(max_cache_len=max_cache_len)
-        self.state, self.index, self.following = state, index, following
+        self.cache, self.index = cache, index  # index: among the full-attention layers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        state = self.state
-        if not state.slots:
-            state.allocate(key_states, value_states, self.max_cache_len)
-        keys, values = state.slots[state.slot[self.index]]
+        loads = self.cache.loads
+        if loads.plan is None:
+            self.cache.allocate(key_states, value_states)
+        keys, values = loads.slots[loads.plan.slot[self.index]]
         if key_states.shape[:2] != keys.shape[:2] or key_states.shape[-1] != keys.shape[-1]:
             raise ValueError(
-                f"HostOffloadedCache: layer {self.index}'s keys are {tuple(key_states.shape)}, but the "
-                f"full-attention layers' slots are {tuple(keys.shape)}: every full-attention layer must "
+                f"HostOffloadedCache: layer {self.cache.offloaded[self.index]}'s keys are {tuple(key_states.shape)}, "
+                f"but the full-attention layers' slots are {tuple(keys.shape)}: every full-attention layer must "
                 "have the same batch, KV heads and head dim"
             )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         self.keys, self.values = keys, values
-        self.cumulative_length = self.cumulative_length.to(self.device)
-        torch._dynamo.mark_static_address(self.cumulative_length)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        state = self.state
-        if self.index != state.offloaded[0]:
-            torch.ops.kv_ops.wait_prefetch(self.keys, self.values, key_states, state.name, self.index)
-        if self.following is not None:
-            k, v = state.slots[state.slot[self.following]]
-            torch.ops.kv_ops.prefetch_layer(k, v, key_states, state.name, self.following)
-        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
-        self.cumulative_length.add_(key_states.shape[-2])
-        self.keys.index_copy_(2, positions, key_states)
-        self.values.index_copy_(2, positions, value_states)
-        host = state.host_views.get(self.index)
-        if host is not None:  # the step's new tokens, and nothing else, go back to the host
-            host[0].index_copy_(2, positions, key_states)
-            host[1].index_copy_(2, positions, value_states)
-        return self.keys, self.values
+        loads, k = self.cache.loads, self.index
+        plan = loads.plan
+        # Eagerly on CUDA the loads are driver calls bound once; compiled, the ops record them in
+        # the graph (and on the CPU the op is the copy itself).
+        direct = self.device.type == "cuda" and not torch.compiler.is_compiling()
+        if k in plan.evicts:  # streamed: its own load, queued by an earlier layer, must be done
+            if direct:
+                loads.wait(k)
+            else:
+                torch.ops.kv_ops.wait_prefetch(self.keys, self.values, key_states, loads.name, k)
+        for target in plan.issues.get(k, ()):
+            if direct:
+                loads.issue(target, replay=not self.cache.capturing_now)
+            else:
+                slot_k, slot_v = loads.slots[plan.slot[target]]
+                lengths = loads.lengths
+                torch.ops.kv_ops.prefetch_layer(
+                    slot_k, slot_v, key_states, lengths[target], lengths[plan.evicts[target]], loads.name, target
+                )
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
         self.cumulative_length.zero_()
@@ -208,24 +92,31 @@ class HostOffloadedLayer(StaticLayer):
 
 class HostOffloadedCache(Cache):
     """A ``transformers.Cache`` for ``model.generate(..., past_key_values=cache)`` that keeps the
-    full-attention layers' K and V in page-locked host memory and three layer slots on the GPU.
+    full-attention layers' K and V in page-locked host memory and as few of them on the GPU as asked.
 
     Made like ``StaticCache``: ``HostOffloadedCache(config=model.config, max_cache_len=N)``.
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
     :meth:`reset` before reusing it for another prompt, as with ``StaticCache``.
 
-    Each step moves every streamed layer's K and V host-to-GPU once (all layers but the first
-    full-attention one, which keeps its slot) and the step's new tokens GPU-to-host.
+    ``max_gpu_bytes`` is the GPU memory the full-attention layers may hold (sliding-window
+    layers stay on the GPU besides): as many layers as it holds stay resident, the rest are
+    streamed through two shared slots. By default the GPU holds three layers' worth (one
+    resident); a budget for every layer makes the cache a ``StaticCache`` that streams nothing.
+    Each step moves, per streamed layer, the positions written so far host-to-GPU and its new
+    positions GPU-to-host (:meth:`bytes_per_step`), whatever ``max_cache_len`` is.
 
     Raises
     ------
+    TypeError
+        At construction: a ``config`` that is not a transformers config (a model, say).
     ValueError
-        At construction: a bad ``max_cache_len`` or ``max_batch_size``, a model with no
-        full-attention layer, or a layer type other than full, sliding or chunked attention. At
-        the first update: keys on another device than ``device``, a batch over
-        ``max_batch_size``, a prompt longer than ``max_cache_len``, or host memory the machine
-        lacks. Eagerly, a step past ``max_cache_len``.
+        At construction: a bad ``max_cache_len``, ``max_batch_size`` or ``max_gpu_bytes``, a
+        model with no full-attention layer, or a layer type other than full, sliding or chunked
+        attention. At the first update: keys on another device than ``device``, a batch over
+        ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
+        three layers (the message names the minimum), or host memory the machine lacks.
+        Eagerly, a step past ``max_cache_len``.
     """
 
     def __init__(
@@ -234,16 +125,27 @@ class HostOffloadedCache(Cache):
         max_cache_len: int,
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
+        max_gpu_bytes: int | None = None,
         **kwargs,
     ):
+        if not isinstance(config, PreTrainedConfig):
+            hint = "; pass model.config" if isinstance(getattr(config, "config", None), PreTrainedConfig) else ""
+            raise TypeError(
+                f"HostOffloadedCache: config must be a transformers configuration, got {type(config).__name__}{hint}"
+            )
         self.max_cache_len_ = arguments.positive_int("HostOffloadedCache", "max_cache_len", max_cache_len)
         self.max_batch_size_ = (
             None
             if max_batch_size is None
             else arguments.positive_int("HostOffloadedCache", "max_batch_size", max_batch_size)
         )
+        self.max_gpu_bytes = (
+            None
+            if max_gpu_bytes is None
+            else arguments.positive_int("HostOffloadedCache", "max_gpu_bytes", max_gpu_bytes)
+        )
         self.device = None if device is None else arguments.device("HostOffloadedCache", device)
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = config.get_text_config(decoder=True)
         layer_types, kwargs_ = get_layer_types_and_kwargs(text)
         # One dict for every layer (transformers < 5.19) or one per layer.
         per_layer = kwargs_ if isinstance(kwargs_, list) else [kwargs_] * len(layer_types)
@@ -253,30 +155,52 @@ class HostOffloadedCache(Cache):
                 f"HostOffloadedCache: {type(config).__name__} has layers of type {others}; this cache serves "
                 f"{FULL!r} (offloaded) and {', '.join(map(repr, WINDOWED))} (kept on the GPU) only"
             )
-        offloaded = [i for i, t in enumerate(layer_types) if t == FULL]
-        if not offloaded:
+        self.offloaded = [i for i, t in enumerate(layer_types) if t == FULL]  # model indices, in order
+        if not self.offloaded:
             raise ValueError(
                 f"HostOffloadedCache: {type(config).__name__} has no full-attention layer to offload "
                 f"(layer types {sorted(set(layer_types))}); use transformers' StaticCache"
             )
         self.name = f"hf-cache-{next(_names)}"
-        self.state = _Offload(self.name, offloaded)
-        following = dict(zip(offloaded, offloaded[1:]))
+        self.loads = SlotLoads(self.name)
+        index = {layer: k for k, layer in enumerate(self.offloaded)}
         layers = [
-            HostOffloadedLayer(self.max_cache_len_, self.state, i, following.get(i))
+            HostOffloadedLayer(self.max_cache_len_, self, index[i])
             if t == FULL
             else StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_, sliding_window=kw["sliding_window"])
             for i, (t, kw) in enumerate(zip(layer_types, per_layer, strict=True))
         ]
         super().__init__(layers=layers)
         self._seen = 0  # tokens so far, counted eagerly only (a compiled step cannot read it back)
-        _registry[self.name] = self.state
+        self.capturing_now = False  # whether the eager update under way is being captured
+
+    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Plan the slots for the budget and allocate them (the first full-attention layer's first update)."""
+        count = len(self.offloaded)
+        layer = self.loads.layer_bytes(keys, values, self.max_cache_len_)
+        slots = min(3, count)
+        if self.max_gpu_bytes is not None:
+            if self.max_gpu_bytes < slots * layer:
+                raise ValueError(
+                    f"HostOffloadedCache: max_gpu_bytes={self.max_gpu_bytes} is below the {slots} layer slots the "
+                    f"cache needs at least: {slots * layer} bytes ({layer} per full-attention layer at batch "
+                    f"{keys.shape[0]} and max_cache_len {self.max_cache_len_})"
+                )
+            slots = min(count, self.max_gpu_bytes // layer)
+        full = [self.layers[i] for i in self.offloaded]
+        for layer_ in full:  # the loads read every layer's count on the device, from the first step
+            layer_.cumulative_length = layer_.cumulative_length.to(keys.device)
+            torch._dynamo.mark_static_address(layer_.cumulative_length)
+        lengths = [layer_.cumulative_length for layer_ in full]
+        self.loads.allocate(plan_slots(count, slots), keys, values, self.max_cache_len_, lengths)
 
     # Cache's update, with the checks an eager first call can make before anything is allocated.
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # A compiled or captured step cannot count (its Python runs once, its replays many times).
-        if not torch.compiler.is_compiling() and not capturing(key_states.device):
-            self._check(key_states, layer_idx)
+        if not torch.compiler.is_compiling():
+            self.capturing_now = capturing(key_states.device)
+            if not self.capturing_now:
+                self._check(key_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check(self, key_states: torch.Tensor, layer_idx: int) -> None:
@@ -287,7 +211,7 @@ class HostOffloadedCache(Cache):
         batch, new = key_states.shape[0], key_states.shape[-2]
         if self.max_batch_size_ is not None and batch > self.max_batch_size_:
             raise ValueError(f"HostOffloadedCache: a batch of {batch} is over max_batch_size {self.max_batch_size_}")
-        if layer_idx == self.state.offloaded[0]:
+        if layer_idx == self.offloaded[0]:
             if self._seen + new > self.max_cache_len_:
                 raise ValueError(
                     f"HostOffloadedCache: {self._seen} tokens cached and {new} more would pass max_cache_len "
@@ -297,7 +221,7 @@ class HostOffloadedCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.state.reset()
+        self.loads.reset()
         self._seen = 0
 
     @property
@@ -308,24 +232,29 @@ class HostOffloadedCache(Cache):
     def max_batch_size(self) -> int:
         return self.max_batch_size_ if self.max_batch_size_ is not None else super().max_batch_size
 
+    def resident(self) -> list[int]:
+        """Model indices of the full-attention layers that keep a GPU slot of their own (once allocated)."""
+        plan = self.loads.plan
+        return [] if plan is None else [self.offloaded[k] for k in range(plan.layers) if k not in plan.evicts]
+
     def bytes_per_step(self) -> tuple[int, int]:
-        """Bytes one decode step moves (host to GPU, GPU to host per new token), once allocated."""
-        if not self.state.slots:
+        """Bytes the next decode step moves, host to GPU and GPU to host, at the current sequence
+        length (read from the GPU: a sync). Zero before the first update, or with nothing streamed."""
+        plan = self.loads.plan
+        if plan is None or not plan.streamed:
             return 0, 0
-        k, v = self.state.slots[0]
-        layer = k.numel() * k.element_size() + v.numel() * v.element_size()
-        streamed = len(self.state.offloaded) - 1
-        per_token = layer // self.max_cache_len_
-        return streamed * layer, streamed * per_token
+        keys, values = self.loads.slots[0]
+        per_position = (keys[:, :, 0].numel() * keys.element_size()) + (values[:, :, 0].numel() * values.element_size())
+        positions = sum(int(self.loads.lengths[k]) for k in plan.streamed)
+        return positions * per_position, len(plan.streamed) * per_position
 
     def gpu_bytes(self) -> int:
-        """GPU bytes this cache holds for the full-attention layers (its slots)."""
-        return sum(t.numel() * t.element_size() for pair in self.state.slots for t in pair)
+        """GPU bytes this cache holds for the full-attention layers (the resident and the shared slots)."""
+        return sum(t.numel() * t.element_size() for pair in self.loads.slots for t in pair)
 
     def close(self) -> None:
-        """Drop the cache's host memory and its name (the model must not run on it afterwards)."""
-        if _registry.get(self.name) is self.state:
-            del _registry[self.name]
+        """Drop the cache's name (the model must not run on it afterwards)."""
+        self.loads.close()
 
 
 __all__ = ["HostOffloadedCache", "HostOffloadedLayer"]

@@ -24,7 +24,6 @@ copies at once and ``wait_layer`` only counts (:attr:`LayerwiseLoads.waits`).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,10 +32,9 @@ import torch
 from .. import capture, kernels
 from ..arguments import positive_int
 from ..driver import (
-    c_function,
-    check_code,
     current_stream_handle,
     driver_context,
+    graph_launch,
     wait_event,
     wait_value_reached,
     write_value,
@@ -305,7 +303,6 @@ class LayerwiseLoads:
                 capacity = engine.num_blocks  # a load's GPU ids are distinct
                 flags = self._flags
                 self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors, flags), initial=2)
-                self._graph_launch = _graph_launch()
         _registry[name] = self
 
     # --- host side ---------------------------------------------------------------------------
@@ -413,7 +410,7 @@ class LayerwiseLoads:
         words[1 + n : 1 + 2 * n] = gpu
         words[copies.generation_word] = generation & 0xFFFFFFFF
         wait_event(handle, ready)
-        check_code(self._graph_launch(copies.exec, handle), "cuGraphLaunch")
+        graph_launch(copies.exec, handle)
         done = self.engine.load_events.record(self._stream, handle)
         self._kernel_copies.give(copies, done)
         return done
@@ -498,10 +495,6 @@ class _LayerKernels:
                     bound.launch_from_block(None, self.block, capacity, errors)
                     flags[1 + i : 2 + i].copy_(low)  # layer i has landed
         self.exec = self.graph.raw_cuda_graph_exec()
-
-
-def _graph_launch():
-    return c_function("cuGraphLaunch", 12000, ctypes.c_void_p, ctypes.c_void_p)
 
 
 # --- wait_layer ----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from transformers import (  # noqa: E402
 )
 
 from kv_ops.integrations.transformers import HostOffloadedCache  # noqa: E402
+from kv_ops.prefix_copy import TILE_BYTES  # noqa: E402
 
 NEW = 6
 gpu = pytest.mark.gpu
@@ -86,17 +87,26 @@ def models():
     yield "gemma4", cfg, cls
 
 
+def full_layers(cache) -> list[int]:
+    return [i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "HostOffloadedLayer"]
+
+
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
-def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
+@pytest.mark.parametrize("capacity", [1, 4])
+def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, capacity):
     model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
-    length = ids.shape[1] + NEW
+    length = (ids.shape[1] + NEW) * capacity
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
     cache = HostOffloadedCache(config=cfg, max_cache_len=length)
     assert same(generate(model, ids, cache, gen()), want)
-    full = [i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "HostOffloadedLayer"]
-    assert full == cache.state.offloaded and len(full) >= 2
-    assert len(cache.state.slots) == min(3, len(full))  # the GPU holds the slots, the host the rest
-    assert set(cache.state.host) == set(full[1:])
+    full = full_layers(cache)
+    assert full == cache.offloaded and len(full) >= 2
+    assert len(cache.loads.slots) == min(3, len(full))  # the GPU holds the slots, the host the rest
+    streamed = [cache.offloaded[k] for k in cache.loads.plan.streamed]
+    assert cache.resident() == [i for i in full if i not in streamed] and cache.resident()[0] == full[0]
+    # All but the first, except that three slots hold three layers, and three streamed would leave
+    # one alone in a slot (it stays resident).
+    assert len(streamed) == {2: 0, 3: 0, 4: 2}.get(len(full), len(full) - 1)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -105,12 +115,37 @@ def test_compiled_generate_is_bitwise_the_static_caches(backend):
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
-    length = ids.shape[1] + NEW
+    length = 4 * (ids.shape[1] + NEW)
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    got = generate(model, ids, HostOffloadedCache(config=cfg, max_cache_len=length), gen(config))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    got = generate(model, ids, cache, gen(config))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the decode step was compiled
     assert same(got, want)
+    assert cache.loads.moved > 0  # the compiled steps ran the loads
+
+
+def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
+    # Count what the loads really copy (the CPU path counts every byte) over the decode steps, at
+    # 1x and 8x the sequence: the same bytes, and exactly the positions in use.
+    cfg = llama(layers=5)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    moved = {}
+    for capacity in (1, 8):
+        cache = HostOffloadedCache(config=cfg, max_cache_len=capacity * (ids.shape[1] + NEW))
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            # The first decode step also writes back the prompt of the layers whose slots it takes.
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            before = cache.loads.moved
+            predicted = cache.bytes_per_step()
+            model(token, past_key_values=cache, use_cache=True)
+        moved[capacity] = cache.loads.moved - before
+        assert moved[capacity] == sum(predicted)  # what bytes_per_step() says is what moves
+    per_position = 2 * 3 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, batch 3, float32
+    streamed = 4  # every full-attention layer but the first
+    # Each streamed layer's positions so far come in, and its one new position goes out.
+    assert moved[1] == moved[8] == streamed * (ids.shape[1] + 1 + 1) * per_position
 
 
 def test_the_decode_steps_read_the_host_copy():
@@ -122,7 +157,7 @@ def test_the_decode_steps_read_the_host_copy():
     cache = HostOffloadedCache(config=cfg, max_cache_len=length)
     with torch.no_grad():
         first = model(ids, past_key_values=cache, use_cache=True).logits
-        k, _ = cache.state.host[cache.state.offloaded[2]]
+        k, _ = cache.loads.host[2]  # the third full-attention layer, streamed
         k[:, :, : ids.shape[1]] = torch.randn(k[:, :, : ids.shape[1]].shape, generator=torch.Generator().manual_seed(3))
         step = model(first[:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits
     fresh = HostOffloadedCache(config=cfg, max_cache_len=length)
@@ -146,11 +181,43 @@ def test_reset_serves_a_second_prompt_like_a_fresh_cache():
 def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
-    cache = HostOffloadedCache(config=cfg, max_cache_len=ids.shape[1] + NEW)
+    length = 4 * (ids.shape[1] + NEW)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
     generate(model, ids, cache, gen())
-    layer = 2 * 3 * cfg.num_key_value_heads * (ids.shape[1] + NEW) * cfg.head_dim * 4  # K and V, float32
-    assert cache.bytes_per_step() == (4 * layer, 4 * layer // (ids.shape[1] + NEW))
-    assert cache.gpu_bytes() == 3 * layer
+    per_position = 2 * 3 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
+    held = ids.shape[1] + NEW - 1  # the last new token is sampled, never cached
+    assert cache.bytes_per_step() == (4 * held * per_position, 4 * per_position)
+    assert cache.gpu_bytes() == 3 * length * per_position
+
+
+@pytest.mark.parametrize(("held", "resident"), [(8, 8), (3, 1), (5, 3), (6, 4)])
+def test_a_gpu_budget_keeps_that_many_layers_and_streams_the_rest(held, resident):
+    cfg = llama(layers=8)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    per_position = 2 * ids.shape[0] * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
+    layer = per_position * length
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
+    budget = held * layer + layer // 2  # half a layer spare, which holds nothing
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=budget)
+    assert same(generate(model, ids, cache, gen()), want)
+    assert len(cache.resident()) == resident
+    assert cache.gpu_bytes() == held * layer
+    streamed = 8 - resident
+    assert (cache.loads.moved > 0) == (streamed > 0)
+    assert cache.bytes_per_step() == (streamed * (ids.shape[1] + NEW - 1) * per_position, streamed * per_position)
+
+
+def test_a_budget_below_the_slots_is_refused_naming_the_minimum():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    layer = 2 * ids.shape[0] * cfg.num_key_value_heads * cfg.head_dim * 4 * 32
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32, max_gpu_bytes=3 * layer - 1)
+    with pytest.raises(
+        ValueError, match=f"max_gpu_bytes={3 * layer - 1} is below the 3 layer slots .*: {3 * layer} bytes"
+    ):
+        generate(model, ids, cache, gen())
+    assert cache.loads.slots == [] and cache.loads.host == {}
 
 
 # --- what it refuses ------------------------------------------------------------------------------
@@ -162,6 +229,24 @@ def test_a_max_cache_len_that_is_not_a_positive_integer_is_refused(value):
         ValueError, match=f"HostOffloadedCache: max_cache_len must be a positive integer, got {value!r}"
     ):
         HostOffloadedCache(config=llama(), max_cache_len=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "1GB"])
+def test_a_max_gpu_bytes_that_is_not_a_positive_integer_is_refused(value):
+    with pytest.raises(
+        ValueError, match=f"HostOffloadedCache: max_gpu_bytes must be a positive integer, got {value!r}"
+    ):
+        HostOffloadedCache(config=llama(), max_cache_len=32, max_gpu_bytes=value)
+
+
+def test_a_model_where_the_config_goes_is_refused_with_a_hint():
+    model = model_of(llama(), LlamaForCausalLM)
+    with pytest.raises(
+        TypeError, match="config must be a transformers configuration, got LlamaForCausalLM; pass model.config"
+    ):
+        HostOffloadedCache(config=model, max_cache_len=32)
+    with pytest.raises(TypeError, match="got dict$"):
+        HostOffloadedCache(config={"num_hidden_layers": 2}, max_cache_len=32)
 
 
 def test_a_model_with_no_full_attention_layer_is_refused():
@@ -184,7 +269,7 @@ def test_a_batch_over_max_batch_size_is_refused_before_anything_is_allocated():
     cache = HostOffloadedCache(config=cfg, max_cache_len=32, max_batch_size=2)
     with pytest.raises(ValueError, match="a batch of 3 is over max_batch_size 2"):
         generate(model, ids, cache, gen())
-    assert cache.state.slots == [] and cache.state.host == {}
+    assert cache.loads.slots == [] and cache.loads.host == {}
 
 
 def test_a_prompt_or_a_step_past_max_cache_len_is_refused():
@@ -215,12 +300,12 @@ def test_a_cuda_cache_on_a_machine_without_cuda_is_refused():
 # --- on the GPU ------------------------------------------------------------------------------------
 
 
-def cuda_run(cfg, cls, compile_config=None, before_decode=None):
+def cuda_run(cfg, cls, compile_config=None, before_decode=None, capacity=4, **cache_args):
     model = model_of(cfg, cls, "cuda", torch.bfloat16)
     ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
-    length = ids.shape[1] + NEW
+    length = capacity * (ids.shape[1] + NEW)
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(compile_config))
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, **cache_args)
     if before_decode is not None:
         before_decode(cache, model, ids)
     return generate(model, ids, cache, gen(compile_config)), want, cache
@@ -231,7 +316,7 @@ def cuda_run(cfg, cls, compile_config=None, before_decode=None):
 def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
     got, want, cache = cuda_run(cfg, cls)
     assert same(got, want)
-    assert all(k.is_pinned() and v.is_pinned() for k, v in cache.state.host.values())
+    assert all(k.is_pinned() and v.is_pinned() for k, v in cache.loads.host.values())
 
 
 @gpu
@@ -241,7 +326,7 @@ def test_on_a_gpu_a_delayed_load_is_waited_for():
         with torch.no_grad():
             model(ids[:, :1], past_key_values=cache, use_cache=True)  # allocates, loads nothing yet
         cache.reset()
-        with torch.cuda.stream(cache.state.stream):
+        with torch.cuda.stream(cache.loads.stream):
             torch.cuda._sleep(100_000_000)
 
     got, want, _ = cuda_run(llama(), LlamaForCausalLM, before_decode=delay)
@@ -258,12 +343,23 @@ def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens():
 
 
 @gpu
+def test_on_a_gpu_a_budget_for_half_the_layers_gives_the_static_caches_tokens():
+    cfg = llama(layers=8)
+    layer = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * 4 * (33 + NEW)  # K and V, batch 2, bf16
+    got, want, cache = cuda_run(cfg, LlamaForCausalLM, max_gpu_bytes=4 * layer)
+    assert same(got, want)
+    assert len(cache.resident()) == 2 and cache.gpu_bytes() == 4 * layer
+
+
+@gpu
 def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
-    # A decode step of the model captured by hand in a torch.cuda.CUDAGraph and replayed per token.
+    # A decode step of the model captured by hand in a torch.cuda.CUDAGraph and replayed per token,
+    # while the sequence grows across a tile of the load kernel (bf16, dim 16: 32 B a position).
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
-    ids = prompt(cfg.vocab_size, batch=2, length=17, device="cuda")
-    length = ids.shape[1] + NEW
+    boundary = TILE_BYTES // (cfg.head_dim * 2)
+    ids = prompt(cfg.vocab_size, batch=2, length=boundary - NEW // 2, device="cuda")
+    length = 4 * (ids.shape[1] + NEW)
 
     def decode(cache, graphed: bool):
         tokens = []

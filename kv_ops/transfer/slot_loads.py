@@ -1,0 +1,280 @@
+"""SlotLoads and ``torch.ops.kv_ops.prefetch_layer`` / ``wait_prefetch``: layers that share GPU slots,
+each loaded from page-locked host memory by the step itself while an earlier layer computes.
+
+The step issues the loads: at the update of one layer it queues the load of a later layer on a
+load stream, and that later layer waits for exactly its own load before it reads its slot. So
+the same code runs eagerly, under ``torch.compile(fullgraph=True)`` and inside a captured CUDA
+graph, where the queueing becomes a fork of the load stream and the wait its join (event edges).
+
+Which layers share slots is a pure plan (:func:`plan_slots`): some layers keep a slot of their
+own for good (*resident*), the others (*streamed*) take turns in two slots, each load evicting
+the layer two before it, whose reads are already queued. A load moves only the positions in
+use: one launch of :class:`kv_ops.prefix_copy.PrefixCopy` writes the evicted layer's new
+positions back to its host copy, then loads the target's written positions, both lengths read on
+the GPU. A layer's new positions are written to its slot only, as a GPU-resident cache writes
+them; they reach the host when the slot is next taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import driver, reference
+from ..capture import captured_into
+from ..host_memory import check_host_bytes, device_view, pinned_empty
+from ..prefix_copy import PrefixCopy
+from ..registration import check_new_name, find_named, register_op
+
+# name -> SlotLoads: what the ops resolve their name through.
+_registry: dict[str, SlotLoads] = {}
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Who holds which slot, over ``layers`` layers numbered 0 to layers - 1 in step order.
+
+    ``slot[k]`` is layer k's slot: resident layers have slots of their own, streamed layers
+    take turns in the last one or two. ``evicts[k]`` is the streamed layer whose slot layer k's
+    load takes: the one before it in the same slot, or the last of the previous step there.
+    ``issues[j]`` lists the streamed layers whose loads layer j queues at its update: the first
+    layer after the one evicted, whose reads the step has queued by then.
+    """
+
+    layers: int
+    streamed: tuple[int, ...]
+    slot: tuple[int, ...]
+    evicts: dict[int, int]
+    issues: dict[int, tuple[int, ...]]
+
+    @property
+    def slots(self) -> int:
+        return max(self.slot) + 1
+
+
+def plan_slots(layers: int, slots: int) -> SlotPlan:
+    """The plan for ``layers`` layers in ``slots`` GPU slots (at least ``min(3, layers)``).
+
+    With a slot per layer all are resident. Otherwise the streamed layers take turns in two
+    slots, so that a load may start as soon as the layer two before it has been read; three
+    streamed layers would leave one alone in its slot, so its middle one stays resident and the
+    other two share one. The streamed layers are spread evenly over the step, and the first
+    layer is always resident (nothing computes before it to hide its load).
+    """
+    if layers < 1 or slots < min(3, layers):
+        raise ValueError(f"plan_slots: needs layers >= 1 and slots >= min(3, layers), got {layers} and {slots}")
+    count = max(0, layers - slots + 2) if slots < layers else 0
+    # Layer k is streamed where floor(k * count / layers) steps up: evenly spaced, never layer 0.
+    streamed = [k for k in range(layers) if (k + 1) * count // layers > k * count // layers]
+    shared = 2
+    if len(streamed) == 3:
+        del streamed[1]
+        shared = 1
+    slot, kept = [], 0
+    order = {k: i for i, k in enumerate(streamed)}
+    first_shared = layers - len(streamed)
+    for k in range(layers):
+        if k in order:
+            slot.append(first_shared + order[k] % shared)
+        else:
+            slot.append(kept)
+            kept += 1
+    evicts, issues = {}, {k: [] for k in range(layers)}
+    for i, k in enumerate(streamed):
+        if i >= shared:
+            evicts[k] = streamed[i - shared]
+            issues[streamed[i - shared] + 1].append(k)
+        else:  # the slot's last layer of the previous step
+            evicts[k] = streamed[max(j for j in range(len(streamed)) if j % shared == i)]
+            issues[0].append(k)
+    return SlotPlan(layers, tuple(streamed), tuple(slot), evicts, {j: tuple(v) for j, v in issues.items() if v})
+
+
+class SlotLoads:
+    """The live state behind one set of slot loads: slots, host copies, counts, stream and events.
+
+    Registered under ``name`` at once; :meth:`allocate` makes the slots and host copies by a
+    :class:`SlotPlan` once the layers' shape is known.
+    """
+
+    def __init__(self, name: str):
+        check_new_name(_registry, "SlotLoads", name)
+        self.name = name
+        self.plan: SlotPlan | None = None
+        self.lengths: list[torch.Tensor] = []
+        self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # streamed layer -> (K, V) copies
+        self.saved: torch.Tensor | None = None  # int64 [layers]: positions of each layer on the host
+        self.copies: dict[int, PrefixCopy] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
+        self.execs: dict[int, int] = {}  # and their executable graphs' handles
+        self.moved = 0  # bytes the CPU loads and write-backs have moved (what tests count)
+        self.stream: torch.cuda.Stream | None = None
+        self.free: dict[int, torch.cuda.Event] = {}  # recorded where a load's slot may be overwritten
+        self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
+        _registry[name] = self
+
+    def layer_bytes(self, keys: torch.Tensor, values: torch.Tensor, max_len: int) -> int:
+        """GPU bytes of one slot for a layer whose new keys and values look like these."""
+        batch, heads = keys.shape[:2]
+        return (
+            batch * heads * max_len * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
+        )
+
+    def allocate(
+        self, plan: SlotPlan, keys: torch.Tensor, values: torch.Tensor, max_len: int, lengths: list[torch.Tensor]
+    ) -> None:
+        """Make the slots (zeros: every position of a slot is read, masked or not, so it must be
+        finite) and the streamed layers' host copies, and bind each load. ``lengths[k]`` is
+        layer k's count of written positions, an int64 scalar on the device that its owner
+        advances in place (transformers' ``cumulative_length``)."""
+        self.plan, device = plan, keys.device
+        batch, heads = keys.shape[:2]
+        k_shape, v_shape = (batch, heads, max_len, keys.shape[-1]), (batch, heads, max_len, values.shape[-1])
+        if device.type == "cuda":
+            check_host_bytes(
+                "HostOffloadedCache",
+                "the host copy of the streamed layers",
+                len(plan.streamed) * self.layer_bytes(keys, values, max_len),
+            )
+        for _ in range(plan.slots):
+            pair = (
+                torch.zeros(k_shape, dtype=keys.dtype, device=device),
+                torch.zeros(v_shape, dtype=values.dtype, device=device),
+            )
+            for t in pair:
+                torch._dynamo.mark_static_address(t)
+            self.slots.append(pair)
+        # Host copies are never read past the positions written back into them: no need to zero.
+        for k in plan.streamed:
+            if device.type == "cuda":
+                self.host[k] = (pinned_empty(k_shape, dtype=keys.dtype), pinned_empty(v_shape, dtype=values.dtype))
+            else:
+                self.host[k] = (torch.empty(k_shape, dtype=keys.dtype), torch.empty(v_shape, dtype=values.dtype))
+        self.saved = torch.zeros(plan.layers, dtype=torch.int64, device=device)
+        self.lengths = lengths
+        if device.type != "cuda":
+            return
+        # Low priority: a load must never delay the layer that computes beside it.
+        self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+        views = {k: tuple(device_view(t, device) for t in pair) for k, pair in self.host.items()}
+        load = self.stream.cuda_stream
+        for k in plan.streamed:
+            e = plan.evicts[k]
+            copy = PrefixCopy(
+                self.slots[plan.slot[k]], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k]
+            )
+            # An eager load replays its launch, captured once: one driver call where Triton's
+            # launcher costs several times more host time. Every count is still zero here, so the
+            # first launch (which compiles) moves nothing.
+            with torch.cuda.stream(self.stream):
+                copy(load)
+                graph = torch.cuda.CUDAGraph()
+                with captured_into(graph):
+                    copy(load)
+            self.copies[k], self.graphs[k], self.execs[k] = copy, graph, graph.raw_cuda_graph_exec()
+            self.free[k], self.loaded[k] = torch.cuda.Event(), torch.cuda.Event()
+            # driver.record_event needs events that exist: a torch event is made at its first record.
+            self.free[k].record()
+            self.loaded[k].record()
+        self.stream.synchronize()
+        self.host_views = views  # the copies and graphs hold their addresses
+
+    def reset(self) -> None:
+        """Forget every layer's host positions (the owner zeroes the lengths)."""
+        if self.saved is not None:
+            self.saved.zero_()
+
+    # --- the two steps of a load, on a CUDA device --------------------------------------------
+
+    def issue(self, k: int, tensors: tuple | None = None, replay: bool = True) -> None:
+        """Queue layer k's load on the load stream, after the current stream's work so far.
+
+        ``tensors``: what a compiled step hands over (:meth:`PrefixCopy.__call__`). ``replay``
+        launches the load's own graph, the cheapest call; a capture in progress needs the kernel
+        launched instead (a graph launch is not a node a capture records)."""
+        compute = driver.current_stream_handle(self.saved.device.index)
+        load = self.stream.cuda_stream
+        driver.record_event(self.free[k], compute)
+        driver.wait_event(load, self.free[k])
+        if tensors is None and replay:
+            driver.graph_launch(self.execs[k], load)
+        else:
+            self.copies[k](load, tensors)
+        driver.record_event(self.loaded[k], load)
+
+    def wait(self, k: int) -> None:
+        """Make the current stream wait for layer k's last queued load."""
+        driver.wait_event(driver.current_stream_handle(self.saved.device.index), self.loaded[k])
+
+    # --- on the CPU: the same, at once ---------------------------------------------------------
+
+    def load_now(self, k: int, slot_k: torch.Tensor, slot_v: torch.Tensor, length: int, out_length: int) -> None:
+        """What layer k's load does, done now by :func:`kv_ops.reference.prefix_copy`: the CPU path."""
+        e = self.plan.evicts[k]
+        self.moved += reference.prefix_copy(
+            (slot_k, slot_v), self.host[k], length, self.host[e], out_length, int(self.saved[e])
+        )
+        self.saved[k] = length
+
+    def close(self) -> None:
+        """Drop the name (the model must not run on these loads afterwards)."""
+        if _registry.get(self.name) is self:
+            del _registry[self.name]
+
+
+def lookup(name: str) -> SlotLoads:
+    """The live :class:`SlotLoads` called ``name`` in this process."""
+    return find_named(_registry, name, "kv_ops.prefetch_layer", "HostOffloadedCache")
+
+
+# --- prefetch_layer / wait_prefetch -----------------------------------------------------------------
+# The slots are declared mutated (the compiler keeps every earlier reader before the load and every
+# later one after the wait); ``dep`` is the layer's input, so the load is not hoisted above the layer
+# that queues it. The lengths are arguments, and the load reads them from the tensors handed over,
+# not from the layers': a compiled graph may hold a count's current value in a buffer of its own
+# until it writes it back (aot_eager does so at the graph's end).
+
+
+def _fake_prefetch(slot_k, slot_v, dep, length, evicted_length, name, layer):
+    torch._check(layer >= 0, lambda: f"kv_ops.prefetch_layer: layer must be >= 0, got {layer}")
+
+
+def _prefetch_cpu(slot_k, slot_v, dep, length, evicted_length, name, layer) -> None:
+    lookup(name).load_now(layer, slot_k, slot_v, int(length), int(evicted_length))
+
+
+def _prefetch_cuda(slot_k, slot_v, dep, length, evicted_length, name, layer) -> None:
+    lookup(name).issue(layer, (slot_k, slot_v, length, evicted_length))
+
+
+def _fake_wait(slot_k, slot_v, dep, name, layer):
+    torch._check(layer >= 0, lambda: f"kv_ops.wait_prefetch: layer must be >= 0, got {layer}")
+
+
+def _wait_cpu(slot_k, slot_v, dep, name, layer) -> None:
+    lookup(name)
+
+
+def _wait_cuda(slot_k, slot_v, dep, name, layer) -> None:
+    lookup(name).wait(layer)
+
+
+register_op(
+    "kv_ops",
+    "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, Tensor length, Tensor evicted_length, "
+    "str name, int layer) -> ()",
+    fake=_fake_prefetch,
+    cpu=_prefetch_cpu,
+    cuda=_prefetch_cuda,
+)
+register_op(
+    "kv_ops",
+    "wait_prefetch(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer) -> ()",
+    fake=_fake_wait,
+    cpu=_wait_cpu,
+    cuda=_wait_cuda,
+)
+
+__all__ = ["SlotLoads", "SlotPlan", "plan_slots", "lookup"]

@@ -1,0 +1,56 @@
+"""kv_ops.transfer.slot_loads.plan_slots: who holds which slot, checked by replaying steps of it."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_ops.transfer.slot_loads import plan_slots
+
+
+def replay(plan, steps=3):
+    """Run ``steps`` steps of the plan over slot contents; fail on any load that takes a slot
+    whose layer has not been read yet, or any layer that reads a slot not holding it."""
+    holder = {}  # slot -> layer it holds
+    for k in range(plan.layers):  # the first step starts with every layer's slot its own or empty
+        holder.setdefault(plan.slot[k], None)
+    for _ in range(steps):
+        read = set()
+        for j in range(plan.layers):
+            for target in plan.issues.get(j, ()):
+                assert target > j  # queued before the target's own update
+                evicted = plan.evicts[target]
+                assert holder[plan.slot[target]] in (evicted, None)  # None: the first step's empty slot
+                # The evicted layer was read earlier in this step, or in the step before.
+                assert evicted in read or evicted > j
+                holder[plan.slot[target]] = target
+            if j in plan.streamed:
+                assert holder[plan.slot[j]] == j
+            else:
+                assert holder[plan.slot[j]] in (j, None)
+                holder[plan.slot[j]] = j
+            read.add(j)
+
+
+@given(layers=st.integers(1, 48), extra=st.integers(0, 50))
+def test_every_plan_loads_each_streamed_layer_into_a_free_slot_before_it_reads(layers, extra):
+    slots = min(3, layers) + extra
+    plan = plan_slots(layers, slots)
+    assert plan.slots == min(slots, layers)
+    assert 0 not in plan.streamed
+    assert set(plan.evicts) == set(plan.streamed)
+    assert sorted(t for ts in plan.issues.values() for t in ts) == list(plan.streamed)
+    replay(plan)
+
+
+@pytest.mark.parametrize(
+    ("layers", "slots", "streamed"),
+    [(5, 3, (1, 2, 3, 4)), (3, 3, ()), (4, 3, (1, 3)), (8, 8, ()), (8, 6, (1, 3, 5, 7)), (8, 12, ())],
+)
+def test_the_streamed_layers_are_spread_over_the_step(layers, slots, streamed):
+    assert plan_slots(layers, slots).streamed == streamed
+
+
+@pytest.mark.parametrize(("layers", "slots"), [(0, 3), (5, 2), (2, 1)])
+def test_too_few_slots_or_layers_are_refused(layers, slots):
+    with pytest.raises(ValueError, match="plan_slots: needs layers >= 1 and slots >= min"):
+        plan_slots(layers, slots)
