@@ -1,6 +1,8 @@
 """Packaging: the declared torch floor holds and matches the import-time check, and the built
-wheel installs and imports from outside the tree, typed and versioned."""
+wheel holds every module of kv_ops and ple_ops and nothing else, and installs and imports from
+outside the tree, typed and versioned."""
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -9,9 +11,11 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kv_ops", "ple_ops")
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -44,42 +48,39 @@ def test_both_packages_import_and_export_what_they_declare():
         assert hasattr(torch.ops.kv_ops, op), f"torch.ops.kv_ops.{op} is not registered"
 
 
-def test_the_wheel_installs_and_imports_from_outside_the_tree(tmp_path):
-    wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "cwd"
-    elsewhere.mkdir()
-    build = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(wheels),
-        str(ROOT),
-    ]
-    subprocess.run(build, check=True, capture_output=True, timeout=300)
-    (wheel,) = wheels.glob("offload_ops-*.whl")
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel as users get it: `python -m build` makes the sdist and, from it, the wheel (so
+    nothing stale under build/ can get in), with this Python's setuptools."""
+    try:
+        importlib.metadata.distribution("build")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("`build` is not installed (pyproject.toml's test extra): pip install build")
+    dist = tmp_path_factory.mktemp("dist")
+    command = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT)]
+    # Outside the checkout: its build/ folder must not answer `-m build`.
+    done = subprocess.run(command, cwd=dist, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (found,) = dist.glob("offload_ops-*.whl")
+    return found
+
+
+def test_the_wheel_holds_every_module_and_nothing_else(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    # Every module of every declared package ships, so a subpackage missing from pyproject.toml's
-    # list (setuptools would leave it out silently) fails here.
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    on_disk = sorted(
-        ".".join(p.parent.relative_to(ROOT).parts)
-        for top in ("kv_ops", "ple_ops")
-        for p in (ROOT / top).rglob("__init__.py")
-    )
-    assert sorted(declared) == on_disk, (
-        "pyproject.toml's [tool.setuptools] packages differ from the packages in the tree"
-    )
-    modules = {
-        str(p.relative_to(ROOT)) for package in declared for p in (ROOT / package.replace(".", "/")).glob("*.py")
-    }
-    missing = sorted((modules | {"kv_ops/py.typed", "ple_ops/py.typed"}) - names)
+    # Every module under kv_ops/ and ple_ops/ (a subpackage that setuptools did not find, a folder
+    # left out of the sdist), both py.typed markers, and nothing but the two packages and the metadata.
+    modules = {str(p.relative_to(ROOT)) for top in PACKAGES for p in (ROOT / top).rglob("*.py")}
+    missing = sorted((modules | {f"{top}/py.typed" for top in PACKAGES}) - names)
     assert missing == [], f"the wheel lacks {missing}"
-    assert not any(n.startswith(("tests/", "compile_tests/", "examples/", "benchmarks/")) for n in names)
+    dist_info = wheel.name.split("-py3")[0] + ".dist-info"
+    stray = sorted(n for n in names if n.split("/")[0] not in (*PACKAGES, dist_info))
+    assert stray == [], f"the wheel holds files outside kv_ops/ and ple_ops/: {stray}"
+
+
+def test_the_wheel_installs_and_imports_from_outside_the_tree(wheel, tmp_path):
+    target, elsewhere = tmp_path / "site", tmp_path / "cwd"
+    elsewhere.mkdir()
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=300)
     probe = (

