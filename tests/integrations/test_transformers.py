@@ -51,6 +51,20 @@ def gemma4():
     return cfg, Gemma4ForCausalLM
 
 
+def gemma4_shared():
+    # Eight full-attention layers with a cache and four that reuse the last ones' keys and values
+    # (read straight from what its update returned, its slot): the last full layer is streamed.
+    from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=20, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"] * 10, vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8, num_kv_shared_layers=4,
+    )  # fmt: skip
+    return cfg, Gemma4ForCausalLM
+
+
 def model_of(cfg, cls, device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
     return cls(cfg).to(device, dtype).eval()
@@ -85,6 +99,7 @@ def models():
     except ImportError:
         return
     yield "gemma4", cfg, cls
+    yield "gemma4-shared-kv", *gemma4_shared()
 
 
 def full_layers(cache) -> list[int]:
