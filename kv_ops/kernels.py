@@ -28,13 +28,13 @@ from . import driver, host_memory
 from .capture import captured_into, refuse_capture
 
 # At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
-# and eight SMs already saturate a PCIe Gen5 x16 link (docs/design.md: 0.91-0.95 of memcpy).
+# and eight SMs already saturate a PCIe Gen5 x16 link (figures: docs/measurements.md).
 NUM_PROGRAMS = 8
 # Bytes one program moves per loop iteration, and the warps that move them. Host->GPU is the
-# hard direction: every load crosses PCIe (~1-2 us) before its store can issue, so each program
-# needs many bytes in flight: 32 KiB over 16 warps (16 B per thread per access, 4 accesses) is the
-# best of the grid benchmarks/block_copy.py --tune sweeps, 0.88-0.93 of memcpy host->GPU with 8
-# programs where 16 KiB over 4 warps reaches 0.62-0.83.
+# hard direction: every load crosses PCIe before its store can issue, so each program needs many
+# bytes in flight: 32 KiB over 16 warps (16 B per thread per access, 4 accesses), tuned by
+# benchmarks/block_copy.py --tune (the best of its grid host->GPU with 8 programs; figures:
+# docs/measurements.md).
 TILE_BYTES = 32768
 NUM_WARPS = 16
 # Ids checked per step in the kernel's counting phase.

@@ -1,8 +1,8 @@
 """The one way both packages register an operator: its schema, fake, CPU and CUDA implementations.
 
-Not ``torch.library.custom_op``: its Python dispatch wrappers cost 30-44 us per eager call before
-the implementation runs (a no-op with 16 + 16 regions), a plain library op 5-7 us, and an eager
-copy must cost tens of microseconds in all (docs/design.md). ``torch.compile`` treats the op as
+Not ``torch.library.custom_op``: its Python dispatch wrappers cost several times a plain library
+op's per eager call before the implementation runs, more than an eager copy can afford (figures:
+docs/measurements.md, benchmarks/host_cost.py). ``torch.compile`` treats the op as
 opaque and keeps it because its schema mutates an input (``Tensor(a!)``); ``opcheck`` checks that
 the declared mutations are the real ones.
 """

@@ -111,7 +111,7 @@ def _device_slot(layer: registry.ArmedLayer) -> torch.Tensor:
 def _enqueue_wait(layer: registry.ArmedLayer, num_tokens: int | None, stream, out: torch.Tensor | None = None) -> None:
     """GPU path: enqueue (or record) on ``stream`` (the current one) the wait on the layer's flag,
     then, given ``out``, the copy of the slot's first ``num_tokens`` rows into it."""
-    captured = capturing()  # asked once: the guard gets the answer (a driver query, 0.5-4 us)
+    captured = capturing()  # asked once: the guard gets the answer (each ask is a driver query)
     if layer.guard is not None:
         layer.guard.before_stream_wait(layer.name, num_tokens, captured)
     else:

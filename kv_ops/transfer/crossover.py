@@ -9,13 +9,13 @@ runs of :data:`RUN` consecutive ids) it takes two rates:
   the clock stopped when the last copy has finished. A call's host time hides behind the
   copies still in flight;
 * **single**: one call from an idle device, from before the call until its copy has finished.
-  The call's host time is on the critical path: on the H200 the staged path costs about twice
-  the kernel path's host time, so a single flushed call of 16-64 blocks of 1 MiB finishes
+  The call's host time is on the critical path: the staged path costs more host time than the
+  kernel path, so a single flushed call of 16-64 blocks of 1 MiB finishes
   sooner on the kernel path even where a burst moves faster staged. With it, **host**: the
   microseconds that call spent in ``enqueue``.
 
-The whole sweep takes about a second on the H200 (plus the kernels' first compile in a fresh
-cache). It is done once per device, shape and process, and can be kept in a JSON file that the
+The sweep is short next to a serving process's life (figures: docs/measurements.md), but not
+free (nor is the kernels' first compile in a fresh cache). It is done once per device, shape and process, and can be kept in a JSON file that the
 user names.
 
 The pick, in the nearest measured cell:
@@ -55,7 +55,7 @@ TOLERANCE = 0.05
 # runs are counted every call, and the choice for that count is kept (CHOICES_KEPT).
 RUN_FREE_BLOCKS = 64
 # How many (direction, blocks, runs, alone) choices :meth:`Crossover.pick` keeps before it starts
-# over: a serving loop's calls repeat a few sizes, and a choice costs 6-10 us of host time.
+# over: a serving loop's calls repeat a few sizes, and a choice costs more host time than a lookup.
 CHOICES_KEPT = 4096
 
 
@@ -152,7 +152,7 @@ class Crossover:
         :data:`RUN_FREE_BLOCKS` blocks, whether every run count gives one answer is found once
         per size, and where not, the answer of each run count (:meth:`plan_picks` finds them all
         at once); above, each choice is kept (up to :data:`CHOICES_KEPT` of them). Counting the
-        runs costs about 4 us (the CPU box), a choice 6-10 us. ``copy_engines`` must be the same
+        runs costs less host time than a choice. ``copy_engines`` must be the same
         mapping at every call (the engine's)."""
         if blocks <= RUN_FREE_BLOCKS:
             key = (direction, blocks, alone)
@@ -174,7 +174,7 @@ class Crossover:
     def _find_run_free(self, direction: Direction, blocks: int, alone: bool, copy_engines: dict[str, bool]) -> str:
         """The pick of a ``blocks``-block call if every run count gives the same one, else ""
         (then the pick of each run count is kept in ``_by_runs``); kept in ``_run_free``. One
-        choice per run count: for 64 blocks, 64 choices, 0.3 ms of host time."""
+        choice per run count: for 64 blocks, 64 choices."""
         key = (direction, blocks, alone)
         answers = tuple(
             self.choose(direction, blocks, r, copy_engines, alone) or "" for r in range(1, max(blocks, 1) + 1)
@@ -188,9 +188,9 @@ class Crossover:
     def plan_picks(self, copy_engines: dict[str, bool]) -> None:
         """Find, for every call size up to :data:`RUN_FREE_BLOCKS`, whether its pick depends on
         its runs, now instead of at the first call of each size. Found lazily, that first call
-        paid one choice per run count (82-86 us for 10-16 blocks on the CPU box, 0.3 ms for 64):
-        in a serving loop, whose calls come in many sizes, many calls are some size's first.
-        Planning every size takes about 40 ms. An engine calls it once it has its crossover
+        paid one choice per run count (``blocks`` choices): in a serving loop, whose calls come
+        in many sizes, many calls are some size's first. Planning every size costs once what
+        those first calls would pay (figures: docs/measurements.md). An engine calls it once it has its crossover
         (engines of one shape share one, planned once)."""
         for direction in Direction:
             for alone in (False, True):

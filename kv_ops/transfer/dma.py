@@ -8,7 +8,7 @@ no Python object is built per block. Where the driver lacks the batched call (be
 the same plan runs as one ``cuMemcpyAsync`` per copy.
 
 Copy engines need no SMs and share the link better than kernels (both directions at once), but
-pay about 1-2 us per copy and cannot be captured into a CUDA graph. On the CPU,
+pay a fixed host and driver cost per copy and cannot be captured into a CUDA graph. On the CPU,
 :func:`run_on_host` executes the same plan with ``memmove``, so the engine's copy-engine paths
 run, plan for plan, in CI.
 """
@@ -84,8 +84,8 @@ _RUN_STEP = (1 << 32) + 1
 
 def count_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
     """How many runs :func:`run_starts` finds, for int64 ids in ``[0, 2**31)`` (the engine's, checked),
-    in four numpy operations: auto's pick needs only this, on every call (3.4 us for 16 pairs on
-    the CPU box, against 7.6 for the two differences compared apart)."""
+    in four numpy operations: auto's pick needs only this, on every call, and one pass over packed
+    words is cheaper than the two differences compared apart (figures: docs/measurements.md)."""
     n = src_ids.size
     if n < 2:
         return n
@@ -261,10 +261,10 @@ _CU_MEMORYTYPE_UNIFIED = 4
 class Copy2D(NamedTuple):
     """``height`` rows of ``width`` bytes: row ``j`` from ``src + j * src_pitch`` to ``dst + j *
     dst_pitch``. One copy-engine operation however many rows: strided pieces of consecutive
-    blocks (a region's columns of a run of mirror rows) move as one (measured on the H200: 3.5-4
-    us of host time per copy, at 1.00 of memcpy for 32 KiB rows). A named tuple: a start of a
-    32-layer model makes one per layer and piece, and a frozen dataclass costs three times as
-    much to make (1.3 against 0.45 us on a CPU host)."""
+    blocks (a region's columns of a run of mirror rows) move as one, at the link's full rate for
+    rows of a block's width (figures: docs/measurements.md). A named tuple: a start of a
+    32-layer model makes one per layer and piece, and a frozen dataclass costs several times as
+    much to make."""
 
     dst: int
     dst_pitch: int

@@ -33,8 +33,9 @@ from .staged import STAGE_PROGRAMS
 # scatters, which wait for gaps between the model's kernels.
 SLOTS = 4
 RING_BYTES = 128 << 20  # the default ring; a slot holds one layer's pieces of a chunk of pairs
-# A run of consecutive host ids at least this long moves as one 2-D copy per piece (about 4 us of
-# host time on the H200) instead of one descriptor per block (about 0.5 us each).
+# A run of consecutive host ids at least this long moves as one 2-D copy per piece instead of one
+# descriptor per block: a 2-D copy costs the host several descriptors' time, so shorter runs are
+# cheaper as descriptors (figures: docs/measurements.md, benchmarks/layerwise_parts.py).
 RUN_2D = 8
 
 
@@ -128,7 +129,7 @@ def plan(
     :data:`RUN_2D` pairs become one 2-D copy per piece (mirror rows ``row`` apart, slot rows
     a layer's bytes apart); the other pairs one descriptor per piece. Pure: addresses in, plans
     out. Each chunk's descriptors for every layer at once, in three numpy broadcasts over
-    (piece, pair): a plan per layer cost about 8 us of host time, most of a small start's.
+    (piece, pair): a plan per layer cost most of a small start's host time.
     """
     n = host.size
     if n == 0:

@@ -113,8 +113,8 @@ class ControlBlock:
     """The shared words of one runtime: header, step ids, and per-layer flag/waiting/delivered.
 
     Use :meth:`create` in the GPU process and :meth:`attach` (with :attr:`handle`) in the worker.
-    Header words are read and written through ctypes (a plain aligned 8-byte load or store, about
-    50 ns from Python, where tensor indexing costs microseconds): :meth:`get`, :meth:`set`.
+    Header words are read and written through ctypes (a plain aligned 8-byte load or store, far
+    cheaper from Python than tensor indexing): :meth:`get`, :meth:`set`.
 
     Attributes
     ----------

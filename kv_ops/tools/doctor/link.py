@@ -21,7 +21,8 @@ from .common import NO_CUDA, CheckResult, skip_no_cuda
 
 
 # Below this fraction of the link's nominal rate the measured copies point at a real problem
-# (a degraded link, the wrong NUMA node); a healthy H200 at Gen5 x16 measures about 0.87.
+# (a degraded link, the wrong NUMA node); a healthy link measures well above it (figures:
+# docs/measurements.md).
 SLOW_LINK_FRACTION = 0.6
 
 # Per-lane rate in GB/s after line encoding (8b/10b to Gen 2, 128b/130b from Gen 3, FLIT at Gen 6).
