@@ -32,7 +32,8 @@ The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the
 * ``transfer.paths``     -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
 * ``transfer.crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
 * ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT); its path.
-* ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror.
+* ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror;
+                           ``ClosedError``, what every object here raises once closed.
 * ``transfer.host_blocks`` -- ``HostBlockAllocator``: which host blocks are free, handed out in runs (best fit).
 * ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
 * ``transfer.layerwise_ring`` -- their ``copies="staged"``: copy engines into a GPU ring, a scatter per layer.
@@ -63,7 +64,7 @@ from .host_memory import device_view, pinned_empty
 from .ops import copy_blocks, gather_blocks, scatter_blocks
 from .transfer import dma
 from .transfer.disk import BlockFile
-from .transfer.engine import AllRanks, Completed, EngineClosedError, OffloadEngine
+from .transfer.engine import AllRanks, ClosedError, Completed, EngineClosedError, OffloadEngine
 from .transfer.host_blocks import HostBlockAllocator, OutOfHostBlocksError
 from .transfer.layerwise import LayerwiseLoads, wait_layer
 from .transfer.step_transfers import StepTransfers, step_transfers
@@ -88,6 +89,7 @@ __all__ = [
     "BlockFile",
     "OffloadEngine",
     "Completed",
+    "ClosedError",
     "EngineClosedError",
     "AllRanks",
     "HostBlockAllocator",

@@ -103,8 +103,9 @@ class _Placement:
 
 def check_kv_caches(owner: str, kv_caches) -> None:
     """Raise a ``ValueError`` naming ``owner`` unless ``kv_caches`` is a non-empty mapping of layer
-    names (``str``) to ``torch.Tensor``s: a list, a numpy array, ``{}``, a non-str key or a value
-    that is not a tensor is refused here, before its first use would fail with an unrelated error.
+    names (``str``) to ``torch.Tensor``s on a CUDA device or the CPU: a list, a numpy array, ``{}``,
+    a non-str key, a value that is not a tensor, or a tensor elsewhere (meta) is refused here,
+    before its first use would fail with an unrelated error.
 
     Examples
     --------
@@ -121,6 +122,12 @@ def check_kv_caches(owner: str, kv_caches) -> None:
             raise ValueError(f"{owner}: kv_caches keys must be layer names (str), got {key!r} ({type(key).__name__})")
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{owner}: kv_caches[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+        if value.device.type not in ("cuda", "cpu"):
+            # A meta tensor has a shape but no bytes: regions over it would copy nothing.
+            raise ValueError(
+                f"{owner}: kv_caches[{key!r}] is on {value.device}, but the caches must be CUDA or CPU tensors"
+                + (" (a meta tensor holds no bytes to move)" if value.is_meta else "")
+            )
 
 
 def _unique(placements: list[_Placement]) -> list[_Placement]:
@@ -134,7 +141,7 @@ def _unique(placements: list[_Placement]) -> list[_Placement]:
     return out
 
 
-def _materialize(placements: list[_Placement], num_blocks: int) -> dict[str, torch.Tensor]:
+def _materialize(owner: str, placements: list[_Placement], num_blocks: int) -> dict[str, torch.Tensor]:
     """Check names and disjointness, then make each region a ``[num_blocks, width]`` uint8 tensor.
 
     Each region gets a storage of its own over the cache's bytes (``alias_bytes``),
@@ -143,7 +150,7 @@ def _materialize(placements: list[_Placement], num_blocks: int) -> dict[str, tor
     names = [p.name for p in placements]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"two different regions are both named {dup!r}")
+        raise ValueError(f"{owner}: two different regions are both named {dup!r}")
     spans = sorted(
         (p.base.device.type, p.base.device.index or 0, p.address, p.address + p.span(num_blocks), p.name)
         for p in placements
@@ -151,7 +158,7 @@ def _materialize(placements: list[_Placement], num_blocks: int) -> dict[str, tor
     for a, b in zip(spans, spans[1:]):
         if a[:2] == b[:2] and b[2] < a[3]:
             raise ValueError(
-                f"regions {a[4]!r} and {b[4]!r} overlap: bytes [{a[2]:#x}, {a[3]:#x}) and [{b[2]:#x}, {b[3]:#x})"
+                f"{owner}: regions {a[4]!r} and {b[4]!r} overlap: bytes [{a[2]:#x}, {a[3]:#x}) and [{b[2]:#x}, {b[3]:#x})"
             )
     return {
         p.name: alias_bytes(p.base, p.offset, p.span(num_blocks)).as_strided((num_blocks, p.width), (p.stride, 1))
@@ -201,18 +208,31 @@ def resolve_regions(
     >>> sorted(regions)
     ['l0.0', 'l0.1', 'l1.0', 'l1.1']
     """
-    check_kv_caches("resolve_regions", kv_caches)
-    num_blocks = positive_int("resolve_regions", "num_blocks", num_blocks)
+    return _resolve("resolve_regions", kv_caches, specs, num_blocks)
+
+
+def regions_of(owner: str, kv_caches, num_blocks, specs=None) -> dict[str, torch.Tensor]:
+    """:func:`resolve_regions` with ``specs``, else :func:`infer_regions`, for an entry point that
+    takes the caches itself: every error names ``owner``, the function the user called, as the
+    argument checks of :mod:`kv_ops.arguments` do."""
+    return _resolve(owner, kv_caches, specs, num_blocks) if specs else _infer(owner, kv_caches, num_blocks)
+
+
+def _resolve(owner: str, kv_caches, specs, num_blocks) -> dict[str, torch.Tensor]:
+    check_kv_caches(owner, kv_caches)
+    num_blocks = positive_int(owner, "num_blocks", num_blocks)
     found: list[_Placement] = []
     for spec in specs:
+        if not isinstance(spec, KVCacheTensorSpec):
+            raise ValueError(f"{owner}: specs must be KVCacheTensorSpec objects, got {type(spec).__name__}")
         present = [name for name in spec.layers if name in kv_caches]
         if not present:
             raise ValueError(
-                f"spec for layers {list(spec.layers)} names no tensor in kv_caches (keys: {sorted(kv_caches)})"
+                f"{owner}: spec for layers {list(spec.layers)} names no tensor in kv_caches (keys: {sorted(kv_caches)})"
             )
         storage_ptrs = {kv_caches[name].untyped_storage().data_ptr() for name in present}
         if len(storage_ptrs) != 1:
-            raise ValueError(f"layers {present} of one spec do not share one storage")
+            raise ValueError(f"{owner}: layers {present} of one spec do not share one storage")
         base = kv_caches[present[0]]
         storage_bytes = base.untyped_storage().nbytes()
         region_bytes = num_blocks * spec.block_stride
@@ -225,7 +245,7 @@ def resolve_regions(
             groups, rest = divmod(per_layer, region_bytes)
             if rest:
                 raise ValueError(
-                    f"layer {first!r}: layer_stride {spec.layer_stride} is not a whole number of regions of "
+                    f"{owner}: layer {first!r}: layer_stride {spec.layer_stride} is not a whole number of regions of "
                     f"{num_blocks} blocks x {spec.block_stride} bytes = {region_bytes} bytes"
                 )
             span = num_layers * per_layer
@@ -238,7 +258,7 @@ def resolve_regions(
             # Blocks outermost: one region whose block holds every layer.
             if num_layers * spec.layer_stride > spec.block_stride:
                 raise ValueError(
-                    f"layer {spec.layers[-1]!r}: {num_layers} layers x layer_stride {spec.layer_stride} = "
+                    f"{owner}: layer {spec.layers[-1]!r}: {num_layers} layers x layer_stride {spec.layer_stride} = "
                     f"{num_layers * spec.layer_stride} bytes do not fit in a block of {spec.block_stride} bytes"
                 )
             span = region_bytes
@@ -246,11 +266,11 @@ def resolve_regions(
 
         if spec.offset + span > storage_bytes:
             raise ValueError(
-                f"layer {first!r}: the spec places {span} bytes at offset {spec.offset}, past the end of its "
+                f"{owner}: layer {first!r}: the spec places {span} bytes at offset {spec.offset}, past the end of its "
                 f"storage of {storage_bytes} bytes"
             )
         found += [_Placement(name, base, start, spec.block_stride, spec.block_stride) for name, start in placements]
-    return _materialize(_unique(found), num_blocks)
+    return _materialize(owner, _unique(found), num_blocks)
 
 
 def _dense_bytes(t: torch.Tensor) -> int | None:
@@ -306,8 +326,12 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
     >>> sorted(infer_regions(kv, num_blocks))[:2]
     ['l0.0', 'l0.1']
     """
-    check_kv_caches("infer_regions", kv_caches)
-    num_blocks = positive_int("infer_regions", "num_blocks", num_blocks)
+    return _infer("infer_regions", kv_caches, num_blocks)
+
+
+def _infer(owner: str, kv_caches, num_blocks) -> dict[str, torch.Tensor]:
+    check_kv_caches(owner, kv_caches)
+    num_blocks = positive_int(owner, "num_blocks", num_blocks)
     found: list[_Placement] = []
     for name, t in kv_caches.items():
         shape = tuple(t.shape)
@@ -315,22 +339,26 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
         kv_first = t.dim() >= 2 and shape[0] == 2 and shape[1] == num_blocks
         if blocks_first and kv_first:
             raise ValueError(
-                f"layer {name!r}: shape {shape} is ambiguous with num_blocks={num_blocks} "
+                f"{owner}: layer {name!r}: shape {shape} is ambiguous with num_blocks={num_blocks} "
                 "(K/V-first or blocks-first); describe it with KVCacheTensorSpec"
             )
         if not (blocks_first or kv_first):
-            raise ValueError(f"layer {name!r}: shape {shape} has no block axis of size {num_blocks}. {_LAYOUT_HELP}")
+            raise ValueError(
+                f"{owner}: layer {name!r}: shape {shape} has no block axis of size {num_blocks}. {_LAYOUT_HELP}"
+            )
         groups = [(name, t)] if blocks_first else [(f"{name}.{g}", t[g]) for g in range(2)]
         for group_name, g in groups:
             width = _dense_bytes(g[0])
             if width is None:
                 raise ValueError(
-                    f"layer {name!r}: a block of shape {tuple(g.shape[1:])} with strides {g.stride()[1:]} "
+                    f"{owner}: layer {name!r}: a block of shape {tuple(g.shape[1:])} with strides {g.stride()[1:]} "
                     f"is not one contiguous byte span. {_LAYOUT_HELP}"
                 )
             stride = g.stride(0) * g.element_size()
             if num_blocks > 1 and stride < width:
-                raise ValueError(f"layer {name!r}: blocks overlap (block stride {stride} bytes < block size {width})")
+                raise ValueError(
+                    f"{owner}: layer {name!r}: blocks overlap (block stride {stride} bytes < block size {width})"
+                )
             found.append(_Placement(group_name, g, g.storage_offset() * g.element_size(), max(stride, width), width))
 
     # Drop aliases, then merge regions that sit side by side inside each block (same storage and
@@ -350,7 +378,7 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
             merged[-1] = _Placement(prev.name, prev.base, prev.offset, prev.stride, prev.width + p.width)
         else:
             merged.append(p)
-    return _materialize(sorted(merged, key=lambda p: order[p.name]), num_blocks)
+    return _materialize(owner, sorted(merged, key=lambda p: order[p.name]), num_blocks)
 
 
 def block_bytes(regions: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> int:
@@ -359,4 +387,12 @@ def block_bytes(regions: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) ->
     return sum(r.shape[1] for r in values)
 
 
-__all__ = ["alias_bytes", "check_kv_caches", "KVCacheTensorSpec", "resolve_regions", "infer_regions", "block_bytes"]
+__all__ = [
+    "alias_bytes",
+    "check_kv_caches",
+    "KVCacheTensorSpec",
+    "resolve_regions",
+    "infer_regions",
+    "regions_of",
+    "block_bytes",
+]

@@ -59,6 +59,28 @@ def _check_id_tensors(op: str, **ids) -> None:
             )
 
 
+def _refuse_types(op: str, **sides) -> None:
+    """After the op refused a call: a ``TypeError`` naming the side that is not a tensor (``out``,
+    ``packed``) or not a list or mapping of tensors (regions), which torch's own error words as a
+    schema mismatch or an attribute missing from ``None``; nothing if every side is well typed
+    (the error was about something else). Only a failed call gets here: the wrappers run the op
+    in a ``try``, which costs a call that succeeds nothing."""
+    for what, side in sides.items():
+        if what in ("out", "packed"):
+            items = [(what, side)]
+        elif isinstance(side, Mapping):
+            items = [(f"{what}[{key!r}]", t) for key, t in side.items()]
+        elif isinstance(side, (list, tuple)):
+            items = [(f"{what}[{i}]", t) for i, t in enumerate(side)]
+        else:
+            raise TypeError(
+                f"{op}: {what} must be a list or mapping of region tensors, got {type(side).__name__}"
+            ) from None
+        for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}") from None
+
+
 class _RegionSet:
     """One checked pair of sides and its bound kernel copy."""
 
@@ -145,6 +167,7 @@ def _check_fake_packed(op: str, regions, ids: torch.Tensor, what: str, packed: t
 
 def _copy_blocks_fake(src, dst, src_ids, dst_ids):
     op = "kv_ops.copy_blocks"
+    V.check_fake_values(op, src_ids=src_ids, dst_ids=dst_ids, src=src, dst=dst)
     torch._check(V.same_count(src, dst), lambda: V.region_count_message(op, len(src), len(dst)))
     for i, (a, b) in enumerate(zip(src, dst)):
         _check_fake_region(op, "src", i, a)
@@ -240,9 +263,13 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     ValueError
         In eager mode, before any byte moves: an id outside ``[0, num_blocks)``, a repeated
         destination id, mismatched block sizes, a wrong dtype or device, ids that are not
-        tensors (a list: pass ``torch.tensor(ids, device=...)``). Id checks can be turned off
+        tensors (a list: pass ``torch.tensor(ids, device=...)``), a meta tensor (it holds no
+        values: the call would move nothing). Id checks can be turned off
         with :func:`kv_ops.set_id_checks`; then, and inside captured graphs, a pair with an
         out-of-range id is skipped and counted in :func:`kv_ops.error_count`.
+    TypeError
+        ``src`` or ``dst`` that is not a list or mapping of tensors (as ``gather_blocks`` and
+        ``scatter_blocks`` refuse regions, ``out`` or ``packed`` that are not tensors).
 
     Examples
     --------
@@ -255,13 +282,18 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
             raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {sorted(src)} vs {sorted(dst)}")
         dst = {name: dst[name] for name in src}  # paired by name, whatever order each was built in
     _check_id_tensors("kv_ops.copy_blocks", src_ids=src_ids, dst_ids=dst_ids)
-    torch.ops.kv_ops.copy_blocks(_region_list(src), _region_list(dst), src_ids, dst_ids)
+    try:
+        torch.ops.kv_ops.copy_blocks(_region_list(src), _region_list(dst), src_ids, dst_ids)
+    except (TypeError, RuntimeError, AttributeError):
+        _refuse_types("kv_ops.copy_blocks", src=src, dst=dst)
+        raise
 
 
 # --- gather_blocks -------------------------------------------------------------------------------
 
 
 def _gather_blocks_fake(regions, ids, out):
+    V.check_fake_values("kv_ops.gather_blocks", ids=ids, regions=regions, out=out)
     _check_fake_packed("kv_ops.gather_blocks", regions, ids, "out", out)
 
 
@@ -340,13 +372,18 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
     >>> kv_ops.gather_blocks(regions, ids, staging)       # GPU regions -> one host buffer
     """
     _check_id_tensors("kv_ops.gather_blocks", ids=ids)
-    torch.ops.kv_ops.gather_blocks(_region_list(regions), ids, out)
+    try:
+        torch.ops.kv_ops.gather_blocks(_region_list(regions), ids, out)
+    except (TypeError, RuntimeError, AttributeError):
+        _refuse_types("kv_ops.gather_blocks", regions=regions, out=out)
+        raise
 
 
 # --- scatter_blocks ------------------------------------------------------------------------------
 
 
 def _scatter_blocks_fake(packed, ids, regions):
+    V.check_fake_values("kv_ops.scatter_blocks", ids=ids, packed=packed, regions=regions)
     _check_fake_packed("kv_ops.scatter_blocks", regions, ids, "packed", packed)
 
 
@@ -393,7 +430,11 @@ def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Regions) ->
     >>> kv_ops.scatter_blocks(staging, new_ids, regions)  # one host buffer -> GPU regions
     """
     _check_id_tensors("kv_ops.scatter_blocks", ids=ids)
-    torch.ops.kv_ops.scatter_blocks(packed, ids, _region_list(regions))
+    try:
+        torch.ops.kv_ops.scatter_blocks(packed, ids, _region_list(regions))
+    except (TypeError, RuntimeError, AttributeError):
+        _refuse_types("kv_ops.scatter_blocks", packed=packed, regions=regions)
+        raise
 
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]

@@ -110,6 +110,26 @@ def reset_error_count(device: torch.device | str | int | None = None) -> None:
 # --- the ops' fakes (which hand the condition to torch._check, as shapes may be symbolic there) ---
 
 
+def holds_values(t: torch.Tensor) -> bool:
+    # is_meta, not device.type (which makes a torch.device); a fake tensor, under torch.compile, is not meta.
+    return not t.is_meta
+
+
+def no_values_message(op: str, what: str) -> str:
+    return f"{op}: {what} is a meta tensor, which holds no values; pass a tensor on the CPU or a GPU"
+
+
+def check_fake_values(op: str, **sides) -> None:
+    """An op's fake: no side is a meta tensor. A call with a real meta tensor among its arguments
+    reaches the fake and nothing else (the dispatcher ranks the Meta kernel above every backend),
+    where it would move nothing and return: so this is that call's eager check, and raises
+    ``ValueError`` as the eager checks do. Each side is a tensor or a list of tensors."""
+    for what, side in sides.items():
+        named = [(what, side)] if isinstance(side, torch.Tensor) else [(f"{what}[{i}]", t) for i, t in enumerate(side)]
+        for name, t in named:
+            torch._check_value(holds_values(t), lambda name=name: no_values_message(op, name))
+
+
 def region_ok(region: torch.Tensor) -> bool:
     return region.dim() == 2 and region.dtype == torch.uint8
 

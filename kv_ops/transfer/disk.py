@@ -524,7 +524,9 @@ class DiskPath:
             raise
         # The finalizer holds the tier, not the path, which it would keep alive.
         self._closer = weakref.finalize(self, _close, self.tier)
-        self._closer.atexit = False  # at exit the daemon thread goes and the kernel closes the file
+        # Not at exit: an engine's path was closed by then with its engine, before the interpreter
+        # freezes daemon threads (kv_ops.transfer.engine._close_at_exit says why that matters).
+        self._closer.atexit = False
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> DiskJob:
         # Copies: the I/O thread reads the ids later, and the caller may reuse its buffer.

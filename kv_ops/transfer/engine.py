@@ -22,15 +22,20 @@ every transfer the same way, whatever its path.
 
 Lifecycle: :meth:`OffloadEngine.close` (or leaving a ``with`` block) first waits for every
 transfer in flight, then frees the mirror or closes the disk tier's file and stops its thread;
-any later call raises :class:`EngineClosedError`. The disk tier's file has no name from the
-moment it is open, so even a process killed with SIGKILL leaves nothing in ``disk_dir``.
+any later call raises :class:`ClosedError`. An engine still open when the interpreter exits
+is closed then, as :meth:`~OffloadEngine.close` does (:func:`_close_at_exit` says why). The disk
+tier's file has no name from the moment it is open, so even a process killed with SIGKILL leaves
+nothing in ``disk_dir``.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import numbers
 import os
+import weakref
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +46,7 @@ import torch
 from ..arguments import positive_int
 from ..capture import refuse_capture
 from ..driver import current_stream_handle, driver_context, record_event
-from ..geometry import KVCacheTensorSpec, block_bytes, check_kv_caches, infer_regions, resolve_regions
+from ..geometry import KVCacheTensorSpec, block_bytes, check_kv_caches, regions_of
 from ..host_memory import check_host_bytes, pinned_empty, register_host
 from . import crossover as crossover_mod
 from . import ids as ids_mod
@@ -55,8 +60,17 @@ PATHS = ("auto", *PATH_NAMES)
 RING_BYTES = 128 << 20
 
 
-class EngineClosedError(RuntimeError):
-    """A call on an :class:`OffloadEngine` after :meth:`~OffloadEngine.close`."""
+class ClosedError(ValueError, RuntimeError):
+    """A call on an object after its ``close()``: an :class:`OffloadEngine`, a
+    :class:`kv_ops.LayerwiseLoads`, a :class:`kv_ops.StepTransfers`, or what is built on them.
+
+    One type for every such object, so that one ``except`` clause covers them all. It is both a
+    ``ValueError`` and a ``RuntimeError``, so that an ``except`` clause for either catches it too.
+    """
+
+
+# The engine's own name for it: the very same class, so either name catches it.
+EngineClosedError = ClosedError
 
 
 @dataclass
@@ -237,19 +251,24 @@ class OffloadEngine:
     Raises
     ------
     ValueError
-        Before anything is allocated: ``kv_caches`` not a non-empty mapping of names to tensors,
-        ``num_blocks``, ``capacity_bytes``, ``ring_bytes``, ``staging_slots`` or
-        ``staging_blocks`` not a positive integer, an unknown ``path``, caches on several
+        Before anything is allocated: ``kv_caches`` not a non-empty mapping of names to CUDA or
+        CPU tensors (meta tensors hold no bytes), ``num_blocks``, ``capacity_bytes``,
+        ``ring_bytes``, ``staging_slots`` or ``staging_blocks`` not a positive integer, ``specs``
+        that are not :class:`KVCacheTensorSpec`, an unknown ``path``, caches on several
         devices, a capacity that holds no block, or page-locked memory (the mirror, or the
         disk tier's staging buffers) beyond what this machine has available; ``groups`` that
         is not a non-empty mapping of non-empty lists of regions, or given with ``disk_dir``; a
         ``host_buffer`` that is not a contiguous CPU uint8 tensor large enough for the mirror.
+    TypeError
+        ``disk_dir`` or ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.
 
     Notes
     -----
     One thread drives an engine: the calls are not safe to make concurrently. An engine dropped
     without :meth:`close` frees its mirror as any tensor; a disk tier's I/O thread and file are
-    released once the engine is garbage collected (close it to know when). Ids are 1-D: a list
+    released once the engine is garbage collected (close it to know when). An engine still open
+    when the interpreter exits normally is closed then, so every transfer in flight completes
+    before the process ends, and it leaves nothing on disk or in ``/dev/shm``. Ids are 1-D: a list
     or tuple of ints, an int32/int64 numpy array, or an int32/int64 tensor on the CPU or the
     engine's device; anything else (floats, booleans, other integer dtypes, 2-D ids, meta
     tensors) is refused with ``ValueError`` naming the argument, before any byte moves.
@@ -283,6 +302,7 @@ class OffloadEngine:
         host_buffer: torch.Tensor | None = None,
     ):
         check_kv_caches("OffloadEngine", kv_caches)
+        num_blocks = positive_int("OffloadEngine", "num_blocks", num_blocks)
         if path not in PATHS:
             raise ValueError(f"OffloadEngine: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
         for what, value in (
@@ -292,11 +312,18 @@ class OffloadEngine:
             ("staging_blocks", staging_blocks),
         ):
             positive_int("OffloadEngine", what, value)
+        for what, value in (("disk_dir", disk_dir), ("crossover_file", crossover_file)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(
+                    f"OffloadEngine: {what} must be a path (str or os.PathLike), got {type(value).__name__}"
+                )
+        if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
+            raise TypeError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
         devices = {t.device for t in kv_caches.values()}
         if len(devices) != 1:
             raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
         (self.device,) = devices
-        self.regions = resolve_regions(kv_caches, specs, num_blocks) if specs else infer_regions(kv_caches, num_blocks)
+        self.regions = regions_of("OffloadEngine", kv_caches, num_blocks, specs)
         self.num_blocks = num_blocks
         self.cache_names = list(kv_caches)  # the layers, in the caller's order
         self.block_bytes = block_bytes(self.regions)
@@ -413,6 +440,8 @@ class OffloadEngine:
         # Transfers per path, for whoever tunes this: every mirror path (0 where it cannot be
         # picked), and the disk tier on a disk engine.
         self.path_counts = dict.fromkeys((*PATH_NAMES, *self.paths), 0)
+        self._exit_key = next(_created)
+        _open[self._exit_key] = self  # closed at exit unless closed before (see _close_at_exit)
 
     @property
     def crossover(self) -> crossover_mod.Crossover | None:
@@ -430,12 +459,11 @@ class OffloadEngine:
     # issued through load_through, on the engine's load stream, with the engine's completion
     # events, so it is ordered, counted and reported with every other load.
 
-    def check_open(self, call: str) -> None:
-        """Raise :class:`EngineClosedError` naming ``OffloadEngine.<call>`` once the engine is closed."""
+    def check_open(self, op: str) -> None:
+        """Raise :class:`ClosedError` naming ``op``, the public call the user made (an engine's
+        method, or what is built on the engine), once the engine is closed."""
         if self._closed:
-            raise EngineClosedError(
-                f"OffloadEngine.{call}: the engine is closed (close() was called); create a new engine"
-            )
+            raise ClosedError(f"{op}: the engine is closed (close() was called); create a new engine")
 
     @property
     def load_stream(self) -> torch.cuda.Stream | None:
@@ -570,8 +598,8 @@ class OffloadEngine:
         here among ``group``'s paths unless given), tracked in its lane. :meth:`load_through`
         passes a path, and its caller's name (``op``) and advice (``instead``) for the errors."""
         kind = direction.value
-        self.check_open(kind)
         op = op or f"OffloadEngine.{kind}"
+        self.check_open(op)
         if path is None:
             try:
                 route = self._routes[group]
@@ -668,7 +696,7 @@ class OffloadEngine:
             of the engine's.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
-        EngineClosedError
+        ClosedError
             After :meth:`close`.
         """
         return self._transfer(Direction.STORE, gpu_ids, host_ids, after, group=group)
@@ -711,7 +739,7 @@ class OffloadEngine:
             of the engine's.
         RuntimeError
             While the current stream or ``after`` is being captured into a CUDA graph.
-        EngineClosedError
+        ClosedError
             After :meth:`close`.
         """
         return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, group=group)
@@ -735,10 +763,10 @@ class OffloadEngine:
 
         Raises
         ------
-        EngineClosedError
+        ClosedError
             After :meth:`close`.
         """
-        self.check_open("poll")
+        self.check_open("OffloadEngine.poll")
         return self._collect(wait=False)
 
     def flush(self) -> Completed:
@@ -751,10 +779,10 @@ class OffloadEngine:
 
         Raises
         ------
-        EngineClosedError
+        ClosedError
             After :meth:`close`.
         """
-        self.check_open("flush")
+        self.check_open("OffloadEngine.flush")
         return self._collect(wait=True)
 
     def completion_event(self, tid: int) -> torch.cuda.Event | None:
@@ -777,7 +805,7 @@ class OffloadEngine:
         (or failed) on the GPU, the I/O thread and the file. Then it stops the disk tier's I/O
         thread, closes its file (which frees the file's space: it has no name) and drops the
         engine's references to the mirror and the staging buffers. A second call does nothing;
-        every other call afterwards raises :class:`EngineClosedError`.
+        every other call afterwards raises :class:`ClosedError`.
 
         Returns
         -------
@@ -788,6 +816,7 @@ class OffloadEngine:
         if self._closed:
             return Completed()
         self._closed = True  # from here on every call is refused, even if the wait below fails
+        _open.pop(self._exit_key, None)
         for drop in self._on_close:
             drop()
         try:
@@ -819,6 +848,43 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_engine(owner: str, engine) -> None:
+    """What an object built on an engine checks first: a ``TypeError`` naming ``owner`` unless
+    ``engine`` is an :class:`OffloadEngine`, and :class:`ClosedError` once it is closed."""
+    if not isinstance(engine, OffloadEngine):
+        raise TypeError(f"{owner}: engine must be a kv_ops.OffloadEngine, got {type(engine).__name__}")
+    engine.check_open(owner)
+
+
+# The engines not closed yet, by creation order. Weak: an engine dropped without close() is still
+# collected (the disk tier's finalizer then stops its thread and closes its file).
+_open: weakref.WeakValueDictionary[int, OffloadEngine] = weakref.WeakValueDictionary()
+_created = itertools.count()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close every engine still open, newest first, as :meth:`OffloadEngine.close` does: what is in
+    flight completes, then the engine lets go of its thread, file, events and host memory.
+
+    Why: at interpreter exit, Python ends a daemon thread that tries to take the GIL back by
+    unwinding it (``pthread_exit``). The disk tier's I/O thread spends its jobs in torch calls (a
+    gather or a scatter, which give the GIL up while they copy), and unwinding out of one runs
+    through a ``noexcept`` C++ destructor, so the C++ runtime aborts the whole process. atexit
+    handlers run before that, while the interpreter, torch and CUDA are all still whole, so the
+    thread can finish its queue and return, and every CUDA event, graph and page-locked buffer an
+    engine holds is released before CUDA itself is torn down rather than at some step of module
+    teardown. A non-daemon thread would not do: it waits on its queue for the next job, and the
+    interpreter joins such threads before any atexit handler runs, so exit would hang instead.
+
+    Newest first, as ``with`` blocks unwind: an engine made later may rest on one made earlier.
+    Every engine is closed even if closing another one raises (the error is reported after).
+    """
+    with contextlib.ExitStack() as stack:
+        for _, engine in sorted(_open.items(), key=lambda item: item[0]):
+            stack.callback(engine.close)
 
 
 class AllRanks:
@@ -866,4 +932,4 @@ class AllRanks:
         return self.add(reports)
 
 
-__all__ = ["OffloadEngine", "Completed", "AllRanks", "EngineClosedError"]
+__all__ = ["OffloadEngine", "Completed", "AllRanks", "ClosedError", "EngineClosedError", "check_engine"]

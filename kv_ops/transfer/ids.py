@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..host_memory import pinned_empty
-from ..validation import SMALL_IDS, check_host_ids, check_ids_meta, ids_message, ids_ok
+from ..validation import SMALL_IDS, check_host_ids, check_ids_meta, ids_message, ids_ok, no_values_message
 
 # What numpy makes of a list of integers: anything else is refused.
 _INTEGER_KINDS = "iu"
@@ -42,7 +42,7 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
     if isinstance(ids, torch.Tensor):
         # is_meta / is_cpu, not device.type: each device query makes a torch.device (0.5 us).
         if ids.is_meta:
-            raise ValueError(f"{op}: {what} is a meta tensor, which holds no id values")
+            raise ValueError(no_values_message(op, what))
         if not ids_ok(ids):
             raise ValueError(ids_message(op, what, ids))
         if ids.is_cpu:

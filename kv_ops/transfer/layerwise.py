@@ -41,9 +41,10 @@ from ..driver import (
 )
 from ..host_memory import lasting_copy, pinned_empty
 from ..registration import check_new_name, find_named, register_op
-from ..validation import error_counter
+from ..validation import check_fake_values, error_counter
 from . import dma, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
+from .engine import ClosedError, check_engine
 from .ids import Pool
 
 COPIES = ("auto", "dma", "kernel", "staged")
@@ -241,11 +242,11 @@ class LayerwiseLoads:
         copies: str = "kernel",
         ring_bytes: int = layerwise_ring.RING_BYTES,
     ):
+        check_engine("LayerwiseLoads", engine)
         if copies not in COPIES:
             raise ValueError(f"LayerwiseLoads: copies must be one of {', '.join(map(repr, COPIES))}, got {copies!r}")
         ring_bytes = positive_int("LayerwiseLoads", "ring_bytes", ring_bytes)
         check_new_name(_registry, "LayerwiseLoads", name)
-        engine.check_open("LayerwiseLoads")
         if engine.disk is not None:
             raise ValueError(
                 "LayerwiseLoads: this engine keeps its blocks on disk (disk_dir=); layer-wise loads read "
@@ -338,12 +339,12 @@ class LayerwiseLoads:
             During a CUDA-graph capture (start it before the replay instead); or a driver call
             failed while issuing (``copies="dma"``): no transfer is made, and the layers that
             it did not reach keep their last load, so do not replay a step that reads them.
-        EngineClosedError
+        ClosedError
             After the engine or this object was closed.
         """
         if self.name not in _registry or _registry[self.name] is not self:
             self.engine.check_open("LayerwiseLoads.start")
-            raise ValueError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
+            raise ClosedError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
         path = self._pick if self.copies == "auto" else self._paths[self.copies]
         return self.engine.load_through(
             path, host_ids, gpu_ids, after, op="LayerwiseLoads.start", instead="start it before the replay"
@@ -512,6 +513,7 @@ def _wait_message(caches, layer) -> str:
 
 
 def _wait_layer_fake(caches, dep, name, layer):
+    check_fake_values("kv_ops.wait_layer", caches=caches, dep=dep)
     torch._check(_wait_condition(caches, layer), lambda: _wait_message(caches, layer))
 
 

@@ -26,8 +26,9 @@ from .. import capture, kernels, reference
 from ..arguments import positive_int
 from ..host_memory import lasting_copy, pinned_empty
 from ..registration import check_new_name, find_named, register_op
-from ..validation import error_counter
+from ..validation import check_fake_values, error_counter
 from . import ids as ids_mod
+from .engine import ClosedError, check_engine
 
 # How long stage() waits for the step that reads the last staged ids before it gives up: that
 # step was launched but has not run yet (the GPU is behind), or was never launched.
@@ -92,8 +93,8 @@ class StepTransfers:
     """
 
     def __init__(self, engine, name: str, capacity: int | None = None):
+        check_engine("StepTransfers", engine)
         check_new_name(_registry, "StepTransfers", name)
-        engine.check_open("StepTransfers")
         capture.refuse_capture(
             "StepTransfers",
             "making one warms its kernel up on the GPU, which the capture would record",
@@ -160,12 +161,14 @@ class StepTransfers:
             Bad ids, a length mismatch or more than ``capacity`` pairs, a ``store`` or ``load``
             that is not a pair; before anything is written.
         RuntimeError
-            During a CUDA-graph capture; after :meth:`close`; when the last staged ids were not
-            read by a step within the timeout (on a CPU engine: at once).
+            During a CUDA-graph capture; when the last staged ids were not read by a step within
+            the timeout (on a CPU engine: at once, as only the step itself could read them).
+        ClosedError
+            After :meth:`close`, or the engine's.
         """
         op = "StepTransfers.stage"
         if _registry.get(self.name) is not self:
-            raise RuntimeError(f"{op}: {self.name!r} is closed (close() was called); make a new StepTransfers")
+            raise ClosedError(f"{op}: {self.name!r} is closed (close() was called); make a new StepTransfers")
         capture.refuse_capture(
             op,
             "the ids are written on the host before the step, not recorded into a graph",
@@ -220,13 +223,20 @@ class StepTransfers:
         words, load_at = self._words, self._load_at
         if not (words[0] or words[load_at]):
             return
-        deadline = time.monotonic() + (STAGE_TIMEOUT_S if self.device.type == "cuda" else 0.0)
+        step = f"run the step, which calls kv_ops.step_transfers({self.name!r}, ...)"
+        if self.device.type != "cuda":
+            # On the CPU the step reads the ids on the caller's thread, when it runs: nothing
+            # else can read them while this waits, so waiting could only end in the timeout.
+            raise RuntimeError(
+                f"{op}: the transfers staged last were not read by a step yet; a stage is read by the next "
+                f"step, so {step}, before staging again"
+            )
+        deadline = time.monotonic() + STAGE_TIMEOUT_S
         while words[0] or words[load_at]:
             if time.monotonic() >= deadline:
                 raise RuntimeError(
-                    f"{op}: the transfers staged last were not read by a step within "
-                    f"{STAGE_TIMEOUT_S if self.device.type == 'cuda' else 0} s: run the step, which calls "
-                    f"kv_ops.step_transfers({self.name!r}, ...), after each stage"
+                    f"{op}: the transfers staged last were not read by a step within {STAGE_TIMEOUT_S} s (the "
+                    f"step was not launched, or the GPU is that far behind): {step} after each stage"
                 )
             time.sleep(20e-6)
 
@@ -302,6 +312,7 @@ def _message(caches) -> str:
 
 
 def _step_transfers_fake(caches, name):
+    check_fake_values("kv_ops.step_transfers", caches=caches)
     torch._check(_condition(caches), lambda: _message(caches))
 
 
