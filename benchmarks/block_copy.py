@@ -26,7 +26,7 @@ import torch
 
 import kv_ops
 from kv_ops import kernels
-from kv_ops.driver import driver as cuda_driver
+from kv_ops.cuda.driver import driver as cuda_driver
 
 from common import figure, finish, parse, parser, save, save_figure, table_head, time_graph, write_csv
 

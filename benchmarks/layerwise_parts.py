@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 import kv_ops
+import kv_ops.cuda.launch
 
 from common import at_least, figure, finish, parse, parser, save, save_figure, table_head  # this script's own directory
 from layerwise import READS, Captured, PrefillStep, add_step_arguments, make_cache
@@ -175,7 +176,7 @@ def main() -> int:
     p.add_argument(
         "--sm-carveout",
         type=at_least(0),
-        default=kv_ops.kernels.NUM_PROGRAMS,
+        default=kv_ops.cuda.launch.NUM_PROGRAMS,
         help="also the steps with the matmuls on this many SMs fewer (default: the copy kernel's programs; 0: not)",
     )
     args = parse(p, cuda=True)

@@ -59,8 +59,8 @@ if tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) <
 
 # After the version check: the modules below need the newer torch. The op floor first, then the
 # engine floor; importing both registers every torch.ops.kv_ops op (wait_layer is transfer's).
+from .cuda.host_memory import device_view, pinned_empty
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions  # noqa: E402
-from .host_memory import device_view, pinned_empty
 from .ops import copy_blocks, gather_blocks, scatter_blocks
 from .transfer import dma
 from .transfer.disk import BlockFile

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .arguments import positive_int
-from .host_memory import bytes_at
+from .cuda.arguments import positive_int
+from .cuda.host_memory import bytes_at
 
 
 def alias_bytes(base: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
@@ -214,7 +214,7 @@ def resolve_regions(
 def regions_of(owner: str, kv_caches, num_blocks, specs=None) -> dict[str, torch.Tensor]:
     """:func:`resolve_regions` with ``specs``, else :func:`infer_regions`, for an entry point that
     takes the caches itself: every error names ``owner``, the function the user called, as the
-    argument checks of :mod:`kv_ops.arguments` do."""
+    argument checks of :mod:`kv_ops.cuda.arguments` do."""
     return _resolve(owner, kv_caches, specs, num_blocks) if specs else _infer(owner, kv_caches, num_blocks)
 
 

@@ -16,27 +16,16 @@ a plain kernel node that CUDA graphs capture.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from . import driver, host_memory
-from .capture import captured_into, refuse_capture
+from .cuda import driver, host_memory
+from .cuda.capture import captured_into, refuse_capture
+from .cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES, alignment, direct_launcher, interpreting, launch_compiled
 
-# At most this many programs (one CTA each) run: the copy shares the GPU with the forward pass,
-# and eight SMs already saturate a PCIe Gen5 x16 link (figures: docs/measurements.md).
-NUM_PROGRAMS = 8
-# Bytes one program moves per loop iteration, and the warps that move them. Host->GPU is the
-# hard direction: every load crosses PCIe before its store can issue, so each program needs many
-# bytes in flight: 32 KiB over 16 warps (16 B per thread per access, 4 accesses), tuned by
-# benchmarks/block_copy.py --tune (the best of its grid host->GPU with 8 programs; figures:
-# docs/measurements.md).
-TILE_BYTES = 32768
-NUM_WARPS = 16
 # Ids checked per step in the kernel's counting phase.
 CHECK_LANES = 1024
 
@@ -153,10 +142,6 @@ def _block_copy_kernel(
 _tables: dict[tuple, tuple[torch.Tensor, int]] = {}
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _address(t: torch.Tensor, device: torch.device) -> int:
     """Where a kernel on ``device`` finds ``t``'s first byte (host memory: its mapped address)."""
     if t.device.type == "cpu" and device.type == "cuda":
@@ -206,18 +191,6 @@ def _geometry_table(
     return _tables[key]
 
 
-def alignment(values: Sequence[int]) -> int:
-    """Largest power of two, at most 16, that divides every value (0 divides nothing: 16).
-
-    The byte alignment the kernel may assume of addresses built from these offsets and strides.
-    Public so that tests check the rule itself, not only the copies that depend on it.
-    """
-    g = 0
-    for v in values:
-        g = math.gcd(g, v)
-    return 16 if g == 0 else min(16, g & -g)
-
-
 class BoundCopy:
     """One side-to-side copy with everything but the ids and the packed rows fixed.
 
@@ -241,7 +214,7 @@ class BoundCopy:
         tile_bytes: int = TILE_BYTES,
         num_warps: int = NUM_WARPS,
     ):
-        if device.type == "cpu" and not _interpreting():
+        if device.type == "cpu" and not interpreting():
             raise RuntimeError("kv_ops.kernels.block_copy runs on CPU tensors only under TRITON_INTERPRET=1")
         self.device = device
         self.src_packed, self.dst_packed = src is None, dst is None
@@ -386,35 +359,6 @@ def specialisation(align: int, in_block: bool, src_ids, dst_ids, packed, ints: S
     )
 
 
-def _launch_hooks() -> bool:
-    """Whether a launch hook is installed (a profiler's): then every launch goes through @jit,
-    which feeds it."""
-    runtime = triton.knobs.runtime
-    return any(
-        hook is not None and getattr(hook, "calls", True)
-        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    )
-
-
-def direct_launcher(handle) -> bool:
-    """Whether what ``@jit`` returned can be launched by :func:`launch_compiled` (a compiled
-    kernel; the interpreter returns none)."""
-    return all(hasattr(handle, name) for name in ("run", "function", "packed_metadata"))
-
-
-def launch_compiled(compiled, device: torch.device, programs: int, stream: int, args: tuple) -> bool:
-    """Launch a kernel ``@jit`` compiled before with the same specialisation, on ``programs``
-    programs and the raw ``stream`` handle, skipping ``@jit``'s binder (which costs more host time
-    than the launch). Returns False, launching nothing, where the caller must go through ``@jit``:
-    another device is current (the compiled function belongs to ``device``'s context) or a launch
-    hook is installed (a profiler's, which only ``@jit`` feeds)."""
-    if torch.cuda.current_device() != device.index or _launch_hooks():
-        return False
-    # Exactly what @jit's run() does once it has the kernel (Triton 3.6 to 3.9).
-    compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
-    return True
-
-
 class GraphedCopy:
     """A :class:`BoundCopy` captured once into a CUDA graph that reads its ids from a block of its own.
 
@@ -471,45 +415,6 @@ class GraphedCopy:
         driver.graph_launch(self._exec, stream)
 
 
-# --- the layer-wise wait ------------------------------------------------------------------------
-
-
-@triton.jit
-def _globaltimer():
-    # The GPU's nanosecond clock (PTX %globaltimer): Triton has no portable name for it.
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit(do_not_specialize=["layer", "timeout_ns"])
-def _wait_landed_kernel(
-    flags_ptr,  # int32 [1 + layers] on the device: [0] the generation the step waits for, written
-    #             by each start on the caller's stream (so a replay reads the value of the last
-    #             start enqueued before it); [1 + i] the generation whose layer-i blocks have
-    #             landed, written after those copies (with the driver's memory fence before it)
-    layer,
-    timeout_ns,  # give up after this long (a backstop: every start publishes every layer)
-    error_ptr,  # int64 [1]: incremented once when the wait gave up
-):
-    wanted = tl.load(flags_ptr, volatile=True)
-    landed = tl.load(flags_ptr + 1 + layer, volatile=True)
-    begin = _globaltimer()
-    now = begin
-    # Generations count up and wrap: the difference, as int32, orders them.
-    while ((landed - wanted) < 0) & ((now - begin) < timeout_ns):
-        landed = tl.load(flags_ptr + 1 + layer, volatile=True)
-        now = _globaltimer()
-    if (landed - wanted) < 0:
-        tl.atomic_add(error_ptr, 1)
-
-
-def wait_landed(flags: torch.Tensor, layer: int, timeout_ns: int, errors: torch.Tensor) -> None:
-    """Launch, on the current stream, one program that returns once ``flags[1 + layer]`` has
-    reached ``flags[0]``, read when it runs: what a captured step's layer-wise wait is (the
-    value it waits for changes with every start, so it cannot be a constant of the graph).
-    After ``timeout_ns`` it returns anyway and counts one error (:func:`kv_ops.error_count`)."""
-    _wait_landed_kernel[(1,)](flags, layer, timeout_ns, errors, num_warps=1)
-
-
 def block_copy(
     src: Sequence[torch.Tensor] | torch.Tensor,
     dst: Sequence[torch.Tensor] | torch.Tensor,
@@ -546,13 +451,6 @@ def block_copy(
 
 __all__ = [
     "block_copy",
-    "wait_landed",
     "BoundCopy",
     "GraphedCopy",
-    "alignment",
-    "direct_launcher",
-    "launch_compiled",
-    "NUM_PROGRAMS",
-    "TILE_BYTES",
-    "NUM_WARPS",
 ]

@@ -1,6 +1,6 @@
 """The block-copy operators ``torch.ops.kv_ops.*``: schema, fake, CPU and CUDA implementations.
 
-Each op is registered through :func:`kv_ops.registration.register_op` (why not ``custom_op``
+Each op is registered through :func:`kv_ops.cuda.registration.register_op` (why not ``custom_op``
 is said there), with a public wrapper carrying the docstring. Mixed-device calls (GPU regions
 with host regions) dispatch to the CUDA implementation: the dispatcher picks the
 highest-priority backend among all tensor arguments.
@@ -23,9 +23,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import capture, kernels, reference
+from . import kernels, reference
 from . import validation as V
-from .registration import register_op
+from .cuda import capture
+from .cuda.registration import register_op
 
 Regions = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 

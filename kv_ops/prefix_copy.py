@@ -24,13 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import kernels
+from .cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES, alignment, direct_launcher, launch_compiled
 
 # Programs (one CTA each) and bytes one program moves per tile: the block-copy kernel's, whose
 # reasons hold here too (a PCIe read needs many bytes in flight per program; a few SMs suffice).
-NUM_PROGRAMS = kernels.NUM_PROGRAMS
-TILE_BYTES = kernels.TILE_BYTES
-NUM_WARPS = kernels.NUM_WARPS
 
 
 @triton.jit(do_not_specialize=["rows", "k_row_bytes", "v_row_bytes", "k_pos_bytes", "v_pos_bytes"])
@@ -104,7 +101,7 @@ class PrefixCopy:
 
     Every tensor is fixed at binding; a call launches on a raw stream handle. After the first
     launch, which compiles through Triton's ``@jit``, calls go to the compiled kernel's own
-    launcher (:func:`kv_ops.kernels.launch_compiled`). ``slot``, ``host`` (the target's) and
+    launcher (:func:`kv_ops.cuda.launch.launch_compiled`). ``slot``, ``host`` (the target's) and
     ``out`` (the evicted layer's host copy) are (keys, values) pairs of one shape
     ``[batch, heads, max_cache_len, dim]``, contiguous; the lengths and saved counts are int64
     scalars on the kernel's device. CPU tensors run under ``TRITON_INTERPRET=1`` only.
@@ -132,7 +129,7 @@ class PrefixCopy:
         )
         # The byte-addressed tensors and byte counts (the counts' scalars are read whole).
         byte_tensors = (slot_k, slot_v, host_k, host_v, out_k, out_v)
-        self.align = kernels.alignment([t.data_ptr() for t in byte_tensors] + list(self.args[10:]))
+        self.align = alignment([t.data_ptr() for t in byte_tensors] + list(self.args[10:]))
         self.device = slot_k.device
         self.compiled = None
 
@@ -147,7 +144,7 @@ class PrefixCopy:
             else (*tensors[:2], *self.args[2:4], tensors[2], *self.args[5:7], tensors[3], *self.args[8:])
         )
         # The compiled kernel's launcher takes the constexprs too, in the signature's order.
-        if self.compiled is not None and kernels.launch_compiled(
+        if self.compiled is not None and launch_compiled(
             self.compiled, self.device, NUM_PROGRAMS, stream, (*args, TILE_BYTES, self.align)
         ):
             return
@@ -159,7 +156,7 @@ class PrefixCopy:
                 handle = launch(*args, TILE=TILE_BYTES, ALIGN=self.align, num_warps=NUM_WARPS)
         else:
             handle = launch(*args, TILE=TILE_BYTES, ALIGN=self.align, num_warps=NUM_WARPS)
-        self.compiled = handle if kernels.direct_launcher(handle) else None
+        self.compiled = handle if direct_launcher(handle) else None
 
 
 __all__ = ["PrefixCopy", "NUM_PROGRAMS", "TILE_BYTES"]

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import arguments, host_memory
-from .capture import capturing, refuse_capture
-from .driver import check_code, copy_calls, current_stream_handle, driver_context
+from .cuda import arguments, host_memory
+from .cuda.capture import capturing, refuse_capture
+from .cuda.driver import check_code, copy_calls, current_stream_handle, driver_context
 
 _id_checks = True
 _counters: dict[torch.device, torch.Tensor] = {}

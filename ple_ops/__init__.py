@@ -1,6 +1,6 @@
 """ple_ops: per-layer-embedding rows for GPU graphs, computed in a CUDA-free CPU process or gathered from host memory.
 
-Built on kv_ops: its driver helpers (``kv_ops.driver``), page-locking (``kv_ops.host_memory``) and,
+Built on kv_ops: its driver helpers (``kv_ops.cuda.driver``), page-locking (``kv_ops.cuda.host_memory``) and,
 for the gather transport, its zero-copy gather kernel.
 
 Its layers, bottom up; each imports only the layers below it (tests/ple_ops/test_floors.py checks it):
@@ -24,7 +24,7 @@ Its layers, bottom up; each imports only the layers below it (tests/ple_ops/test
                       ``host_embedding``.
    * ``runtime/``  -- the offload process and the step transaction: ``OffloadRuntime``.
 
-From kv_ops it imports only public names: those in the ``__all__`` of ``kv_ops.driver``,
+From kv_ops it imports only public names: those in the ``__all__`` of ``kv_ops.cuda.driver``,
 ``capture``, ``host_memory``, ``kernels``, ``arguments``, ``registration`` and ``ops``, and the
 package's ``__version__``.
 """

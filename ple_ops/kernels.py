@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kv_ops.kernels import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES
+from kv_ops.cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES
 
 from .semaphore import DONE, IDLE, RESET, WAITING
 
@@ -135,7 +135,7 @@ def wait_copy(flag: torch.Tensor, waiting: torch.Tensor | None, src: torch.Tenso
     _wait_kernel[(1,)](flag, flag if waiting is None else waiting, waiting is not None, WAITING, DONE, num_warps=1)
     if not nbytes:
         return None
-    # The shape kv_ops' zero-copy kernel was tuned to for host-to-GPU reads (kv_ops.kernels).
+    # The shape kv_ops' zero-copy kernel was tuned to for host-to-GPU reads (kv_ops.cuda.launch).
     programs = min(NUM_PROGRAMS, triton.cdiv(nbytes, TILE_BYTES))
     return _copy_kernel[(programs,)](src, dst, nbytes, TILE_BYTES, num_warps=NUM_WARPS)
 

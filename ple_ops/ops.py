@@ -1,6 +1,6 @@
 """The PLE operators ``torch.ops.ple_ops.wait / wait_copy / release`` (schema, fake, CPU, CUDA) and the rows gather.
 
-Each op is registered through :func:`kv_ops.registration.register_op` with its schema written
+Each op is registered through :func:`kv_ops.cuda.registration.register_op` with its schema written
 out (``Tensor(a0!) out``: the op mutates ``out``; the schemas are the ones ``custom_op`` would
 infer, tags included); ``wait_copy`` bumps ``out``'s version counter itself, as torch's in-place
 ops do.
@@ -29,11 +29,11 @@ from collections.abc import Iterator
 
 import torch
 
-from kv_ops.capture import capturing
-from kv_ops.driver import check_driver
-from kv_ops.host_memory import device_view
+from kv_ops.cuda.capture import capturing
+from kv_ops.cuda.driver import check_driver
+from kv_ops.cuda.host_memory import device_view
+from kv_ops.cuda.registration import register_op
 from kv_ops.ops import gather_blocks
-from kv_ops.registration import register_op
 
 from . import kernels, registry
 from .semaphore import DONE, IDLE, RESET, WAITING, bound_driver

@@ -35,7 +35,7 @@ class StepGuard(Protocol):
 
     def before_stream_wait(self, name: str, num_tokens: int | None, captured: bool) -> None:
         """GPU path: check before a wait on ``name`` is enqueued, or recorded (``captured``: the
-        op asked :func:`kv_ops.capture.capturing` once and passes its answer on)."""
+        op asked :func:`kv_ops.cuda.capture.capturing` once and passes its answer on)."""
 
     def before_stream_release(self, name: str, captured: bool) -> bool:
         """GPU path: check before a release is enqueued (or recorded, ``captured``); False when

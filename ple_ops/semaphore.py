@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from kv_ops.arguments import cuda_device
-from kv_ops.driver import check_driver, device_pointer, driver
-from kv_ops.host_memory import device_view
+from kv_ops.cuda.arguments import cuda_device
+from kv_ops.cuda.driver import check_driver, device_pointer, driver
+from kv_ops.cuda.host_memory import device_view
 
 RESET = 0
 DONE = 1

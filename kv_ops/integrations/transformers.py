@@ -29,8 +29,8 @@ except ImportError as error:  # pragma: no cover - the message is the point
         "kv_ops.integrations.transformers needs transformers: pip install '.[hf]' from this package's checkout, or 'transformers>=5.16.1,<5.25'"
     ) from error
 
-from .. import arguments
-from ..capture import capturing
+from ..cuda import arguments
+from ..cuda.capture import capturing
 from ..transfer.slot_loads import SlotLoads, plan_slots
 
 # Layer types this cache serves: full attention (offloaded) and the windowed kinds (kept on the GPU).

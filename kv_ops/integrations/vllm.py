@@ -41,7 +41,7 @@ What it is:
   own worker there) builds a new :class:`OffloadOpsWorker`.
 - Where vLLM's CPU spec shares one host region among a machine's ranks (CUDA, more than one
   rank), each rank's engine adopts its slab of one shared mapping
-  (:func:`kv_ops.host_memory.shared_host_buffer`, which leaves nothing in ``/dev/shm``); with
+  (:func:`kv_ops.cuda.host_memory.shared_host_buffer`, which leaves nothing in ``/dev/shm``); with
   the replicated layout (MLA with tensor parallelism) every rank adopts the same slab, one copy
   for all, and vLLM's connector lets rank 0 alone store.
 
@@ -64,8 +64,8 @@ import torch
 
 import kv_ops
 
-from ..arguments import positive_int
-from ..host_memory import shared_host_buffer
+from ..cuda.arguments import positive_int
+from ..cuda.host_memory import shared_host_buffer
 from . import VLLM_VERSION, VLLM_VERSIONS
 
 
@@ -501,7 +501,7 @@ class OffloadOpsSpec(CPUOffloadingSpec):
         here; ``get_worker`` calls this once and keeps the worker).
 
         Where vLLM's CPU spec shares one host region among the ranks (on CUDA, with more than one
-        rank), so does this one: :func:`kv_ops.host_memory.shared_host_buffer` over vLLM's world
+        rank), so does this one: :func:`kv_ops.cuda.host_memory.shared_host_buffer` over vLLM's world
         group (``group``, a ``torch.distributed`` group, stands in for it), one slab per rank, or
         one slab for every rank with the replicated layout; each worker's engine adopts its
         slab."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..driver import record_event
+from ..cuda.driver import record_event
 from . import dma
 
 

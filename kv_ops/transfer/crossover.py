@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..host_memory import pinned_empty
+from ..cuda.host_memory import pinned_empty
 from .blocks import Blocks, Direction, low_priority_streams
 from .paths import COPY_ENGINES, PATH_NAMES, make_paths
 

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import reference
-from ..arguments import positive_int
-from ..host_memory import pinned_empty
+from ..cuda.arguments import positive_int
+from ..cuda.host_memory import pinned_empty
 from ..ops import gather_blocks, scatter_blocks
 from ..validation import check_ids_meta, check_ids_values, id_checks
 from .blocks import Blocks, Direction

@@ -23,8 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..capture import refuse_capture
-from ..driver import c_function, check_code, check_driver, copy_calls, driver, driver_context
+from ..cuda.capture import refuse_capture
+from ..cuda.driver import c_function, check_code, check_driver, copy_calls, driver, driver_context
 from ..validation import check_host_ids, check_widths
 
 # Ask the driver for copy engines that overlap with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE).
@@ -297,7 +297,7 @@ class Launcher:
 
     Callers make sure the stream is not being captured (the engine's streams never are; the
     public :func:`launch` asks the driver first) and call from inside
-    :func:`kv_ops.driver.driver_context` of the stream's device (a path enters it once per
+    :func:`kv_ops.cuda.driver.driver_context` of the stream's device (a path enters it once per
     transfer).
     """
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..arguments import positive_int
-from ..capture import refuse_capture
-from ..driver import current_stream_handle, driver_context, record_event
+from ..cuda.arguments import positive_int
+from ..cuda.capture import refuse_capture
+from ..cuda.driver import current_stream_handle, driver_context, record_event
+from ..cuda.host_memory import check_host_bytes, pinned_empty, register_host
 from ..geometry import KVCacheTensorSpec, block_bytes, check_kv_caches, regions_of
-from ..host_memory import check_host_bytes, pinned_empty, register_host
 from . import crossover as crossover_mod
 from . import ids as ids_mod
 from .blocks import Blocks, Direction, Events, low_priority_streams, mirror_views
@@ -242,7 +242,7 @@ class OffloadEngine:
         finds its group's paths with one dictionary lookup. Not with ``disk_dir``.
     host_buffer : Tensor, optional
         Host memory for the mirror that the caller allocated and keeps owning (a mapping the
-        ranks of a machine share, :func:`kv_ops.host_memory.shared_host_buffer`): a contiguous
+        ranks of a machine share, :func:`kv_ops.cuda.host_memory.shared_host_buffer`): a contiguous
         CPU uint8 tensor of at least ``num_host_blocks * block_bytes`` bytes, whose first bytes
         become ``self.mirror``. On CUDA the engine registers it with the driver (unless it is
         page-locked already) and unregisters it on :meth:`close`; it never frees it. Not with

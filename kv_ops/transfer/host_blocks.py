@@ -7,7 +7,7 @@ import bisect
 import numpy as np
 import torch
 
-from ..arguments import positive_int
+from ..cuda.arguments import positive_int
 from . import ids as intake
 
 _CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from ..host_memory import pinned_empty
+from ..cuda.host_memory import pinned_empty
 from ..validation import SMALL_IDS, check_host_ids, check_ids_meta, ids_message, ids_ok, no_values_message
 
 # What numpy makes of a list of integers: anything else is refused.

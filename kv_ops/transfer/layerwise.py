@@ -29,9 +29,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .. import capture, kernels
-from ..arguments import positive_int
-from ..driver import (
+from .. import kernels
+from ..cuda import capture
+from ..cuda.arguments import positive_int
+from ..cuda.driver import (
     current_stream_handle,
     driver_context,
     graph_launch,
@@ -39,8 +40,9 @@ from ..driver import (
     wait_value_reached,
     write_value,
 )
-from ..host_memory import lasting_copy, pinned_empty
-from ..registration import check_new_name, find_named, register_op
+from ..cuda.host_memory import lasting_copy, pinned_empty
+from ..cuda.registration import check_new_name, find_named, register_op
+from ..layer_wait import wait_landed
 from ..validation import check_fake_values, error_counter
 from . import dma, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
@@ -286,7 +288,7 @@ class LayerwiseLoads:
             # load of another path after their completion event).
             self._stream = load_stream
             self._handle = load_stream.cuda_stream
-            # [wanted, landed of layer 0, 1, ...]: see kernels.wait_landed. Generations: _issued
+            # [wanted, landed of layer 0, 1, ...]: see layer_wait.wait_landed. Generations: _issued
             # is the last one a start took (a start that failed halfway too: some of its layers
             # may have published it), _wanted the last one whose start was issued whole.
             self._flags = lasting_copy(torch.zeros(1 + self.num_layers, dtype=torch.int32), self.device)
@@ -296,7 +298,7 @@ class LayerwiseLoads:
             self._issued = self._wanted = 0
             self._errors = errors = error_counter(self.device)
             self._timeout_ns = int(WAIT_TIMEOUT_S * 1e9)
-            kernels.wait_landed(self._flags, 0, self._timeout_ns, errors)  # compiled outside any capture
+            wait_landed(self._flags, 0, self._timeout_ns, errors)  # compiled outside any capture
             if copies == "dma":
                 self._launcher = dma.Launcher(load_stream)
             if "kernel" in mechanisms:
@@ -441,7 +443,7 @@ class LayerwiseLoads:
             # A kernel node: it reads the generation to wait for when it runs (a replay's value,
             # written by the last start enqueued before it), where a captured stream wait would
             # keep the one of the capture.
-            kernels.wait_landed(self._flags, layer, self._timeout_ns, self._errors)
+            wait_landed(self._flags, layer, self._timeout_ns, self._errors)
             return
         with driver_context(self.device):  # eagerly, the host knows the generation: one stream wait
             wait_value_reached(current_stream_handle(self.device.index), self._landed[layer], self._wanted)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import host_memory, kernels, reference
-from ..driver import record_event, wait_event, write_value
+from .. import kernels, reference
+from ..cuda import host_memory
+from ..cuda.driver import record_event, wait_event, write_value
 from ..validation import error_counter
 from . import dma
 from .blocks import recorded
@@ -268,7 +269,7 @@ class StagedLayers:
         scatter ``generation`` written at that layer's flag address (``landed[layer]``); returns
         the start's completion event (from ``done_events``, the engine's load-direction
         :class:`~kv_ops.transfer.paths.Events`). The caller has bound the device's context
-        (:class:`~kv_ops.driver.driver_context`), as ``LayerwiseLoads`` does for every mechanism."""
+        (:class:`~kv_ops.cuda.driver.driver_context`), as ``LayerwiseLoads`` does for every mechanism."""
         plans = self.plan(host)
         chunk, per = self.chunk, self.words_per_chunk
         ids = self._ids.take()

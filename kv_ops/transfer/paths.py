@@ -34,8 +34,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .. import host_memory, kernels, reference
-from ..driver import driver_context, wait_event
+from .. import kernels, reference
+from ..cuda import host_memory
+from ..cuda.driver import driver_context, wait_event
 from ..validation import error_counter
 from . import dma
 from .blocks import (

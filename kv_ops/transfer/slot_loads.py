@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import driver, reference
-from ..capture import captured_into
-from ..host_memory import check_host_bytes, device_view, pinned_empty
+from .. import reference
+from ..cuda import driver
+from ..cuda.capture import captured_into
+from ..cuda.host_memory import check_host_bytes, device_view, pinned_empty
+from ..cuda.registration import check_new_name, find_named, register_op
 from ..prefix_copy import PrefixCopy
-from ..registration import check_new_name, find_named, register_op
 
 # name -> SlotLoads: what the ops resolve their name through.
 _registry: dict[str, SlotLoads] = {}

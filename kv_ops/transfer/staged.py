@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .. import kernels, reference
-from ..driver import driver_context, record_event, wait_event
+from ..cuda.driver import driver_context, record_event, wait_event
 from ..validation import error_counter
 from . import dma
 from .blocks import Blocks, Direction, EventPath, Events, host_tensor, host_views, low_priority_streams, recorded

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import capture, kernels, reference
-from ..arguments import positive_int
-from ..host_memory import lasting_copy, pinned_empty
-from ..registration import check_new_name, find_named, register_op
+from .. import kernels, reference
+from ..cuda import capture
+from ..cuda.arguments import positive_int
+from ..cuda.host_memory import lasting_copy, pinned_empty
+from ..cuda.registration import check_new_name, find_named, register_op
 from ..validation import check_fake_values, error_counter
 from . import ids as ids_mod
 from .engine import ClosedError, check_engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kv_ops.host_memory import device_view, pinned_empty
+from kv_ops.cuda.host_memory import device_view, pinned_empty
 
 # Tables are copied this many bytes of rows at a time: a table that is not contiguous (a view of
 # a larger weight, a transposed tie) is made contiguous by copy_ through a temporary of the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kv_ops import arguments
+from kv_ops.cuda import arguments
 
 from ..layer import PleOffloadLayer
 from .host_rows import pin_rows

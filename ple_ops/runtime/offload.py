@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kv_ops import arguments
-from kv_ops.arguments import positive_int
+from kv_ops.cuda import arguments
+from kv_ops.cuda.arguments import positive_int
 
 from .control import ControlBlock, Word
 from .process import OffloadError, WorkerProcess

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_ops.host_memory import pin_mapping
+from kv_ops.cuda.host_memory import pin_mapping
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kv_ops.capture import capturing, refuse_capture
+from kv_ops.cuda.capture import capturing, refuse_capture
 
 from ..semaphore import DONE, release_fence, spin_wait
 from .control import StepFailed, Word

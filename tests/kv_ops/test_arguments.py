@@ -1,10 +1,10 @@
-"""kv_ops.arguments: the count and device rules every entry point of both packages shares."""
+"""kv_ops.cuda.arguments: the count and device rules every entry point of both packages shares."""
 
 import numpy as np
 import pytest
 import torch
 
-from kv_ops import arguments
+from kv_ops.cuda import arguments
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 gpu = pytest.mark.gpu

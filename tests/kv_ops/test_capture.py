@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops import capture
-from kv_ops.capture import capturing, refuse_capture
+from kv_ops.cuda import capture
+from kv_ops.cuda.capture import capturing, refuse_capture
 
 ROOT = Path(kv_ops.__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_only_the_guard_asks_torch_whether_a_capture_runs():
         for p in sorted((ROOT / package).rglob("*.py"))
         if "is_current_stream_capturing()" in p.read_text() and p.name != "capture.py"
     ]
-    assert askers == [], f"ask kv_ops.capture instead: {askers}"
+    assert askers == [], f"ask kv_ops.cuda.capture instead: {askers}"
 
 
 class RecordingGraph:

@@ -1,4 +1,4 @@
-"""kv_ops.driver: the one place the CUDA driver bindings are imported, lazily, and every call checked."""
+"""kv_ops.cuda.driver: the one place the CUDA driver bindings are imported, lazily, and every call checked."""
 
 import enum
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_ops import driver as driver_module
+from kv_ops.cuda import driver as driver_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def test_both_packages_import_without_cuda_bindings_and_the_error_names_it():
         "for name in ('cuda', 'cuda.bindings', 'cuda.bindings.driver'):\n"
         "    sys.modules[name] = None\n"
         "import kv_ops, kv_ops.tools.doctor, ple_ops\n"
-        "from kv_ops.driver import driver\n"
+        "from kv_ops.cuda.driver import driver\n"
         "try:\n"
         "    driver()\n"
         "except ImportError as e:\n"
@@ -70,9 +70,9 @@ def test_no_module_imports_the_bindings_but_kv_ops_driver():
         str(path.relative_to(ROOT))
         for folder in ("kv_ops", "ple_ops", "examples", "benchmarks", "tests", "compile_tests")
         for path in sorted((ROOT / folder).rglob("*.py"))
-        if path != ROOT / "kv_ops" / "driver.py" and inline.search(path.read_text())
+        if path != ROOT / "kv_ops" / "cuda" / "driver.py" and inline.search(path.read_text())
     ]
-    assert not offenders, f"import the driver through kv_ops.driver, not directly: {offenders}"
+    assert not offenders, f"import the driver through kv_ops.cuda.driver, not directly: {offenders}"
 
 
 @pytest.mark.gpu

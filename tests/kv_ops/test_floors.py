@@ -1,6 +1,6 @@
-"""kv_ops's floors: the shared CUDA floor (what ple_ops imports too) imports nothing above it, the
-op floor never imports the engine floor (kv_ops/transfer/) or the tools, and the engine floor never
-imports the tools; checked in the source and in a fresh interpreter."""
+"""kv_ops's floors: the CUDA floor (kv_ops/cuda/, what ple_ops stands on too) imports nothing above
+it, the op floor never imports the engine floor (kv_ops/transfer/) or the tools, and the engine floor
+never imports the tools; checked in the source and in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ PACKAGE = Path(kv_ops.__file__).resolve().parent
 ROOT = PACKAGE.parent
 OP_FLOOR = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 TRANSFER = sorted(p.stem for p in (PACKAGE / "transfer").glob("*.py") if p.stem != "__init__")
-# The shared CUDA floor, bottom first: each may import only the ones before it (and torch, triton,
-# the standard library). The first two import no kv_ops module at all.
-SHARED = ("arguments", "registration", "driver", "capture", "host_memory", "kernels")
+CUDA = PACKAGE / "cuda"
+# The CUDA floor, bottom first: each may import only the ones before it (and torch, triton, the
+# standard library). The first two import no kv_ops module at all.
+SHARED = ("arguments", "registration", "driver", "capture", "host_memory", "launch")
 BOTTOM = ("arguments", "registration")
 ABOVE = {
+    "cuda": ("kv_ops.transfer", "kv_ops.tools", "kv_ops.integrations", *(f"kv_ops.{m}" for m in OP_FLOOR)),
     "op": ("kv_ops.transfer", "kv_ops.tools", "kv_ops.integrations"),
     "transfer": ("kv_ops.tools", "kv_ops.integrations"),
 }
@@ -46,7 +48,8 @@ def _imports(path: Path, package: str) -> set[str]:
 
 @pytest.mark.parametrize(
     ("floor", "path", "package"),
-    [("op", PACKAGE / f"{m}.py", "kv_ops") for m in OP_FLOOR]
+    [("cuda", CUDA / f"{m}.py", "kv_ops.cuda") for m in SHARED]
+    + [("op", PACKAGE / f"{m}.py", "kv_ops") for m in OP_FLOOR]
     + [("transfer", PACKAGE / "transfer" / f"{m}.py", "kv_ops.transfer") for m in TRANSFER],
     ids=lambda v: v.name if isinstance(v, Path) else None,
 )
@@ -90,9 +93,9 @@ def _module_uses(path: Path, package: str) -> dict[str, set[str]]:
             parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
             base = f"{parent}.{base}" if base else parent
         for alias in node.names:
-            if base.startswith("kv_ops.") and base.removeprefix("kv_ops.") in SHARED:
-                used.setdefault(base.removeprefix("kv_ops."), set()).add(alias.name)
-            elif base == "kv_ops" and alias.name in SHARED:
+            if base.startswith("kv_ops.cuda.") and base.removeprefix("kv_ops.cuda.") in SHARED:
+                used.setdefault(base.removeprefix("kv_ops.cuda."), set()).add(alias.name)
+            elif base == "kv_ops.cuda" and alias.name in SHARED:
                 modules[alias.asname or alias.name] = alias.name
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
@@ -102,25 +105,32 @@ def _module_uses(path: Path, package: str) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("name", SHARED)
 def test_every_name_a_shared_module_declares_exists(name):
-    module = importlib.import_module(f"kv_ops.{name}")
+    module = importlib.import_module(f"kv_ops.cuda.{name}")
     assert module.__all__ and len(set(module.__all__)) == len(module.__all__)
     missing = [n for n in module.__all__ if not hasattr(module, n)]
-    assert missing == [], f"kv_ops.{name}.__all__ names {missing}, which it does not define"
+    assert missing == [], f"kv_ops.cuda.{name}.__all__ names {missing}, which it does not define"
     first = (module.__doc__ or "").splitlines()[0]
-    assert "ple_ops" in first or "both packages" in first, f"kv_ops.{name}'s first line says both packages use it"
+    assert "ple_ops" in first or "both packages" in first, f"kv_ops.cuda.{name}'s first line says both packages use it"
+
+
+def test_the_cuda_floor_is_one_package_that_says_both_packages_stand_on_it():
+    assert sorted(p.stem for p in CUDA.glob("*.py") if p.stem != "__init__") == sorted(SHARED)
+    import kv_ops.cuda
+
+    assert "both packages" in kv_ops.cuda.__doc__.splitlines()[0]
 
 
 @pytest.mark.parametrize("name", SHARED)
 def test_the_shared_floor_imports_only_what_sits_below_it(name):
-    allowed = set() if name in BOTTOM else {f"kv_ops.{m}" for m in SHARED[: SHARED.index(name)]}
-    found = _imports(PACKAGE / f"{name}.py", "kv_ops")
+    allowed = set() if name in BOTTOM else {f"kv_ops.cuda.{m}" for m in SHARED[: SHARED.index(name)]}
+    found = _imports(CUDA / f"{name}.py", "kv_ops.cuda")
     ours = sorted(m for m in found if m == "kv_ops" or m.startswith("kv_ops."))
-    # "from . import driver" shows as both "kv_ops" and "kv_ops.driver"; the package itself is fine then.
-    bad = [m for m in ours if m != "kv_ops" and m not in allowed and m.rsplit(".", 1)[0] not in allowed]
-    assert bad == [], f"kv_ops/{name}.py imports {bad}, not below it in the shared floor"
+    # "from . import driver" shows as both "kv_ops.cuda" and "kv_ops.cuda.driver"; the package itself is fine then.
+    bad = [m for m in ours if m != "kv_ops.cuda" and m not in allowed and m.rsplit(".", 1)[0] not in allowed]
+    assert bad == [], f"kv_ops/cuda/{name}.py imports {bad}, not below it in the CUDA floor"
     if name in BOTTOM:
         outside = sorted(m for m in found if m.split(".")[0] not in sys.stdlib_module_names | {"torch", "__future__"})
-        assert outside == [], f"kv_ops/{name}.py imports {outside}: the bottom of the floor needs only torch"
+        assert outside == [], f"kv_ops/cuda/{name}.py imports {outside}: the bottom of the floor needs only torch"
 
 
 def test_kv_ops_takes_only_declared_names_from_the_shared_floor():
@@ -128,8 +138,8 @@ def test_kv_ops_takes_only_declared_names_from_the_shared_floor():
     undeclared = []
     for path, package in sources:
         for name, names in _module_uses(path, package).items():
-            if path.stem == name and path.parent == PACKAGE:
+            if path.stem == name and path.parent == CUDA:
                 continue
-            public = set(importlib.import_module(f"kv_ops.{name}").__all__)
-            undeclared += [f"{path.relative_to(ROOT)}: kv_ops.{name}.{n}" for n in sorted(names - public)]
+            public = set(importlib.import_module(f"kv_ops.cuda.{name}").__all__)
+            undeclared += [f"{path.relative_to(ROOT)}: kv_ops.cuda.{name}.{n}" for n in sorted(names - public)]
     assert undeclared == [], "names taken from the shared floor that its __all__ does not declare"

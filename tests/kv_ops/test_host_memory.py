@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops import host_memory
-from kv_ops.driver import driver as cuda_driver
+from kv_ops.cuda import host_memory
+from kv_ops.cuda.driver import driver as cuda_driver
 
 gpu = pytest.mark.gpu
 
@@ -184,7 +184,7 @@ def test_memory_freed_while_a_graph_is_captured_is_released_later_never_left_reg
     # raises before the generator's epilogue), and every later CUDA random draw would fail.
     code = """
 import torch, kv_ops
-from kv_ops import host_memory
+from kv_ops.cuda import host_memory
 kv_ops.pinned_empty(16)  # warm
 doomed = kv_ops.pinned_empty(1 << 20)
 doomed.fill_(7)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_ops import kernels, reference
+from kv_ops.cuda import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -108,10 +109,10 @@ def test_zero_pairs_launch_nothing():
 
 
 def test_alignment_is_the_largest_power_of_two_up_to_16():
-    assert kernels.alignment([64, 4096, 32]) == 16
-    assert kernels.alignment([12, 4096]) == 4
-    assert kernels.alignment([3, 4096]) == 1
-    assert kernels.alignment([0, 0]) == 16
+    assert launch.alignment([64, 4096, 32]) == 16
+    assert launch.alignment([12, 4096]) == 4
+    assert launch.alignment([3, 4096]) == 1
+    assert launch.alignment([0, 0]) == 16
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_ops import reference
-from kv_ops.host_memory import device_view, pinned_empty
+from kv_ops.cuda.host_memory import device_view, pinned_empty
 from kv_ops.prefix_copy import TILE_BYTES, PrefixCopy
 
 CUDA = torch.cuda.is_available()

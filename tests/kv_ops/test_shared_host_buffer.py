@@ -1,4 +1,4 @@
-"""kv_ops.host_memory.shared_host_buffer across two real processes (ranks), and an engine that
+"""kv_ops.cuda.host_memory.shared_host_buffer across two real processes (ranks), and an engine that
 adopts a slab of it: each rank's stored blocks are visible to the other, a SIGKILL of either
 rank leaves the survivor's view intact and nothing in /dev/shm, and a restart starts clean."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops.host_memory import shared_host_buffer
+from kv_ops.cuda.host_memory import shared_host_buffer
 
 NUM_BLOCKS, WIDTH, ROWS = 16, 96, 12
 SLAB = ROWS * WIDTH
@@ -158,6 +158,6 @@ def shared_host_buffer_alone(nbytes: int) -> torch.Tensor:
     """Host memory the test owns, from an mmap of its own (not page-locked)."""
     import mmap
 
-    from kv_ops.host_memory import pin_mapping
+    from kv_ops.cuda.host_memory import pin_mapping
 
     return pin_mapping(mmap.mmap(-1, nbytes), nbytes, register=False)

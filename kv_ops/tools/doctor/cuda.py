@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from ...arguments import cuda_device
-from ...driver import check_driver, device_pointer, driver, driver_context
-from ...host_memory import device_view, pinned_empty
+from ...cuda.arguments import cuda_device
+from ...cuda.driver import check_driver, device_pointer, driver, driver_context
+from ...cuda.host_memory import device_view, pinned_empty
 from .common import ALIGN, CheckResult, cuda_version, device_attribute, fmt_bytes, skip_no_cuda
 
 # --- check: driver -------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
 def check_host_register(device: torch.device | str | int | None = None) -> CheckResult:
     """Whether ``cuMemHostRegister`` pins mmap'd memory as portable, device-mapped memory.
 
-    Registers a small buffer through :func:`kv_ops.host_memory.pinned_empty`, resolves its device
+    Registers a small buffer through :func:`kv_ops.cuda.host_memory.pinned_empty`, resolves its device
     address and has a GPU kernel write it through that address.
 
     Parameters

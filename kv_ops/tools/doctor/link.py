@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...arguments import cuda_device
-from ...driver import check_driver, driver, driver_context
-from ...host_memory import pinned_empty
+from ...cuda.arguments import cuda_device
+from ...cuda.driver import check_driver, driver, driver_context
+from ...cuda.host_memory import pinned_empty
 from .common import NO_CUDA, CheckResult, skip_no_cuda
 
 # --- check: PCIe link (and measure_link) ---------------------------------------------------------
@@ -50,7 +50,7 @@ def measure_link(device: torch.device | str | int | None = None, seconds: float 
 
     Copies 64 MiB back and forth on a stream of its own, about ``seconds / 2`` per direction,
     timed with CUDA events after one warm-up copy. The host side comes from
-    :func:`kv_ops.host_memory.pinned_empty`, like every kv_ops host buffer.
+    :func:`kv_ops.cuda.host_memory.pinned_empty`, like every kv_ops host buffer.
 
     Parameters
     ----------

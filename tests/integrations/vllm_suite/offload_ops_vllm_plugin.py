@@ -48,7 +48,7 @@ NOT_APPLICABLE: list[tuple[str, dict | None, str]] = [
         None,
         "vLLM's own SharedOffloadRegion class (a named /dev/shm file of per-chunk rank slots); "
         "OffloadOpsSpec shares host memory its own way, one slab per rank of a nameless memfd "
-        "mapping (kv_ops.host_memory.shared_host_buffer, tests/kv_ops/test_shared_host_buffer.py)",
+        "mapping (kv_ops.cuda.host_memory.shared_host_buffer, tests/kv_ops/test_shared_host_buffer.py)",
     ),
     (
         "tests/v1/kv_offload/cpu/test_canonical_layout.py",

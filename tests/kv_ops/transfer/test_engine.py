@@ -345,7 +345,7 @@ def test_kv_caches_that_are_not_a_mapping_of_tensors_are_refused_naming_them(kv_
 
 
 def test_a_mirror_larger_than_the_machine_is_refused_naming_capacity_bytes_and_the_bytes(monkeypatch):
-    from kv_ops import host_memory
+    from kv_ops.cuda import host_memory
 
     kv = {"l": torch.zeros(32, 352, dtype=torch.float16)}  # 704-byte blocks
     available = 10 * 704 * 1024
@@ -367,7 +367,7 @@ def test_a_mirror_larger_than_the_machine_is_refused_naming_capacity_bytes_and_t
 
 
 def test_disk_staging_larger_than_the_machine_is_refused_before_the_file_is_made(monkeypatch, tmp_path):
-    from kv_ops import host_memory
+    from kv_ops.cuda import host_memory
 
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (1 << 20, 1 << 21))
     made = []
