@@ -130,7 +130,7 @@ def wait_copy(flag: torch.Tensor, waiting: torch.Tensor | None, src: torch.Tenso
     ``asm`` holds the PTX), or None when nothing was copied.
 
     Two kernels, not one: in a single kernel every warp would spin on the flag over host memory,
-    several times slower than one warp's wait followed by the copy (docs/design.md).
+    which is slower than one warp's wait followed by the copy (docs/design.md).
     """
     _wait_kernel[(1,)](flag, flag if waiting is None else waiting, waiting is not None, WAITING, DONE, num_warps=1)
     if not nbytes:

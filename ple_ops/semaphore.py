@@ -13,6 +13,7 @@ import torch
 from kv_ops.cuda.arguments import cuda_device
 from kv_ops.cuda.driver import check_driver, device_pointer, driver
 from kv_ops.cuda.host_memory import device_view
+from kv_ops.cuda.torch_internals import current_raw_stream_reader
 
 RESET = 0
 DONE = 1
@@ -95,12 +96,8 @@ class BoundDriver:
         # check the table without a GPU.
         self.streams: dict[int, object] = {}
         # The current stream's raw handle without building a torch.cuda.Stream (what Inductor's
-        # generated code calls); torch.cuda.current_stream() where this torch lacks them.
-        raw, device = getattr(torch._C, "_cuda_getCurrentRawStream", None), getattr(torch._C, "_cuda_getDevice", None)
-        if raw is not None and device is not None:
-            self.raw_stream = lambda: raw(device())
-        else:
-            self.raw_stream = lambda: torch.cuda.current_stream().cuda_stream
+        # generated code calls); torch.cuda.current_stream() where this torch lacks the readers.
+        self.raw_stream = current_raw_stream_reader()
 
     def current_stream(self):
         """The driver handle of the current device's current stream, as it is at this call."""

@@ -9,6 +9,8 @@ from types import ModuleType
 
 import torch
 
+from .torch_internals import current_raw_stream
+
 
 def driver() -> ModuleType:
     """The ``cuda.bindings.driver`` module, imported on first use.
@@ -249,7 +251,7 @@ def wait_value_reached(stream: int, address: int, value: int) -> None:
 
 def current_stream_handle(index: int) -> int:
     """The raw handle of this thread's current stream on device ``index`` (no Stream object)."""
-    return torch._C._cuda_getCurrentRawStream(index)
+    return current_raw_stream(index)
 
 
 def check_code(code: int, what: str) -> None:

@@ -259,7 +259,7 @@ def pin_mapping(mapping: mmap.mmap, nbytes: int, register: bool) -> torch.Tensor
         owner = _Pinned(mapping, nbytes, register=False)
     # The tensor keeps the ctypes array alive through the buffer protocol; the array keeps the
     # owner alive through this attribute.
-    owner.buffer._owner = owner
+    owner.buffer.owner = owner
     flat = torch.frombuffer(owner.buffer, dtype=torch.uint8)
     owner.buffer = None  # break the owner -> array -> owner cycle
     return flat
@@ -398,7 +398,7 @@ def bytes_at(owner: torch.Tensor, address: int, nbytes: int, device: torch.devic
         return torch.as_tensor(_CudaArrayInterface(owner, address, nbytes), device=device)
     if device.type == "cpu":
         array = (ctypes.c_uint8 * nbytes).from_address(address)
-        array._owner = owner  # the tensor holds the array through the buffer protocol
+        array.owner = owner  # the tensor holds the array through the buffer protocol
         return torch.frombuffer(array, dtype=torch.uint8)
     raise ValueError(f"bytes_at: unsupported device {device}")
 

@@ -39,6 +39,17 @@ def alignment(values: Sequence[int]) -> int:
     return 16 if g == 0 else min(16, g & -g)
 
 
+# The Triton shim: the functions below are the one place either package reaches into Triton past
+# @jit, into the compiled-kernel object (run, function, packed_metadata) and the launch hooks in
+# triton.knobs.runtime. Why: @jit's launch path binds and specialises every argument on every call,
+# which costs more host time than the copy's launch; a kernel compiled before is launched as @jit
+# itself launches it, and only where @jit would do nothing more (same device, no profiler hook).
+# What breaks it: a Triton release that changes CompiledKernel.run's argument list (this is
+# Triton 3.6 to 3.9's), renames function or packed_metadata (then direct_launcher answers False
+# and every launch goes through @jit: slower, still right), or moves the hooks out of knobs.runtime
+# (then a direct launch raises AttributeError).
+
+
 def _launch_hooks() -> bool:
     """Whether a launch hook is installed (a profiler's): then every launch goes through @jit,
     which feeds it."""

@@ -31,6 +31,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from ..cuda import arguments
 from ..cuda.capture import capturing
+from ..cuda.torch_internals import mark_static_address
 from ..transfer.slot_loads import SlotLoads, plan_slots
 
 # Layer types this cache serves: full attention (offloaded) and the windowed kinds (kept on the GPU).
@@ -72,11 +73,8 @@ class HostOffloadedLayer(StaticLayer):
         # Eagerly on CUDA the loads are driver calls bound once; compiled, the ops record them in
         # the graph (and on the CPU the op is the copy itself).
         direct = self.device.type == "cuda" and not torch.compiler.is_compiling()
-        if k in plan.evicts:  # streamed: its own load, queued by an earlier layer, must be done
-            if direct:
-                loads.wait(k)
-            else:
-                torch.ops.kv_ops.wait_prefetch(self.keys, self.values, key_states, loads.name, k)
+        # Loads first: with one shared slot a layer queues its own (once the layer before it in
+        # the slot has been read), then waits for it.
         for target in plan.issues.get(k, ()):
             if direct:
                 loads.issue(target, replay=not self.cache.capturing_now)
@@ -86,6 +84,11 @@ class HostOffloadedLayer(StaticLayer):
                 torch.ops.kv_ops.prefetch_layer(
                     slot_k, slot_v, key_states, lengths[target], lengths[plan.evicts[target]], loads.name, target
                 )
+        if k in plan.evicts:  # streamed: its own load must be done
+            if direct:
+                loads.wait(k)
+            else:
+                torch.ops.kv_ops.wait_layer([self.keys, self.values], key_states, loads.name, k)
         return super().update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
@@ -103,8 +106,9 @@ class HostOffloadedCache(Cache):
 
     ``max_gpu_bytes`` is the GPU memory the full-attention layers may hold (sliding-window
     layers stay on the GPU besides): as many layers as it holds stay resident, the rest are
-    streamed through two shared slots. By default the GPU holds three layers' worth (one
-    resident); a budget for every layer makes the cache a ``StaticCache`` that streams nothing.
+    streamed through two shared slots (one, where the budget holds two layers: each load then
+    waits for the layer before it). By default the GPU holds three layers' worth (one resident);
+    a budget for every layer makes the cache a ``StaticCache`` that streams nothing.
     Each step moves, per streamed layer, the positions written so far host-to-GPU and its new
     positions GPU-to-host (:meth:`bytes_per_step`), whatever ``max_cache_len`` is.
 
@@ -117,7 +121,7 @@ class HostOffloadedCache(Cache):
         model with no full-attention layer, or a layer type other than full, sliding or chunked
         attention. At the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
-        three layers (the message names the minimum), or host memory the machine lacks.
+        two layers (the message names the minimum), or host memory the machine lacks.
         Eagerly, a step past ``max_cache_len``.
     """
 
@@ -182,6 +186,7 @@ class HostOffloadedCache(Cache):
         layer = self.loads.layer_bytes(keys, values, self.max_cache_len_)
         slots = min(3, count)
         if self.max_gpu_bytes is not None:
+            slots = min(2, count)
             if self.max_gpu_bytes < slots * layer:
                 raise ValueError(
                     f"HostOffloadedCache: max_gpu_bytes={self.max_gpu_bytes} is below the {slots} layer slots the "
@@ -192,7 +197,7 @@ class HostOffloadedCache(Cache):
         full = [self.layers[i] for i in self.offloaded]
         for layer_ in full:  # the loads read every layer's count on the device, from the first step
             layer_.cumulative_length = layer_.cumulative_length.to(keys.device)
-            torch._dynamo.mark_static_address(layer_.cumulative_length)
+            mark_static_address(layer_.cumulative_length)
         lengths = [layer_.cumulative_length for layer_ in full]
         self.loads.allocate(plan_slots(count, slots), keys, values, self.max_cache_len_, lengths)
 

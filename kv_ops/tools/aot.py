@@ -26,10 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _enable() -> None:
-    if hasattr(torch._dynamo.config, "enable_aot_compile"):
-        torch._dynamo.config.enable_aot_compile = True
+from ..cuda.torch_internals import enable_aot_compile
 
 
 def compile_step(step: Callable[..., Any], model: nn.Module, *example_args: Any) -> Callable[..., Any]:
@@ -62,7 +59,7 @@ def compile_step(step: Callable[..., Any], model: nn.Module, *example_args: Any)
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"compile_step: model must be an nn.Module, got {type(model).__name__}")
-    _enable()
+    enable_aot_compile()
     return torch.compile(step, fullgraph=True).aot_compile(((model, *example_args), {}))
 
 
@@ -79,7 +76,7 @@ def load_step(path: str) -> Callable[..., Any]:
     >>> with torch.no_grad():
     ...     logits = loaded(model, tokens, positions)
     """
-    _enable()
+    enable_aot_compile()
     with open(path, "rb") as f:
         return torch.compiler.load_compiled_function(f)
 

@@ -1,5 +1,7 @@
-"""LayerwiseLoads and ``torch.ops.kv_ops.wait_layer``: host-to-GPU block loads that a compiled,
-captured step waits for layer by layer, so that layer i computes while layer i+1 loads.
+"""LayerwiseLoads: host-to-GPU block loads, issued before the step, that a compiled, captured step waits for layer by layer.
+
+Layer i computes while layer i+1 loads; each layer waits through ``torch.ops.kv_ops.wait_layer``
+(:mod:`kv_ops.transfer.in_step`, which owns the op and the names).
 
 :meth:`LayerwiseLoads.start` issues every layer's copies on the engine's load stream, by
 ``copies=``: the zero-copy kernel as one CUDA graph per start (the default), one copy-engine
@@ -41,13 +43,13 @@ from ..cuda.driver import (
     write_value,
 )
 from ..cuda.host_memory import lasting_copy, pinned_empty
-from ..cuda.registration import check_new_name, find_named, register_op
 from ..layer_wait import wait_landed
-from ..validation import check_fake_values, error_counter
-from . import dma, layerwise_ring
+from ..validation import error_counter
+from . import dma, in_step, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
 from .engine import ClosedError, check_engine
 from .ids import Pool
+from .in_step import wait_layer
 
 COPIES = ("auto", "dma", "kernel", "staged")
 
@@ -68,23 +70,13 @@ _US_PER_2D_COPY = 4.0
 # copies ahead of it on the load stream have run; read when an instance is made.
 WAIT_TIMEOUT_S = 10.0
 
-# Every instance's flag words, kept for the life of the process: a captured step holds their
-# address, and a replay after close() must still read memory that is its own.
-_flag_blocks: list[torch.Tensor] = []
-
-# name -> LayerwiseLoads: what the op resolves its name through (a loaded AOT step carries only
-# the name). Strong references: an instance goes only with close(), which first lets its copies
-# in flight land (their id blocks and graphs must outlive them).
-_registry: dict[str, LayerwiseLoads] = {}
-
 
 def lookup(name: str) -> LayerwiseLoads:
     """The live :class:`LayerwiseLoads` called ``name`` in this process."""
-    return find_named(
-        _registry,
+    return in_step.lookup(
         name,
         "kv_ops.wait_layer",
-        "LayerwiseLoads",
+        LayerwiseLoads,
         "; make it (kv_ops.LayerwiseLoads(engine, name)) before running the step",
     )
 
@@ -166,7 +158,7 @@ class _LayerPath(EventPath):
         return self.copies != "kernel"
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        return self.loads._enqueue(blocks.host_ids, blocks.gpu_ids, ready, self.copies)
+        return self.loads.enqueue(blocks.host_ids, blocks.gpu_ids, ready, self.copies)
 
 
 class LayerwiseLoads:
@@ -248,7 +240,7 @@ class LayerwiseLoads:
         if copies not in COPIES:
             raise ValueError(f"LayerwiseLoads: copies must be one of {', '.join(map(repr, COPIES))}, got {copies!r}")
         ring_bytes = positive_int("LayerwiseLoads", "ring_bytes", ring_bytes)
-        check_new_name(_registry, "LayerwiseLoads", name)
+        in_step.check_name("LayerwiseLoads", name)
         if engine.disk is not None:
             raise ValueError(
                 "LayerwiseLoads: this engine keeps its blocks on disk (disk_dir=); layer-wise loads read "
@@ -281,32 +273,37 @@ class LayerwiseLoads:
             self._pieces = sum(len(p) for p in self._staged.pieces)
         self._stream = None
         if self.device.type == "cuda":
-            load_stream = engine.load_stream
-            # Every mechanism's copies run on the engine's load stream: in issue order with its
-            # other loads, so a later load of the same GPU blocks lands after this one's (the
-            # staged scatters follow on a stream of their own, and the engine orders its next
-            # load of another path after their completion event).
-            self._stream = load_stream
-            self._handle = load_stream.cuda_stream
-            # [wanted, landed of layer 0, 1, ...]: see layer_wait.wait_landed. Generations: _issued
-            # is the last one a start took (a start that failed halfway too: some of its layers
-            # may have published it), _wanted the last one whose start was issued whole.
-            self._flags = lasting_copy(torch.zeros(1 + self.num_layers, dtype=torch.int32), self.device)
-            _flag_blocks.append(self._flags)
-            self._wanted_address = self._flags.data_ptr()
-            self._landed = [self._wanted_address + 4 * (1 + i) for i in range(self.num_layers)]
-            self._issued = self._wanted = 0
-            self._errors = errors = error_counter(self.device)
-            self._timeout_ns = int(WAIT_TIMEOUT_S * 1e9)
-            wait_landed(self._flags, 0, self._timeout_ns, errors)  # compiled outside any capture
-            if copies == "dma":
-                self._launcher = dma.Launcher(load_stream)
-            if "kernel" in mechanisms:
-                bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
-                capacity = engine.num_blocks  # a load's GPU ids are distinct
-                flags = self._flags
-                self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors, flags), initial=2)
-        _registry[name] = self
+            self._bind_device(engine, mechanisms, groups)
+        in_step.register(name, self)
+
+    def _bind_device(self, engine, mechanisms: tuple[str, ...], groups: list[list[str]]) -> None:
+        """On a GPU: the flags, the wait kernel (compiled now), and each mechanism's launcher."""
+        mirror, gpu = engine.mirror_regions, engine.regions
+        load_stream = engine.load_stream
+        # Every mechanism's copies run on the engine's load stream: in issue order with its
+        # other loads, so a later load of the same GPU blocks lands after this one's (the
+        # staged scatters follow on a stream of their own, and the engine orders its next
+        # load of another path after their completion event).
+        self._stream = load_stream
+        self._handle = load_stream.cuda_stream
+        # [wanted, landed of layer 0, 1, ...]: see layer_wait.wait_landed. Generations: _issued
+        # is the last one a start took (a start that failed halfway too: some of its layers
+        # may have published it), _wanted the last one whose start was issued whole.
+        self._flags = lasting_copy(torch.zeros(1 + self.num_layers, dtype=torch.int32), self.device)
+        in_step.keep(self._flags)
+        self._wanted_address = self._flags.data_ptr()
+        self._landed = [self._wanted_address + 4 * (1 + i) for i in range(self.num_layers)]
+        self._issued = self._wanted = 0
+        self._errors = errors = error_counter(self.device)
+        self._timeout_ns = int(WAIT_TIMEOUT_S * 1e9)
+        wait_landed(self._flags, 0, self._timeout_ns, errors)  # compiled outside any capture
+        if self.copies == "dma":
+            self._launcher = dma.Launcher(load_stream)
+        if "kernel" in mechanisms:
+            bounds = [kernels.BoundCopy(self.device, [mirror[n] for n in g], [gpu[n] for n in g]) for g in groups]
+            capacity = engine.num_blocks  # a load's GPU ids are distinct
+            flags = self._flags
+            self._kernel_copies = Pool(lambda: _LayerKernels(bounds, capacity, errors, flags), initial=2)
 
     # --- host side ---------------------------------------------------------------------------
 
@@ -344,7 +341,7 @@ class LayerwiseLoads:
         ClosedError
             After the engine or this object was closed.
         """
-        if self.name not in _registry or _registry[self.name] is not self:
+        if not in_step.is_live(self):
             self.engine.check_open("LayerwiseLoads.start")
             raise ClosedError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
         path = self._pick if self.copies == "auto" else self._paths[self.copies]
@@ -356,7 +353,7 @@ class LayerwiseLoads:
         """copies="auto": the path of the mechanism :func:`pick_copies` picks for these ids."""
         return self._paths[pick_copies(blocks.host_ids, self._pieces)]
 
-    def _enqueue(self, host: np.ndarray, gpu: np.ndarray, ready, copies: str) -> torch.cuda.Event | None:
+    def enqueue(self, host: np.ndarray, gpu: np.ndarray, ready, copies: str) -> torch.cuda.Event | None:
         n = host.size
         if n == 0:
             return None  # nothing to wait for: the step's waits find the last start's layers landed
@@ -434,7 +431,8 @@ class LayerwiseLoads:
                     f"kv_ops.wait_layer: a cache of layer {layer} is on {c.device}, but {self.name!r} loads into {self.device}"
                 )
 
-    def _wait(self, layer: int, caches: Sequence[torch.Tensor]) -> None:
+    def wait(self, layer: int, caches: Sequence[torch.Tensor]) -> None:
+        """What :func:`kv_ops.wait_layer` does for layer ``layer`` of this object."""
         self._check_wait(layer, caches)
         self.waits[layer] += 1
         if self._stream is None:
@@ -453,8 +451,7 @@ class LayerwiseLoads:
         may then go). A graph captured against this instance waits on its flags, which stay (a
         replay then reads the last loads and never hangs), but do not replay it once the
         instance is gone: nothing loads into it any more."""
-        if _registry.get(self.name) is self:
-            del _registry[self.name]
+        if in_step.unregister(self):
             if self._stream is not None:
                 self._stream.synchronize()  # rare, and what keeps the twins alive while read
             if self._staged is not None:
@@ -498,70 +495,6 @@ class _LayerKernels:
                     bound.launch_from_block(None, self.block, capacity, errors)
                     flags[1 + i : 2 + i].copy_(low)  # layer i has landed
         self.exec = self.graph.raw_cuda_graph_exec()
-
-
-# --- wait_layer ----------------------------------------------------------------------------------
-
-
-def _wait_condition(caches, layer) -> bool:
-    """What the fake can check, and the eager op with it (the rest needs the named instance)."""
-    return len(caches) > 0 and layer >= 0
-
-
-def _wait_message(caches, layer) -> str:
-    return (
-        f"kv_ops.wait_layer: needs at least one cache tensor and a layer >= 0, got {len(caches)} caches, layer {layer}"
-    )
-
-
-def _wait_layer_fake(caches, dep, name, layer):
-    check_fake_values("kv_ops.wait_layer", caches=caches, dep=dep)
-    torch._check(_wait_condition(caches, layer), lambda: _wait_message(caches, layer))
-
-
-def _wait_layer_impl(caches, dep, name, layer) -> None:
-    if not _wait_condition(caches, layer):
-        raise ValueError(_wait_message(caches, layer))
-    lookup(name)._wait(layer, caches)
-
-
-register_op(
-    "kv_ops",
-    "wait_layer(Tensor(a!)[] caches, Tensor dep, str name, int layer) -> ()",
-    fake=_wait_layer_fake,
-    cpu=_wait_layer_impl,
-)
-
-
-def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Make the current stream wait until layer ``layer``'s blocks of ``name`` have landed.
-
-    Place it in the model before the layer reads its cache. It takes the layer's input ``dep``
-    (so the compiler cannot move it above the previous layer) and declares ``caches`` mutated
-    (so no reader of the cache moves above it), and returns ``dep`` unchanged, for
-    ``h = wait_layer(h, ...)``. Compile, CUDA-graph capture and AOT reload keep it: the name is
-    resolved when the op runs, and a capture records a one-program wait kernel.
-
-    Parameters
-    ----------
-    dep : Tensor
-        The layer's input.
-    name : str
-        A live :class:`LayerwiseLoads`.
-    layer : int
-        The layer, ``0 <= layer < num_layers``.
-    caches : sequence of Tensor
-        The layer's cache tensors (the ones holding its regions), e.g. ``[k_cache, v_cache]``.
-
-    Raises
-    ------
-    ValueError
-        No instance of that name, a layer out of range, no caches or caches on another device.
-        Passing tensors other than the layer's caches is not detected, and leaves the layer's
-        readers free to be placed above the wait.
-    """
-    torch.ops.kv_ops.wait_layer(list(caches), dep, name, layer)
-    return dep
 
 
 __all__ = ["LayerwiseLoads", "wait_layer", "lookup", "pick_copies"]

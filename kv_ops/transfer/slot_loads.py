@@ -1,8 +1,8 @@
-"""SlotLoads and ``torch.ops.kv_ops.prefetch_layer`` / ``wait_prefetch``: layers that share GPU slots,
-each loaded from page-locked host memory by the step itself while an earlier layer computes.
+"""SlotLoads and ``torch.ops.kv_ops.prefetch_layer``: layers that share GPU slots, each loaded from page-locked host memory by the step itself while an earlier layer computes.
 
 The step issues the loads: at the update of one layer it queues the load of a later layer on a
-load stream, and that later layer waits for exactly its own load before it reads its slot. So
+load stream, and that later layer waits for exactly its own load before it reads its slot
+(``torch.ops.kv_ops.wait_layer``, :mod:`kv_ops.transfer.in_step`, which owns the names). So
 the same code runs eagerly, under ``torch.compile(fullgraph=True)`` and inside a captured CUDA
 graph, where the queueing becomes a fork of the load stream and the wait its join (event edges).
 
@@ -17,6 +17,7 @@ them; they reach the host when the slot is next taken.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +26,10 @@ from .. import reference
 from ..cuda import driver
 from ..cuda.capture import captured_into
 from ..cuda.host_memory import check_host_bytes, device_view, pinned_empty
-from ..cuda.registration import check_new_name, find_named, register_op
+from ..cuda.registration import register_op
+from ..cuda.torch_internals import mark_static_address
 from ..prefix_copy import PrefixCopy
-
-# name -> SlotLoads: what the ops resolve their name through.
-_registry: dict[str, SlotLoads] = {}
+from . import in_step
 
 
 @dataclass(frozen=True)
@@ -55,23 +55,24 @@ class SlotPlan:
 
 
 def plan_slots(layers: int, slots: int) -> SlotPlan:
-    """The plan for ``layers`` layers in ``slots`` GPU slots (at least ``min(3, layers)``).
+    """The plan for ``layers`` layers in ``slots`` GPU slots (at least ``min(2, layers)``).
 
     With a slot per layer all are resident. Otherwise the streamed layers take turns in two
-    slots, so that a load may start as soon as the layer two before it has been read; three
-    streamed layers would leave one alone in its slot, so its middle one stays resident and the
-    other two share one. The streamed layers are spread evenly over the step, and the first
-    layer is always resident (nothing computes before it to hide its load).
+    slots, so that a load may start as soon as the layer two before it has been read. Two
+    streamed layers per slot pair at least, or one shared slot: with two slots in all, or where
+    two shared slots would hold three layers (one of them alone, no better than resident), one
+    more layer stays resident and the streamed ones share one slot, each load queued once the
+    layer before it in the slot has been read. The streamed layers are spread evenly over the
+    step, and the first layer is always resident (nothing computes before it to hide its load).
     """
-    if layers < 1 or slots < min(3, layers):
-        raise ValueError(f"plan_slots: needs layers >= 1 and slots >= min(3, layers), got {layers} and {slots}")
-    count = max(0, layers - slots + 2) if slots < layers else 0
+    if layers < 1 or slots < min(2, layers):
+        raise ValueError(f"plan_slots: needs layers >= 1 and slots >= min(2, layers), got {layers} and {slots}")
+    shared = 2 if slots < layers else 0
+    count = layers - slots + shared
+    if shared and (slots == 2 or count == 3):
+        shared, count = 1, count - 1
     # Layer k is streamed where floor(k * count / layers) steps up: evenly spaced, never layer 0.
     streamed = [k for k in range(layers) if (k + 1) * count // layers > k * count // layers]
-    shared = 2
-    if len(streamed) == 3:
-        del streamed[1]
-        shared = 1
     slot, kept = [], 0
     order = {k: i for i, k in enumerate(streamed)}
     first_shared = layers - len(streamed)
@@ -100,7 +101,7 @@ class SlotLoads:
     """
 
     def __init__(self, name: str):
-        check_new_name(_registry, "SlotLoads", name)
+        in_step.check_name("SlotLoads", name)
         self.name = name
         self.plan: SlotPlan | None = None
         self.lengths: list[torch.Tensor] = []
@@ -114,7 +115,7 @@ class SlotLoads:
         self.stream: torch.cuda.Stream | None = None
         self.free: dict[int, torch.cuda.Event] = {}  # recorded where a load's slot may be overwritten
         self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
-        _registry[name] = self
+        in_step.register(name, self)
 
     def layer_bytes(self, keys: torch.Tensor, values: torch.Tensor, max_len: int) -> int:
         """GPU bytes of one slot for a layer whose new keys and values look like these."""
@@ -145,7 +146,7 @@ class SlotLoads:
                 torch.zeros(v_shape, dtype=values.dtype, device=device),
             )
             for t in pair:
-                torch._dynamo.mark_static_address(t)
+                mark_static_address(t)
             self.slots.append(pair)
         # Host copies are never read past the positions written back into them: no need to zero.
         for k in plan.streamed:
@@ -205,9 +206,27 @@ class SlotLoads:
             self.copies[k](load, tensors)
         driver.record_event(self.loaded[k], load)
 
-    def wait(self, k: int) -> None:
-        """Make the current stream wait for layer k's last queued load."""
-        driver.wait_event(driver.current_stream_handle(self.saved.device.index), self.loaded[k])
+    def wait(self, k: int, caches: Sequence[torch.Tensor] = ()) -> None:
+        """Make the current stream wait for layer k's last queued load (on the CPU the load was
+        done when queued): what :func:`kv_ops.wait_layer` does, with the layer's slot as
+        ``caches``; the cache's eager update calls it without them."""
+        if caches:
+            self._check_wait(k, caches)
+        if self.stream is not None:
+            driver.wait_event(driver.current_stream_handle(self.saved.device.index), self.loaded[k])
+
+    def _check_wait(self, k: int, caches: Sequence[torch.Tensor]) -> None:
+        if self.plan is None or k not in self.plan.evicts:
+            streamed = [] if self.plan is None else sorted(self.plan.evicts)
+            raise ValueError(
+                f"kv_ops.wait_layer: layer {k} is not a streamed layer of {self.name!r} (streamed: {streamed})"
+            )
+        device = self.saved.device
+        for c in caches:
+            if c.device != device:
+                raise ValueError(
+                    f"kv_ops.wait_layer: a slot of layer {k} is on {c.device}, but {self.name!r} loads into {device}"
+                )
 
     # --- on the CPU: the same, at once ---------------------------------------------------------
 
@@ -221,16 +240,15 @@ class SlotLoads:
 
     def close(self) -> None:
         """Drop the name (the model must not run on these loads afterwards)."""
-        if _registry.get(self.name) is self:
-            del _registry[self.name]
+        in_step.unregister(self)
 
 
 def lookup(name: str) -> SlotLoads:
     """The live :class:`SlotLoads` called ``name`` in this process."""
-    return find_named(_registry, name, "kv_ops.prefetch_layer", "HostOffloadedCache")
+    return in_step.lookup(name, "kv_ops.prefetch_layer", SlotLoads)
 
 
-# --- prefetch_layer / wait_prefetch -----------------------------------------------------------------
+# --- prefetch_layer -----------------------------------------------------------------
 # The slots are declared mutated (the compiler keeps every earlier reader before the load and every
 # later one after the wait); ``dep`` is the layer's input, so the load is not hoisted above the layer
 # that queues it. The lengths are arguments, and the load reads them from the tensors handed over,
@@ -250,18 +268,6 @@ def _prefetch_cuda(slot_k, slot_v, dep, length, evicted_length, name, layer) -> 
     lookup(name).issue(layer, (slot_k, slot_v, length, evicted_length))
 
 
-def _fake_wait(slot_k, slot_v, dep, name, layer):
-    torch._check(layer >= 0, lambda: f"kv_ops.wait_prefetch: layer must be >= 0, got {layer}")
-
-
-def _wait_cpu(slot_k, slot_v, dep, name, layer) -> None:
-    lookup(name)
-
-
-def _wait_cuda(slot_k, slot_v, dep, name, layer) -> None:
-    lookup(name).wait(layer)
-
-
 register_op(
     "kv_ops",
     "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, Tensor length, Tensor evicted_length, "
@@ -269,13 +275,6 @@ register_op(
     fake=_fake_prefetch,
     cpu=_prefetch_cpu,
     cuda=_prefetch_cuda,
-)
-register_op(
-    "kv_ops",
-    "wait_prefetch(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, str name, int layer) -> ()",
-    fake=_fake_wait,
-    cpu=_wait_cpu,
-    cuda=_wait_cuda,
 )
 
 __all__ = ["SlotLoads", "SlotPlan", "plan_slots", "lookup"]

@@ -26,29 +26,23 @@ from .. import kernels, reference
 from ..cuda import capture
 from ..cuda.arguments import positive_int
 from ..cuda.host_memory import lasting_copy, pinned_empty
-from ..cuda.registration import check_new_name, find_named, register_op
+from ..cuda.registration import register_op
 from ..validation import check_fake_values, error_counter
 from . import ids as ids_mod
+from . import in_step
 from .engine import ClosedError, check_engine
 
 # How long stage() waits for the step that reads the last staged ids before it gives up: that
 # step was launched but has not run yet (the GPU is behind), or was never launched.
 STAGE_TIMEOUT_S = 10.0
 
-# name -> StepTransfers: what the op resolves its name through (an AOT-loaded step carries only it).
-_registry: dict[str, StepTransfers] = {}
-# Every instance's id words and device block, kept for the life of the process: a captured step
-# holds their addresses, and a replay after close() must still read memory that is its own.
-_kept: list[tuple[torch.Tensor, ...]] = []
-
 
 def lookup(name: str) -> StepTransfers:
     """The live :class:`StepTransfers` called ``name`` in this process."""
-    return find_named(
-        _registry,
+    return in_step.lookup(
         name,
         "kv_ops.step_transfers",
-        "StepTransfers",
+        StepTransfers,
         "; make it (kv_ops.StepTransfers(engine, name)) before running the step",
     )
 
@@ -95,7 +89,7 @@ class StepTransfers:
 
     def __init__(self, engine, name: str, capacity: int | None = None):
         check_engine("StepTransfers", engine)
-        check_new_name(_registry, "StepTransfers", name)
+        in_step.check_name("StepTransfers", name)
         capture.refuse_capture(
             "StepTransfers",
             "making one warms its kernel up on the GPU, which the capture would record",
@@ -119,7 +113,7 @@ class StepTransfers:
         gpu = list(engine.regions.values())
         host = [engine.mirror_regions[n] for n in engine.regions]
         self._regions = (gpu, host)
-        # Where each cache tensor starts (its first region does): what _check_step compares.
+        # Where each cache tensor starts (its first region does): what check_step compares.
         self._starts = frozenset(r.data_ptr() for r in gpu)
         self._num_caches = len(engine.cache_names)
         self._twin = pinned_empty(words, dtype=torch.int64)
@@ -137,12 +131,12 @@ class StepTransfers:
             self._zero = lasting_copy(torch.zeros(1, dtype=torch.int64), self.device)
             self._errors = error_counter(self.device)
             self._copies = (kernels.BoundCopy(self.device, gpu, host), kernels.BoundCopy(self.device, host, gpu))
-            _kept.append((self._twin, self._block, self._zero))
+            in_step.keep(self._twin, self._block, self._zero)
             with torch.cuda.device(self.device):
-                self._run()  # compiles the kernel outside any capture (both counts are zero)
+                self.run()  # compiles the kernel outside any capture (both counts are zero)
                 torch.cuda.current_stream().synchronize()
         engine.on_close(self._drop)  # a step after the engine's close moves nothing
-        _registry[name] = self
+        in_step.register(name, self)
 
     # --- host side ---------------------------------------------------------------------------
 
@@ -168,7 +162,7 @@ class StepTransfers:
             After :meth:`close`, or the engine's.
         """
         op = "StepTransfers.stage"
-        if _registry.get(self.name) is not self:
+        if not in_step.is_live(self):
             raise ClosedError(f"{op}: {self.name!r} is closed (close() was called); make a new StepTransfers")
         capture.refuse_capture(
             op,
@@ -244,8 +238,7 @@ class StepTransfers:
     def close(self) -> None:
         """Give up the name. Transfers staged and not yet read are dropped; a graph captured
         against this instance may still replay and moves nothing."""
-        if _registry.get(self.name) is self:
-            del _registry[self.name]
+        if in_step.unregister(self):
             self._drop()
 
     def _drop(self) -> None:
@@ -259,8 +252,8 @@ class StepTransfers:
 
     # --- the step's side ---------------------------------------------------------------------
 
-    def _run(self) -> None:
-        """What the op does: on the GPU, enqueue (or record into the capture) the id copy, the
+    def run(self) -> None:
+        """What :func:`step_transfers` does: on the GPU, enqueue (or record into the capture) the id copy, the
         counts' reset, the store and the load; on the CPU, do them."""
         words, load_at = self._words, self._load_at
         if self.device.type != "cuda":
@@ -282,7 +275,8 @@ class StepTransfers:
         store.launch_from_block(None, block[:load_at], self.capacity, self._errors)
         load.launch_from_block(None, block[load_at:], self.capacity, self._errors)
 
-    def _check_step(self, caches: Sequence[torch.Tensor]) -> None:
+    def check_step(self, caches: Sequence[torch.Tensor]) -> None:
+        """A ``ValueError`` unless ``caches`` are the engine's very cache tensors."""
         # The very tensors, by address: the copies write the engine's blocks where they are, so
         # a copy of the caches, which a backend that functionalizes without re-inplacing
         # (aot_eager) hands a mutating op and copies back after it, would undo the loads.
@@ -321,8 +315,8 @@ def _step_transfers_impl(caches, name) -> None:
     if not _condition(caches):
         raise ValueError(_message(caches))
     found = lookup(name)
-    found._check_step(caches)
-    found._run()
+    found.check_step(caches)
+    found.run()
 
 
 register_op(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kv_ops.cuda.torch_internals import has_forward_hooks
+
 from ..ops import gather_rows
 from .host_rows import pin_rows
 
@@ -148,7 +150,7 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
     scale = _scale_of(module)
     if module.max_norm is not None:
         raise ValueError(f"host_embedding: {name} has max_norm={module.max_norm}, which renormalises rows in forward")
-    if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+    if "forward" in module.__dict__ or has_forward_hooks(module):
         raise ValueError(f"host_embedding: {name} has a patched forward or forward hooks, which change its output")
     weight = module.weight
     if weight.dim() != 2:

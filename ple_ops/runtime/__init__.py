@@ -10,6 +10,8 @@
 * ``watchdog``      -- ``Watchdog``: the thread that frees GPU streams no prepared step will
                        serve, and fails the runtime (a dead process, a late step).
 * ``offload``       -- ``OffloadRuntime``: the public facade over the three.
+* ``multiprocessing_internals`` -- the one reach into multiprocessing's private names (whether
+                       the process's exit status was collected).
 """
 
 from .offload import OffloadRuntime

@@ -19,6 +19,7 @@ from .. import reference, registry
 from ..semaphore import ProducerFailed, release_fence
 from . import worker
 from .control import Attach, ControlBlock, LayersReport, Ready, StepFailed, Word, WorkerFailed
+from .multiprocessing_internals import reaped
 from .shared_memory import SharedHostBuffer
 
 
@@ -275,17 +276,10 @@ class WorkerProcess:
         """
         if self._closed:
             raise self.closed_error()
-        if self._failure is None and self._reaped():
+        if self._failure is None and reaped(self.process):
             self.fail(self.death_reason())
         if self._failure is not None:
             raise self._failure
-
-    def _reaped(self) -> bool:
-        """Whether the offload process's exit status was collected (an attribute read, no system call)."""
-        # multiprocessing has no public call for this that makes no system call (exitcode polls
-        # waitpid): its Popen's returncode stays None until a wait saw the exit.
-        popen = self.process._popen
-        return popen is not None and getattr(popen, "returncode", None) is not None
 
     def closed_error(self) -> OffloadError:
         after = f" (it had failed: {self._failure})" if self._failure is not None else ""

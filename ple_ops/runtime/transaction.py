@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import sys
 import time
 
 import torch
 
 from kv_ops.cuda.capture import capturing, refuse_capture
+from kv_ops.cuda.torch_internals import cudagraph_trees_recording
 
 from ..semaphore import DONE, release_fence, spin_wait
 from .control import StepFailed, Word
@@ -28,18 +28,7 @@ def _capture_replays_at_once() -> bool:
     a pool of streams round-robin, so the trees' stream and ``torch.cuda.graph``'s default
     capture stream can be the same CUDA stream. Only asked during a capture, never per call.
     """
-    # Never import Inductor here: a first import during a capture makes CUDA calls that
-    # invalidate it. Trees that were never imported are not recording.
-    cudagraph_trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if cudagraph_trees is None:
-        return False
-    record = cudagraph_trees.CUDAGraphNode._record.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is record:
-            return True
-        frame = frame.f_back
-    return False
+    return cudagraph_trees_recording()
 
 
 class StepTransaction:

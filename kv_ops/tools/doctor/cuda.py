@@ -84,6 +84,20 @@ def _wait_event(event: torch.cuda.Event, timeout: float) -> bool:
     return True
 
 
+def _stream_memory_attributes(drv, index: int) -> str:
+    """The device's stream-memory-op attributes, as the check reports them."""
+    attrs = {}
+    for label, name in (
+        ("wait NOR", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR"),
+        ("64-bit", "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS"),
+        ("legacy V1", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1"),
+    ):
+        value = device_attribute(drv, name, index)
+        if value is not None:
+            attrs[label] = value
+    return ", ".join(f"{k}={v}" for k, v in attrs.items()) or "none of the known attributes exist in this cuda-bindings"
+
+
 def check_stream_memory_ops(device: torch.device | str | int | None = None) -> CheckResult:
     """Whether the stream can write and wait on a 32-bit flag in host-mapped memory.
 
@@ -107,24 +121,13 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
     drv = driver()
 
     device = cuda_device("check_stream_memory_ops", device)
-    attrs = {}
-    for label, name in (
-        ("wait NOR", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR"),
-        ("64-bit", "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS"),
-        ("legacy V1", "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1"),
-    ):
-        value = device_attribute(drv, name, device.index)
-        if value is not None:
-            attrs[label] = value
+    shown = _stream_memory_attributes(drv, device.index)
     with driver_context(device):
         (version,) = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
     if version < 12000:
         fix = "update to a CUDA 12+ driver, or enable the legacy operations: modprobe nvidia NVreg_EnableStreamMemOPs=1"
     else:
         fix = "update the NVIDIA driver; ple_ops cannot wait on its flags without these operations"
-    shown = (
-        ", ".join(f"{k}={v}" for k, v in attrs.items()) or "none of the known attributes exist in this cuda-bindings"
-    )
     with torch.cuda.device(device):
         flag = pinned_empty(1, torch.int32)
     flag.zero_()

@@ -259,7 +259,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import kv_ops.integrations.vllm as ours
 
     on_cpu = current_platform.is_cpu()  # the xfails are its CPU platform's, not CUDA's
-    fails = VLLM_FAILS_ON_ITS_CPU_PLATFORM.get(ours._vllm_version().split("+")[0], ())
+    fails = VLLM_FAILS_ON_ITS_CPU_PLATFORM.get(ours.installed_vllm_version().split("+")[0], ())
     reason = (
         "vLLM's own scheduler test with its mock spec, async scheduling on vLLM's CPU platform "
         "(VLLM_FAILS_ON_ITS_CPU_PLATFORM; no spec of ours involved)"

@@ -184,7 +184,8 @@ def test_bad_arguments_are_refused(kwargs, message):
     with kv_ops.OffloadEngine(caches, NUM_BLOCKS, capacity_bytes=1 << 20) as engine:
         with pytest.raises(ValueError, match=message):
             kv_ops.StepTransfers(engine, **{"name": "bad-args", **kwargs})
-        assert "bad-args" not in step_mod._registry
+        with pytest.raises(ValueError, match=r"no StepTransfers named 'bad-args'"):
+            step_mod.lookup("bad-args")
 
 
 def test_a_taken_name_a_disk_engine_an_engine_with_groups_and_a_closed_engine_are_refused(tmp_path):
@@ -204,7 +205,9 @@ def test_a_taken_name_a_disk_engine_an_engine_with_groups_and_a_closed_engine_ar
     engine.close()
     with pytest.raises(kv_ops.EngineClosedError):
         kv_ops.StepTransfers(engine, "closed")
-    assert not {"disk", "groups", "closed"} & set(step_mod._registry)
+    for name in ("disk", "groups", "closed"):  # none of the refused ones took its name
+        with pytest.raises(ValueError, match=rf"no StepTransfers named '{name}'"):
+            step_mod.lookup(name)
 
 
 def test_the_op_refuses_no_caches_some_caches_copies_and_an_unknown_name():

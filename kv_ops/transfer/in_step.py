@@ -1,0 +1,147 @@
+"""In-step transfers: the one registry of names the step's ops carry, the one per-layer wait (``torch.ops.kv_ops.wait_layer``), and the memory a captured step keeps reading.
+
+Three objects move bytes that a compiled, captured step reads. They answer the same question
+(these bytes are in before the layer that reads them runs) and differ in who issues the copies:
+
+* :class:`~kv_ops.LayerwiseLoads`: the host issues every layer's copies at ``start()``, before
+  the step, on the engine's load stream, outside the step's graph. Layer i waits on its landed
+  flag: one stream wait eagerly, the layer-wise wait kernel in a capture. The blocks are free
+  once the engine reports the load done.
+* :class:`~kv_ops.transfer.slot_loads.SlotLoads` (the transformers cache): the step issues a
+  layer's load at an earlier layer (``prefetch_layer``), on a load stream forked from the step
+  (nodes of its graph when captured). The layer waits on the load's event (an edge of the
+  graph). The slot is free at the event the issuing layer records.
+* :class:`~kv_ops.StepTransfers`: the step issues its stores and loads first thing
+  (``step_transfers``), on its own stream. No layer waits: stream order puts every layer after
+  them. The id words are free once the host sees the counts back at zero.
+
+The first two wait layer by layer, through :func:`wait_layer`: it resolves ``name`` here and
+calls the object's ``wait(layer, caches)``. StepTransfers has no per-layer wait (its copies
+come first on the step's stream) but its name lives here too: one namespace for every name an
+op carries, so an AOT-loaded step resolves each the same way. Why issuing stays in three
+places, not one: a load the host issues before the step cannot depend on what the step
+computes (the sequence length of a growing cache), and a load the step issues cannot overlap
+the step before it; docs/design.md weighs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..cuda.registration import check_new_name, find_named, register_op
+from ..validation import check_fake_values
+
+# name -> the live object an op's name resolves to in this process (an AOT-loaded step carries
+# only the name). Strong references: an object goes only with its close().
+_live: dict[str, object] = {}
+# Device and page-locked memory a captured step reads (flags, id words, id blocks), kept for the
+# life of the process: a replay after close() must still read memory that is its own.
+_kept: list[torch.Tensor] = []
+
+
+def check_name(owner: str, name) -> None:
+    """A ``ValueError`` from ``owner`` unless ``name`` is a non-empty string no live object has."""
+    check_new_name(_live, owner, name)
+
+
+def register(name: str, obj) -> None:
+    """Make ``obj`` what ops carrying ``name`` resolve to (after :func:`check_name`)."""
+    _live[name] = obj
+
+
+def unregister(obj) -> bool:
+    """Drop ``obj``'s name if it still holds it; whether it did."""
+    if _live.get(obj.name) is obj:
+        del _live[obj.name]
+        return True
+    return False
+
+
+def is_live(obj) -> bool:
+    """Whether ``obj`` holds its name (it was not closed)."""
+    return _live.get(obj.name) is obj
+
+
+def lookup(name: str, op: str, kind: type, hint: str = ""):
+    """The live ``kind`` called ``name``, else a ``ValueError`` from ``op`` naming what is live."""
+    found = find_named(_live, name, op, kind.__name__, hint)
+    if not isinstance(found, kind):
+        raise ValueError(f"{op}: {name!r} is a {type(found).__name__}, not a {kind.__name__}")
+    return found
+
+
+def keep(*tensors: torch.Tensor) -> None:
+    """Keep memory a captured step reads for the life of the process."""
+    _kept.extend(tensors)
+
+
+# --- wait_layer ----------------------------------------------------------------------------------
+
+
+def _wait_condition(caches, layer) -> bool:
+    """What the fake can check, and the eager op with it (the rest needs the named object)."""
+    return len(caches) > 0 and layer >= 0
+
+
+def _wait_message(caches, layer) -> str:
+    return (
+        f"kv_ops.wait_layer: needs at least one cache tensor and a layer >= 0, got {len(caches)} caches, layer {layer}"
+    )
+
+
+def _wait_layer_fake(caches, dep, name, layer):
+    check_fake_values("kv_ops.wait_layer", caches=caches, dep=dep)
+    torch._check(_wait_condition(caches, layer), lambda: _wait_message(caches, layer))
+
+
+def _wait_layer_impl(caches, dep, name, layer) -> None:
+    if not _wait_condition(caches, layer):
+        raise ValueError(_wait_message(caches, layer))
+    found = find_named(_live, name, "kv_ops.wait_layer", "LayerwiseLoads or HostOffloadedCache")
+    if not hasattr(found, "wait"):
+        raise ValueError(f"kv_ops.wait_layer: {name!r} is a {type(found).__name__}, which has no per-layer wait")
+    found.wait(layer, caches)
+
+
+register_op(
+    "kv_ops",
+    "wait_layer(Tensor(a!)[] caches, Tensor dep, str name, int layer) -> ()",
+    fake=_wait_layer_fake,
+    cpu=_wait_layer_impl,
+)
+
+
+def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Make the current stream wait until layer ``layer``'s bytes of ``name`` have landed.
+
+    Place it in the model before the layer reads its cache. It takes the layer's input ``dep``
+    (so the compiler cannot move it above the previous layer) and declares ``caches`` mutated
+    (so no reader of the cache moves above it), and returns ``dep`` unchanged, for
+    ``h = wait_layer(h, ...)``. Compile, CUDA-graph capture and AOT reload keep it: the name is
+    resolved when the op runs.
+
+    Parameters
+    ----------
+    dep : Tensor
+        The layer's input.
+    name : str
+        A live :class:`kv_ops.LayerwiseLoads` (or a transformers ``HostOffloadedCache``'s loads).
+    layer : int
+        The layer, ``0 <= layer < num_layers``.
+    caches : sequence of Tensor
+        The layer's cache tensors (the ones holding its regions), e.g. ``[k_cache, v_cache]``.
+
+    Raises
+    ------
+    ValueError
+        No object of that name, a layer out of range, no caches or caches on another device.
+        Passing tensors other than the layer's caches is not detected, and leaves the layer's
+        readers free to be placed above the wait.
+    """
+    torch.ops.kv_ops.wait_layer(list(caches), dep, name, layer)
+    return dep
+
+
+__all__ = ["wait_layer", "check_name", "register", "unregister", "is_live", "lookup", "keep"]
