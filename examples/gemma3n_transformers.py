@@ -13,7 +13,10 @@ that line frees and the decode tokens/s of both runs.
 
     python examples/gemma3n_transformers.py                 # E2B widths on CUDA, a tiny config on the CPU
     python examples/gemma3n_transformers.py --config tiny   # anywhere, about a minute or two on a CPU
-    python examples/gemma3n_transformers.py --model gemma4  # Gemma 4 E2B's widths (examples/gemma4_transformers.py)
+    python examples/gemma3n_transformers.py --model gemma4  # Gemma 4 E2B's widths, these two runs only
+
+examples/gemma4_transformers.py runs Gemma 4 with a third run: the host table together with
+kv_ops's HostOffloadedCache, the full-attention KV cache in page-locked host memory too.
 
 The two models are built from the same seed (so the same weights) and both stay alive: their
 timed runs alternate (stock, host, host, stock, ...) and the best of each is compared, since the
@@ -115,7 +118,10 @@ def gemma4_config(name: str):
             sliding_window=512,
             max_position_embeddings=4096,
         )
-    layers = 4  # tiny: what CI runs on the CPU; the last two layers share the first two's KV, as E2B's do
+    # tiny: what CI runs on the CPU. The last two layers reuse earlier layers' KV, as E2B's last 20
+    # do, and three full-attention layers own a cache, as in E2B: so that a GPU budget of two
+    # layers streams (examples/gemma4_transformers.py's HostOffloadedCache run).
+    layers = 8
     return Gemma4TextConfig(
         vocab_size=512,
         vocab_size_per_layer_input=512,
@@ -128,7 +134,7 @@ def gemma4_config(name: str):
         head_dim=32,
         global_head_dim=64,
         num_kv_shared_layers=2,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+        layer_types=["sliding_attention", "full_attention"] * 4,
         use_double_wide_mlp=True,
         final_logit_softcapping=30.0,
         sliding_window=16,
@@ -150,7 +156,10 @@ def build(cfg, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def generation_config(new_tokens: int, device: torch.device, backend: str) -> GenerationConfig:
+def generation_config(
+    new_tokens: int, device: torch.device, backend: str, cache_implementation: str | None = "static"
+) -> GenerationConfig:
+    """Greedy, exactly ``new_tokens``, compiled; ``cache_implementation=None`` for a cache passed to generate()."""
     compile_config = CompileConfig(
         fullgraph=True, backend=backend, mode="reduce-overhead" if device.type == "cuda" else None
     )
@@ -160,7 +169,7 @@ def generation_config(new_tokens: int, device: torch.device, backend: str) -> Ge
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
-        cache_implementation="static",
+        cache_implementation=cache_implementation,
         compile_config=compile_config,
         pad_token_id=0,
         eos_token_id=None,

@@ -2,42 +2,26 @@
 
 Where each piece lives, by floor (a module imports only the floors below it):
 
-The shared CUDA floor, at the bottom: the modules both kv_ops and ple_ops build on. ple_ops imports
-them by the public names in their ``__all__`` only, so what they keep private may change freely.
+The CUDA floor, ``kv_ops/cuda/``, at the bottom: what both kv_ops and ple_ops stand on
+(:mod:`kv_ops.cuda` lists it). ple_ops imports it by the public names in each module's
+``__all__`` only, so what the modules keep private may change freely.
 
-* ``arguments``    -- ``positive_int``, ``device``, ``cuda_device``: the count and device rules of every entry point.
-* ``registration`` -- ``register_op``: the one way both packages register an operator.
-* ``driver``       -- every CUDA driver call both packages make, checked: ``driver``, ``check_driver``,
-                      ``driver_context``, ``device_pointer`` (cuda-bindings imported lazily).
-* ``capture``      -- ``capturing``, ``refuse_capture``: the one refusal of work during CUDA-graph capture;
-                      ``captured_into``: the ops' own captures.
-* ``host_memory``  -- ``pinned_empty`` (exact-size page-locked memory), ``pin_mapping``, ``device_view``,
-                      ``check_host_bytes`` (a size refused before anything is allocated).
-* ``kernels``      -- the Triton block-copy kernel and its launcher; ``NUM_PROGRAMS``, ``NUM_WARPS``,
-                      ``TILE_BYTES``, the tile ple_ops sizes its own kernels by.
+The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and nothing above it.
 
-The op floor (``kv_ops/*.py``): what a ``torch.ops.kv_ops`` copy needs, and nothing above it; the
-shared CUDA floor is part of it.
+* ``reference``     -- pure-torch copies: the CPU path and the test oracle.
+* ``geometry``      -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
+                       to block-strided byte regions ``[num_blocks, block_bytes]``.
+* ``validation``    -- eager checks, ``set_id_checks``, the skipped-pair counter.
+* ``region_tables`` -- the block-copy kernel's per-region tables, built once per region set.
+* ``kernels``       -- the Triton block-copy kernel and its launchers (``BoundCopy``, ``GraphedCopy``).
+* ``prefix_copy``   -- the Triton kernel that writes a slot's new positions back and loads the next
+                       layer's written positions, lengths read on the GPU.
+* ``layer_wait``    -- the layer-wise wait kernel: a captured step's stream held until a flag lands.
+* ``ops``           -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
 
-* ``reference``   -- pure-torch copies: the CPU path and the test oracle.
-* ``geometry``    -- ``KVCacheTensorSpec``, ``resolve_regions``, ``infer_regions``: cache tensors
-                     to block-strided byte regions ``[num_blocks, block_bytes]``.
-* ``validation``  -- eager checks, ``set_id_checks``, the skipped-pair counter.
-* ``ops``         -- ``torch.ops.kv_ops.copy_blocks / gather_blocks / scatter_blocks``.
-
-The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the ops.
-
-* ``transfer.dma``       -- copy plans for the copy engines and their launch (batched and 2-D driver calls).
-* ``transfer.ids``       -- the engine's id intake and ``Pool`` (what the GPU reads, reused after it has).
-* ``transfer.paths``     -- the engine's three paths: zero-copy kernel, staged (GPU ring + DMA), direct DMA.
-* ``transfer.crossover`` -- what ``path="auto"`` measured on the engine's own shape, and its pick.
-* ``transfer.disk``      -- ``BlockFile``: the disk tier's private file of block slots (aligned, O_DIRECT); its path.
-* ``transfer.engine``    -- ``OffloadEngine``: ordered, tracked stores and loads to a packed host mirror;
-                           ``ClosedError``, what every object here raises once closed.
-* ``transfer.host_blocks`` -- ``HostBlockAllocator``: which host blocks are free, handed out in runs (best fit).
-* ``transfer.layerwise`` -- ``LayerwiseLoads``, ``wait_layer``: loads a captured step waits for layer by layer.
-* ``transfer.layerwise_ring`` -- their ``copies="staged"``: copy engines into a GPU ring, a scatter per layer.
-* ``transfer.step_transfers`` -- ``StepTransfers``, ``step_transfers``: stores and loads a captured step runs itself.
+The engine floor (``kv_ops/transfer/``): ordered, tracked transfers built on the ops;
+:mod:`kv_ops.transfer` lists its modules. ``OffloadEngine``, ``LayerwiseLoads``, ``StepTransfers``
+and ``wait_layer`` come from there.
 
 Tools (``kv_ops/tools/``), imported only when asked for:
 
@@ -63,8 +47,10 @@ from .cuda.host_memory import device_view, pinned_empty
 from .geometry import KVCacheTensorSpec, block_bytes, infer_regions, resolve_regions  # noqa: E402
 from .ops import copy_blocks, gather_blocks, scatter_blocks
 from .transfer import dma
-from .transfer.disk import BlockFile
-from .transfer.engine import AllRanks, ClosedError, Completed, EngineClosedError, OffloadEngine
+from .transfer.block_file import BlockFile
+from .transfer.closed import ClosedError, EngineClosedError
+from .transfer.completion import AllRanks, Completed
+from .transfer.engine import OffloadEngine
 from .transfer.host_blocks import HostBlockAllocator, OutOfHostBlocksError
 from .transfer.layerwise import LayerwiseLoads, wait_layer
 from .transfer.step_transfers import StepTransfers, step_transfers

@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from .cuda import driver, host_memory
-from .cuda.capture import captured_into, refuse_capture
+from .cuda.capture import captured_into
 from .cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES, alignment, direct_launcher, interpreting, launch_compiled
+from .region_tables import address, geometry_table
 
 # Ids checked per step in the kernel's counting phase.
 CHECK_LANES = 1024
@@ -57,6 +58,45 @@ def _block_copy_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    n, src_ids_ptr, dst_ids_ptr = _pair_count(src_ids_ptr, dst_ids_ptr, num_pairs, SRC_PACKED, IDS_IN_BLOCK)
+    # Count invalid pairs once per launch (they are skipped in every region below).
+    if not (SRC_PACKED and DST_PACKED):
+        _count_invalid(
+            src_ids_ptr, dst_ids_ptr, n, src_limit, dst_limit, error_ptr, pid, nprog, SRC_PACKED, DST_PACKED, LANES
+        )
+
+    lanes = tl.arange(0, COLS).to(tl.int64)
+    first = tl.full([], 0, tl.int64)  # global index of region r's first tile
+    for r in range(num_regions):
+        tiles = _copy_region(
+            table_ptr,
+            num_regions,
+            r,
+            first,
+            pid,
+            nprog,
+            n,
+            src_ids_ptr,
+            dst_ids_ptr,
+            src_limit,
+            dst_limit,
+            anchor_ptr,
+            packed_ptr,
+            packed_stride,
+            lanes,
+            COLS,
+            ROWS,
+            ALIGN,
+            SRC_PACKED,
+            DST_PACKED,
+        )
+        first += tiles
+
+
+@triton.jit
+def _pair_count(src_ids_ptr, dst_ids_ptr, num_pairs, SRC_PACKED: tl.constexpr, IDS_IN_BLOCK: tl.constexpr):
+    """The pair count and where each side's ids begin: the arguments, or with ``IDS_IN_BLOCK``
+    read from the id block at ``src_ids_ptr``."""
     if IDS_IN_BLOCK:
         # The count is data, not an argument: one captured graph serves every call size, and
         # programs beyond the work simply find no tile.
@@ -69,126 +109,127 @@ def _block_copy_kernel(
             dst_ids_ptr = block + 1 + n
     else:
         n = num_pairs.to(tl.int64)
-
-    # Count invalid pairs once per launch (they are skipped in every region below).
-    if not (SRC_PACKED and DST_PACKED):
-        for start in range(pid * LANES, n, nprog * LANES):
-            i = start + tl.arange(0, LANES).to(tl.int64)
-            live = i < n
-            bad = tl.zeros([LANES], dtype=tl.int1)
-            if not SRC_PACKED:
-                s = tl.load(src_ids_ptr + i, mask=live, other=0).to(tl.int64)
-                bad = bad | (s < 0) | (s >= src_limit)
-            if not DST_PACKED:
-                d = tl.load(dst_ids_ptr + i, mask=live, other=0).to(tl.int64)
-                bad = bad | (d < 0) | (d >= dst_limit)
-            count = tl.sum((bad & live).to(tl.int64), axis=0)
-            if count > 0:
-                tl.atomic_add(error_ptr, count)
-
-    lanes = tl.arange(0, COLS).to(tl.int64)
-    first = tl.full([], 0, tl.int64)  # global index of region r's first tile
-    for r in range(num_regions):
-        src_off = tl.load(table_ptr + r)
-        dst_off = tl.load(table_ptr + num_regions + r)
-        src_stride = tl.load(table_ptr + 2 * num_regions + r)
-        dst_stride = tl.load(table_ptr + 3 * num_regions + r)
-        width = tl.multiple_of(tl.load(table_ptr + 4 * num_regions + r), ALIGN)
-        column = tl.load(table_ptr + 5 * num_regions + r)
-        chunks = (width + COLS - 1) // COLS  # tile rows per block
-        items = n * chunks
-        tiles = (items + ROWS - 1) // ROWS
-        # Tiles are dealt round-robin over programs across region boundaries: the program after
-        # the one that took region r's last tile takes region r + 1's first, so many small
-        # regions still keep every program busy.
-        start = ((pid - first) % nprog + nprog) % nprog
-        for t in range(start, tiles, nprog):
-            item = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
-            live = item < items
-            pair = item // chunks
-            col = (item - pair * chunks) * COLS  # first byte of this row within the block
-            if SRC_PACKED:
-                sid = pair
-            else:
-                sid = tl.load(src_ids_ptr + pair, mask=live, other=0).to(tl.int64)
-            if DST_PACKED:
-                did = pair
-            else:
-                did = tl.load(dst_ids_ptr + pair, mask=live, other=0).to(tl.int64)
-            ok = live & (sid >= 0) & (sid < src_limit) & (did >= 0) & (did < dst_limit)
-            if SRC_PACKED:
-                src_row = sid * packed_stride + column + col
-                src_base = packed_ptr
-            else:
-                src_row = src_off + sid * src_stride + col
-                src_base = anchor_ptr
-            if DST_PACKED:
-                dst_row = did * packed_stride + column + col
-                dst_base = packed_ptr
-            else:
-                dst_row = dst_off + did * dst_stride + col
-                dst_base = anchor_ptr
-            src_row = tl.multiple_of(src_row, ALIGN)
-            dst_row = tl.multiple_of(dst_row, ALIGN)
-            mask = ok[:, None] & ((col[:, None] + lanes[None, :]) < width)
-            values = tl.load(src_base + (src_row[:, None] + lanes[None, :]), mask=mask)
-            tl.store(dst_base + (dst_row[:, None] + lanes[None, :]), values, mask=mask)
-        first += tiles
+    return n, src_ids_ptr, dst_ids_ptr
 
 
-# Tables of region geometry, keyed by their content. Never evicted: a captured CUDA graph holds
-# a table's address, so freeing one could make a replay read garbage. An entry is tiny (48 bytes
-# per region) and a process sees few distinct region sets.
-_tables: dict[tuple, tuple[torch.Tensor, int]] = {}
+@triton.jit
+def _count_invalid(
+    src_ids_ptr,
+    dst_ids_ptr,
+    n,
+    src_limit,
+    dst_limit,
+    error_ptr,
+    pid,
+    nprog,
+    SRC_PACKED: tl.constexpr,
+    DST_PACKED: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    """Add to ``error_ptr`` the pairs with an id outside its side's limit, ``LANES`` ids per step
+    (the programs share the pairs round-robin, so each is counted once)."""
+    for start in range(pid * LANES, n, nprog * LANES):
+        i = start + tl.arange(0, LANES).to(tl.int64)
+        live = i < n
+        bad = tl.zeros([LANES], dtype=tl.int1)
+        if not SRC_PACKED:
+            s = tl.load(src_ids_ptr + i, mask=live, other=0).to(tl.int64)
+            bad = bad | (s < 0) | (s >= src_limit)
+        if not DST_PACKED:
+            d = tl.load(dst_ids_ptr + i, mask=live, other=0).to(tl.int64)
+            bad = bad | (d < 0) | (d >= dst_limit)
+        count = tl.sum((bad & live).to(tl.int64), axis=0)
+        if count > 0:
+            tl.atomic_add(error_ptr, count)
 
 
-def _address(t: torch.Tensor, device: torch.device) -> int:
-    """Where a kernel on ``device`` finds ``t``'s first byte (host memory: its mapped address)."""
-    if t.device.type == "cpu" and device.type == "cuda":
-        return driver.device_pointer(t)
-    return t.data_ptr()
+@triton.jit
+def _copy_region(
+    table_ptr,
+    num_regions,
+    r,
+    first,  # global index of region r's first tile
+    pid,
+    nprog,
+    n,
+    src_ids_ptr,
+    dst_ids_ptr,
+    src_limit,
+    dst_limit,
+    anchor_ptr,
+    packed_ptr,
+    packed_stride,
+    lanes,  # int64 [COLS]: 0 .. COLS - 1
+    COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SRC_PACKED: tl.constexpr,
+    DST_PACKED: tl.constexpr,
+):
+    """This program's tiles of region ``r`` (the kernel's arguments say what each is); returns
+    the region's number of tiles."""
+    src_off = tl.load(table_ptr + r)
+    dst_off = tl.load(table_ptr + num_regions + r)
+    src_stride = tl.load(table_ptr + 2 * num_regions + r)
+    dst_stride = tl.load(table_ptr + 3 * num_regions + r)
+    width = tl.multiple_of(tl.load(table_ptr + 4 * num_regions + r), ALIGN)
+    column = tl.load(table_ptr + 5 * num_regions + r)
+    chunks = (width + COLS - 1) // COLS  # tile rows per block
+    items = n * chunks
+    tiles = (items + ROWS - 1) // ROWS
+    # Tiles are dealt round-robin over programs across region boundaries: the program after
+    # the one that took region r's last tile takes region r + 1's first, so many small
+    # regions still keep every program busy.
+    start = ((pid - first) % nprog + nprog) % nprog
+    for t in range(start, tiles, nprog):
+        item = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        live = item < items
+        pair = item // chunks
+        col = (item - pair * chunks) * COLS  # first byte of this row within the block
+        sid, did, ok = _tile_ids(src_ids_ptr, dst_ids_ptr, pair, live, src_limit, dst_limit, SRC_PACKED, DST_PACKED)
+        src_base, src_row = _side_row(
+            sid, anchor_ptr, src_off, src_stride, packed_ptr, packed_stride, column, col, SRC_PACKED
+        )
+        dst_base, dst_row = _side_row(
+            did, anchor_ptr, dst_off, dst_stride, packed_ptr, packed_stride, column, col, DST_PACKED
+        )
+        src_row = tl.multiple_of(src_row, ALIGN)
+        dst_row = tl.multiple_of(dst_row, ALIGN)
+        mask = ok[:, None] & ((col[:, None] + lanes[None, :]) < width)
+        values = tl.load(src_base + (src_row[:, None] + lanes[None, :]), mask=mask)
+        tl.store(dst_base + (dst_row[:, None] + lanes[None, :]), values, mask=mask)
+    return tiles
 
 
-def _geometry_table(
-    device: torch.device, src: Sequence[torch.Tensor] | None, dst: Sequence[torch.Tensor] | None, widths: list[int]
-) -> tuple[torch.Tensor, int]:
-    """The kernel's per-region table for these regions and its alignment, built once and reused."""
-    key = (
-        device,
-        tuple((t.device, t.data_ptr(), t.stride(0)) for t in src) if src is not None else None,
-        tuple((t.device, t.data_ptr(), t.stride(0)) for t in dst) if dst is not None else None,
-        tuple(widths),
-    )
-    cached = _tables.get(key)
-    if cached is not None:
-        return cached
-    refuse_capture(
-        "kv_ops",
-        "these regions were first seen during CUDA graph capture",
-        "run the op once with them before capturing (the warm-up that every capture needs)",
-        device=device,
-    )
-    num = len(widths)
-    # The region addresses are stored relative to the table's own address, which is known only
-    # once it exists: allocate it (outside any graph pool), then fill it.
-    table = host_memory.lasting_copy(torch.zeros(6 * num, dtype=torch.int64), device)
-    base = table.data_ptr()
-    columns = [0]
-    for w in widths[:-1]:
-        columns.append(columns[-1] + w)
-    rows = [
-        [_address(t, device) - base for t in src] if src is not None else [0] * num,
-        [_address(t, device) - base for t in dst] if dst is not None else [0] * num,
-        [t.stride(0) for t in src] if src is not None else [0] * num,
-        [t.stride(0) for t in dst] if dst is not None else [0] * num,
-        widths,
-        columns,
-    ]
-    values = [v for row in rows for v in row]
-    table.copy_(torch.tensor(values, dtype=torch.int64))
-    # Offsets from the table: their alignment is what the kernel's address math inherits.
-    _tables[key] = (table, alignment(values))
-    return _tables[key]
+@triton.jit
+def _tile_ids(
+    src_ids_ptr, dst_ids_ptr, pair, live, src_limit, dst_limit, SRC_PACKED: tl.constexpr, DST_PACKED: tl.constexpr
+):
+    """Each tile row's source and destination block, and whether the row moves: a live row of a
+    pair whose ids are both valid. A packed side's block is the pair itself (its packed row)."""
+    if SRC_PACKED:
+        sid = pair
+    else:
+        sid = tl.load(src_ids_ptr + pair, mask=live, other=0).to(tl.int64)
+    if DST_PACKED:
+        did = pair
+    else:
+        did = tl.load(dst_ids_ptr + pair, mask=live, other=0).to(tl.int64)
+    ok = live & (sid >= 0) & (sid < src_limit) & (did >= 0) & (did < dst_limit)
+    return sid, did, ok
+
+
+@triton.jit
+def _side_row(block, anchor_ptr, offset, stride, packed_ptr, packed_stride, column, col, PACKED: tl.constexpr):
+    """One side's base pointer, and each tile row's first byte as an offset from it: in the
+    packed buffer, row ``block`` at the region's ``column``; in a region, block ``block``."""
+    if PACKED:
+        row = block * packed_stride + column + col
+        base = packed_ptr
+    else:
+        row = offset + block * stride + col
+        base = anchor_ptr
+    return base, row
 
 
 class BoundCopy:
@@ -220,7 +261,7 @@ class BoundCopy:
         self.src_packed, self.dst_packed = src is None, dst is None
         regions = dst if self.src_packed else src
         self.widths = [r.shape[1] for r in regions]
-        self.table, self.align = _geometry_table(device, src, dst, self.widths)
+        self.table, self.align = geometry_table(device, src, dst, self.widths)
         self.anchor = self.table.view(torch.uint8)
         self.src_limit = None if self.src_packed else min(r.shape[0] for r in src)
         self.dst_limit = None if self.dst_packed else min(r.shape[0] for r in dst)
@@ -290,7 +331,7 @@ class BoundCopy:
             packed = self.anchor  # a copy never reads it
         else:
             packed_stride = packed.stride(0)
-            align = min(align, alignment([_address(packed, self.device), packed_stride]))
+            align = min(align, alignment([address(packed, self.device), packed_stride]))
         # The kernel reads pair i's ids at ids + i: a strided view (a caller's ids[::2]) is made
         # contiguous first, on the current stream (the ops launch there, and a capture records
         # the copy too; the engine hands over contiguous ids).

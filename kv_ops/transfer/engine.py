@@ -33,159 +33,31 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import numbers
-import os
 import weakref
-from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 
-import numpy as np
 import torch
 
-from ..cuda.arguments import positive_int
 from ..cuda.capture import refuse_capture
-from ..cuda.driver import current_stream_handle, driver_context, record_event
-from ..cuda.host_memory import check_host_bytes, pinned_empty, register_host
-from ..geometry import KVCacheTensorSpec, block_bytes, check_kv_caches, regions_of
+from ..geometry import KVCacheTensorSpec, block_bytes, regions_of
 from . import crossover as crossover_mod
 from . import ids as ids_mod
 from .blocks import Blocks, Direction, Events, low_priority_streams, mirror_views
-from .disk import DiskPath, DiskTier, aligned
-from .paths import COPY_ENGINES, PATH_NAMES, TransferPath, make_paths
+from .closed import ClosedError, EngineClosedError
+from .completion import Completed, Lane, collect, order_after, pending_event
+from .disk import DiskTier
+from .engine_arguments import PATHS as PATHS  # kv_ops.transfer.engine.PATHS, as before
+from .engine_arguments import check_counts, check_files_and_device, host_blocks
+from .groups import engine_groups
+from .ordering import Ordering
+from .paths import PATH_NAMES
+from .routes import Route, bad_group, disk_path, host_mirror, mirror_routes, pick, refuse_gpu_ids
+from .sides import LOAD_DOC, STORE_DOC, Side, engine_sides
 
-PATHS = ("auto", *PATH_NAMES)
 # GPU memory of each direction's staging ring, by default (the staged path's chunks pipeline
 # through it; a ring never holds more rows than one transfer can have).
 RING_BYTES = 128 << 20
-
-
-class ClosedError(ValueError, RuntimeError):
-    """A call on an object after its ``close()``: an :class:`OffloadEngine`, a
-    :class:`kv_ops.LayerwiseLoads`, a :class:`kv_ops.StepTransfers`, or what is built on them.
-
-    One type for every such object, so that one ``except`` clause covers them all. It is both a
-    ``ValueError`` and a ``RuntimeError``, so that an ``except`` clause for either catches it too.
-    """
-
-
-# The engine's own name for it: the very same class, so either name catches it.
-EngineClosedError = ClosedError
-
-
-@dataclass
-class Completed:
-    """What :meth:`OffloadEngine.poll` found finished since the last poll, in issue order.
-
-    ``failed`` maps the id of a transfer that did not complete (a disk-tier I/O error) to its
-    error; such an id never appears in ``stores`` or ``loads``. A failed store leaves its host
-    blocks (file slots), and a failed load its GPU blocks, with undefined contents; every other
-    transfer is unaffected.
-    """
-
-    stores: list[int] = field(default_factory=list)
-    loads: list[int] = field(default_factory=list)
-    failed: dict[int, BaseException] = field(default_factory=dict)
-
-
-class _Lane:
-    """One direction: transfers in issue order, each with its path, what the path's ``enqueue``
-    returned to complete with it (an event, or the disk tier's job; None: already complete),
-    and what must live until it completes (GPU ids the transfer reads). The head is reported
-    first, so nothing overtakes."""
-
-    def __init__(self, direction: Direction):
-        self.direction = direction
-        self.pending: deque[tuple[int, TransferPath, object, object]] = deque()
-
-    def add(self, tid: int, path: TransferPath, done, keep=None) -> None:
-        self.pending.append((tid, path, done, keep))
-
-    def poll(self, out: Completed, done_ids: list[int], wait: bool = False) -> None:
-        while self.pending:
-            tid, path, done, _ = self.pending[0]
-            if done is not None and not done.query():
-                if not wait:
-                    return
-                done.synchronize()
-            self.pending.popleft()
-            error = path.reported(self.direction, done)
-            if error is None:
-                done_ids.append(tid)
-            else:
-                out.failed[tid] = error
-
-
-def resolve_groups(owner: str, groups, regions: Mapping[str, torch.Tensor]) -> dict[Hashable, tuple]:
-    """``groups`` (group -> entries) as group -> ``((region name, bytes), ...)``, checked.
-
-    An entry is a region name (its whole block), a layer name whose regions are ``layer.<g>``
-    (each of them whole), or ``(region name, nbytes)``: the first ``nbytes`` of the region's
-    block (a layer whose page is padded beyond its data). A ``ValueError`` names ``groups``, the
-    group and the entry otherwise.
-    """
-    if not isinstance(groups, Mapping) or not groups:
-        raise ValueError(f"{owner}: groups must be a non-empty mapping of group to region names, got {groups!r}")
-    known = ", ".join(map(repr, regions))
-    out: dict[Hashable, tuple] = {}
-    for key, entries in groups.items():
-        if key is None:
-            raise ValueError(f"{owner}: groups has the key None, which stands for a call without group")
-        if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence) or not entries:
-            raise ValueError(f"{owner}: groups[{key!r}] must be a non-empty list of region names, got {entries!r}")
-        resolved: list[tuple[str, int]] = []
-        for entry in entries:
-            if isinstance(entry, str) and entry in regions:
-                resolved.append((entry, regions[entry].shape[1]))
-            elif isinstance(entry, str) and f"{entry}.0" in regions:  # a layer of several regions
-                resolved += [(n, r.shape[1]) for n, r in regions.items() if n.rpartition(".")[0] == entry]
-            elif isinstance(entry, tuple) and len(entry) == 2 and entry[0] in regions:
-                name, nbytes = entry
-                width = regions[name].shape[1]
-                if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or not 0 < nbytes <= width:
-                    raise ValueError(
-                        f"{owner}: groups[{key!r}] entry {entry!r}: the bytes must be an integer in [1, {width}] "
-                        f"(region {name!r}'s block), got {nbytes!r}"
-                    )
-                resolved.append((name, int(nbytes)))
-            else:
-                raise ValueError(
-                    f"{owner}: groups[{key!r}] entry {entry!r} is no region (nor (region, nbytes)); the regions are {known}"
-                )
-        names = [name for name, _ in resolved]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{owner}: groups[{key!r}] names a region twice: {entries!r}")
-        out[key] = tuple(resolved)
-    return out
-
-
-def check_host_buffer(buffer, nbytes: int, disk_dir) -> None:
-    """A ``ValueError`` naming ``host_buffer`` unless it is host memory the mirror can live in:
-    a contiguous CPU uint8 tensor of at least ``nbytes`` bytes, and no ``disk_dir``."""
-    if disk_dir is not None:
-        raise ValueError("OffloadEngine: host_buffer holds the host mirror, but disk_dir was given: pass one of them")
-    if not isinstance(buffer, torch.Tensor):
-        raise ValueError(f"OffloadEngine: host_buffer must be a CPU uint8 tensor, got {type(buffer).__name__}")
-    if buffer.device.type != "cpu":
-        raise ValueError(f"OffloadEngine: host_buffer must be host memory, got a tensor on {buffer.device}")
-    if buffer.dtype != torch.uint8:
-        raise ValueError(f"OffloadEngine: host_buffer must be uint8, got {buffer.dtype}")
-    if not buffer.is_contiguous():
-        raise ValueError(f"OffloadEngine: host_buffer must be contiguous, got strides {buffer.stride()}")
-    if buffer.numel() < nbytes:
-        raise ValueError(
-            f"OffloadEngine: host_buffer holds {buffer.numel()} bytes, but the mirror of capacity_bytes needs {nbytes}"
-        )
-
-
-def crossover_file_of(crossover_file: str | None, shape: int) -> str | None:
-    """Where auto's measurement of an engine's ``shape``-th distinct group shape is kept: the
-    file itself for the first, ``name.<shape>.ext`` beside it for the others (one file holds one
-    shape's measurement)."""
-    if crossover_file is None or shape == 0:
-        return crossover_file
-    stem, ext = os.path.splitext(crossover_file)
-    return f"{stem}.{shape}{ext}"
 
 
 class OffloadEngine:
@@ -208,7 +80,7 @@ class OffloadEngine:
         ``capacity_bytes`` sizes the file (slots of ``block_bytes`` rounded up to 4 KiB) and
         host ids are file slots. Every transfer then takes the disk tier (``path`` is not used;
         ``self.path`` is ``"disk"``), counted in ``path_counts["disk"]``. See
-        :class:`kv_ops.transfer.disk.BlockFile`, :class:`DiskTier` and :class:`DiskPath`.
+        :class:`kv_ops.transfer.block_file.BlockFile`, :class:`DiskTier` and :class:`DiskPath`.
     disk_tag : str, optional
         Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default.
     page_cache : bool
@@ -301,147 +173,71 @@ class OffloadEngine:
         groups: Mapping[Hashable, Sequence] | None = None,
         host_buffer: torch.Tensor | None = None,
     ):
-        check_kv_caches("OffloadEngine", kv_caches)
-        num_blocks = positive_int("OffloadEngine", "num_blocks", num_blocks)
-        if path not in PATHS:
-            raise ValueError(f"OffloadEngine: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
-        for what, value in (
-            ("capacity_bytes", capacity_bytes),
-            ("ring_bytes", ring_bytes),
-            ("staging_slots", staging_slots),
-            ("staging_blocks", staging_blocks),
-        ):
-            positive_int("OffloadEngine", what, value)
-        for what, value in (("disk_dir", disk_dir), ("crossover_file", crossover_file)):
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise TypeError(
-                    f"OffloadEngine: {what} must be a path (str or os.PathLike), got {type(value).__name__}"
-                )
-        if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
-            raise TypeError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
-        devices = {t.device for t in kv_caches.values()}
-        if len(devices) != 1:
-            raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
-        (self.device,) = devices
-        self.regions = regions_of("OffloadEngine", kv_caches, num_blocks, specs)
-        self.num_blocks = num_blocks
-        self.cache_names = list(kv_caches)  # the layers, in the caller's order
-        self.block_bytes = block_bytes(self.regions)
-        if groups is not None and disk_dir is not None:
-            raise ValueError(
-                "OffloadEngine: groups needs the host mirror, but disk_dir was given: the disk tier reads and "
-                "writes whole 4 KiB-aligned file slots, so one group's bytes cannot move alone there"
-            )
-        # Per group, the (region name, bytes of its block) it moves; one group of every region
-        # whole (key None) without groups.
-        if groups is None:
-            self.groups = {None: tuple((name, r.shape[1]) for name, r in self.regions.items())}
-        else:
-            self.groups = resolve_groups("OffloadEngine", groups, self.regions)
-        self.group_bytes = {key: sum(width for _, width in entries) for key, entries in self.groups.items()}
-        slot_bytes = aligned(self.block_bytes) if disk_dir is not None else self.block_bytes
-        self.num_host_blocks = int(capacity_bytes) // slot_bytes
-        if self.num_host_blocks < 1:
-            raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
-        # Page-locked memory cannot be swapped: more than the machine has is refused here, naming
-        # the bytes, rather than as an ENOMEM from mmap or the driver.
-        if host_buffer is not None:
-            check_host_buffer(host_buffer, self.num_host_blocks * self.block_bytes, disk_dir)
-        elif disk_dir is None:
-            check_host_bytes("OffloadEngine", "capacity_bytes", self.num_host_blocks * self.block_bytes)
-        else:
-            check_host_bytes(
-                "OffloadEngine",
-                "staging_slots x staging_blocks (the disk tier's staging buffers)",
-                int(staging_slots) * int(staging_blocks) * slot_bytes,
-            )
-        self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
-        self.path = path
-        # The paths' completion events, reused once reported (a path gives its own back).
-        self._events = {d: Events() for d in Direction}
-        self._lanes = {d: _Lane(d) for d in Direction}
-        self._ready_event = None
-        if self._streams is not None:
-            # Recorded once here, so that it exists: each call then records it with one driver call.
-            self._ready_event = torch.cuda.Event()
-            self._ready_event.record(self._streams[Direction.STORE])
-        # Per direction, the path and completion event of the last transfer (see _transfer).
-        self._last: dict[Direction, tuple[object, torch.cuda.Event | None]] = {}
-        self._next_tid = 0  # taken only by a call that enqueued its transfer
-        self._closed = False
-        self._on_close: list = []  # see on_close()
-        self.mirror: torch.Tensor | None = None
-        self.mirror_regions: dict[str, torch.Tensor] | None = None
-        self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
-        self.paths: dict[str, TransferPath] = {}
-        self._registration = None  # of an adopted host_buffer
-        # Per group (None without groups): its paths and auto's measurement of its shape.
-        self._routes: dict[Hashable, tuple[dict[str, TransferPath], crossover_mod.Crossover | None]] = {}
+        # Checked, each by its public name, before anything is allocated.
+        num_blocks = check_counts(
+            kv_caches, num_blocks, path, capacity_bytes, ring_bytes, staging_slots, staging_blocks
+        )
+        self.device = check_files_and_device(kv_caches, disk_dir, crossover_file, page_cache)
+        self._layout(kv_caches, num_blocks, specs, groups, disk_dir)
+        self.num_host_blocks = host_blocks(
+            capacity_bytes, self.block_bytes, disk_dir, host_buffer, staging_slots, staging_blocks
+        )
+        self._bookkeeping(path)
         if disk_dir is None:
-            if host_buffer is None:
-                self.mirror = pinned_empty((self.num_host_blocks, self.block_bytes))
-            else:
-                # Adopted, never freed here: registered for the GPU (unless page-locked already)
-                # and unregistered on close.
-                self._registration = register_host("OffloadEngine", host_buffer)
-                self.mirror = host_buffer.view(-1)[: self.num_host_blocks * self.block_bytes].view(
-                    self.num_host_blocks, self.block_bytes
-                )
-            # Each region's columns of the mirror, by the region's name.
-            self.mirror_regions = dict(
-                zip(self.regions, mirror_views(self.mirror, [r.shape[1] for r in self.regions.values()]))
-            )
-            # Groups with the same entries share one set of paths (vLLM's groups often overlay
-            # the same tensors), and groups of the same widths one measurement.
-            shapes = list(dict.fromkeys(self.groups.values()))
-            crossovers: dict[tuple, crossover_mod.Crossover] = {}
-            if self.device.type == "cuda" and path == "auto":
-                # First: the measurement's scratch rings are then back in torch's cache when the
-                # engine's own are allocated below.
-                widths = list(dict.fromkeys(tuple(w for _, w in entries) for entries in shapes))
-                for i, shape in enumerate(widths):
-                    found = crossover_mod.crossover(
-                        self.device, list(shape), ring_bytes, crossover_file_of(crossover_file, i)
-                    )
-                    found.plan_picks(COPY_ENGINES)  # not at the first call of each size
-                    crossovers[shape] = found
-            # Only the paths this engine may pick: on the GPU each binds its kernels now, and the
-            # staged one allocates its ring (2 x ring_bytes), so that memory is taken at start;
-            # every group's staged path shares the first one's ring.
-            names = PATH_NAMES if path == "auto" else (path,)
-            made: dict[tuple, tuple[dict[str, TransferPath], crossover_mod.Crossover | None]] = {}
-            for entries in shapes:
-                gpu = [self.regions[name][:, :width] for name, width in entries]
-                host = [self.mirror_regions[name][:, :width] for name, width in entries]
-                first = next(iter(made.values()), ({}, None))[0].get("staged")
-                paths = make_paths(gpu, self.mirror, self._streams, ring_bytes, names, self._events, host, first)
-                made[entries] = (paths, crossovers.get(tuple(w for _, w in entries)))
-            self._routes = {key: made[entries] for key, entries in self.groups.items()}
-            self.paths = next(iter(self._routes.values()))[0]
+            self._mirror(host_buffer, path, ring_bytes, crossover_file)
         else:
-            tag = disk_tag or f"{self.device.type}{self.device.index or 0}"
-            # Held only by this engine: once it is collected, so is the path, whose finalizer
-            # then stops the I/O thread and closes the file.
-            disk = DiskPath(
-                self.regions,
-                disk_dir,
-                tag,
-                self.block_bytes,
-                self.num_host_blocks,
-                page_cache,
-                self._streams,
-                int(staging_slots),
-                int(staging_blocks),
-            )
-            self.paths = {disk.name: disk}
-            self.path = disk.name  # every transfer takes it
-            self.disk = disk.tier
-            self._routes = {None: (self.paths, None)}
+            self._disk(disk_dir, disk_tag, page_cache, staging_slots, staging_blocks)
         # Transfers per path, for whoever tunes this: every mirror path (0 where it cannot be
         # picked), and the disk tier on a disk engine.
         self.path_counts = dict.fromkeys((*PATH_NAMES, *self.paths), 0)
         self._exit_key = next(_created)
         _open[self._exit_key] = self  # closed at exit unless closed before (see _close_at_exit)
+
+    # --- the builders __init__ calls, in order --------------------------------------------------
+
+    def _layout(self, kv_caches, num_blocks: int, specs, groups, disk_dir) -> None:
+        """The caches as regions, and per group the (region name, bytes of its block) it moves."""
+        self.num_blocks = num_blocks
+        self.regions = regions_of("OffloadEngine", kv_caches, self.num_blocks, specs)
+        self.cache_names = list(kv_caches)  # the layers, in the caller's order
+        self.block_bytes = block_bytes(self.regions)
+        self.groups = engine_groups(groups, self.regions, disk_dir)
+        self.group_bytes = {key: sum(width for _, width in entries) for key, entries in self.groups.items()}
+
+    def _bookkeeping(self, path: str) -> None:
+        """Streams, events, lanes and the state every call reads, before any path is made."""
+        self._streams = low_priority_streams(self.device) if self.device.type == "cuda" else None
+        self.path = path
+        # The paths' completion events, reused once reported (a path gives its own back).
+        self._events = {d: Events() for d in Direction}
+        self._lanes = {d: Lane(d) for d in Direction}
+        self._ordering = Ordering(self.device, self._streams)
+        self._store_side, self._load_side = engine_sides(self._lanes)
+        self._through: dict[str, Side] = {}  # load_through's, by its caller's name
+        self._next_tid = 0  # taken only by a call that enqueued its transfer
+        self._closed = False
+        self._on_close: list = []  # see on_close()
+
+    def _mirror(self, host_buffer, path: str, ring_bytes: int, crossover_file) -> None:
+        """The host mirror, allocated or adopted (``_registration``, released on close), its
+        columns by region, and per group (None without groups) its paths and auto's measurement."""
+        self.disk: DiskTier | None = None  # the disk tier's file and I/O thread, for whoever inspects them
+        self.mirror, self._registration = host_mirror(host_buffer, self.num_host_blocks, self.block_bytes)
+        widths = [r.shape[1] for r in self.regions.values()]
+        self.mirror_regions = dict(zip(self.regions, mirror_views(self.mirror, widths)))
+        self._routes: dict[Hashable, Route] = mirror_routes(
+            self, self._streams, self._events, path, ring_bytes, crossover_file
+        )
+        self.paths = next(iter(self._routes.values()))[0]
+
+    def _disk(self, disk_dir, disk_tag, page_cache, staging_slots, staging_blocks) -> None:
+        """The disk tier, the only path of a ``disk_dir`` engine."""
+        self.mirror = self.mirror_regions = self._registration = None
+        disk = disk_path(self, self._streams, disk_dir, disk_tag, page_cache, staging_slots, staging_blocks)
+        self.paths = {disk.name: disk}
+        self.path = disk.name  # every transfer takes it
+        self.disk = disk.tier
+        self._routes = {None: (self.paths, None)}
 
     @property
     def crossover(self) -> crossover_mod.Crossover | None:
@@ -454,10 +250,9 @@ class OffloadEngine:
     def crossover(self, measured: crossover_mod.Crossover | None) -> None:
         self._routes = {key: (paths, measured) for key, (paths, _) in self._routes.items()}
 
-    # --- the interface LayerwiseLoads builds on ----------------------------------------------
-    # A mechanism that moves a load its own way (kv_ops.LayerwiseLoads) is one more path: it is
-    # issued through load_through, on the engine's load stream, with the engine's completion
-    # events, so it is ordered, counted and reported with every other load.
+    # --- the interface of what is built on an engine (LayerwiseLoads, StepTransfers, adapters) ---
+    # A mechanism that moves a load its own way is one more path: issued through load_through, it
+    # is ordered, counted and reported with every other load.
 
     def check_open(self, op: str) -> None:
         """Raise :class:`ClosedError` naming ``op``, the public call the user made (an engine's
@@ -487,9 +282,10 @@ class OffloadEngine:
         ordered after that load, as every change of path is. ``op`` names the caller in errors and
         ``instead`` is the advice given when a CUDA-graph capture is refused. Returns the
         transfer id."""
-        return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, path=path, op=op, instead=instead)
-
-    # --- transfers ---------------------------------------------------------------------------
+        side = self._through.get(op)
+        if side is None or side.instead != instead:  # bound once per caller
+            side = self._through[op] = replace(self._load_side, op=op, instead=instead)
+        return self._transfer(side, gpu_ids, host_ids, after, path=path)
 
     def on_close(self, callback) -> None:
         """Call ``callback()`` at :meth:`close`, before the mirror goes: for what copies these
@@ -501,256 +297,76 @@ class OffloadEngine:
         that do not go through the engine (:class:`kv_ops.StepTransfers`). Transfers of one
         direction complete in issue order (see :meth:`_transfer`), so the last one's event
         covers the others."""
-        for direction, (_, done) in self._last.items():
-            if not self._lanes[direction].pending:
-                continue  # every transfer of this direction has been reported: nothing to wait for
-            if isinstance(done, torch.cuda.Event):
-                stream.wait_event(done)
-            elif done is not None:  # the disk tier's completion: never on a mirror engine
-                raise ValueError("OffloadEngine.order_after_transfers: a disk-tier transfer has no stream event")
+        order_after(self._lanes.values(), stream)
 
-    def _ready(self, op: str, after, fresh: bool) -> torch.cuda.Event | None:
-        """The event the transfer waits for: ``after`` itself, or recorded now on ``after`` (a
-        stream) or on the caller's current stream. Nothing blocks the caller's thread.
+    def completion_event(self, tid: int) -> torch.cuda.Event | None:
+        """The event transfer ``tid`` records on the GPU once its copy has finished, while ``poll``
+        has not reported it; None once reported, for a copy complete when issued, on a CPU engine
+        or the disk tier. The engine reuses the event after reporting ``tid``: wait on it
+        (``Stream.wait_event``) right away rather than keep it. The transfer just issued is
+        found first (the last of its lane)."""
+        return pending_event(self._lanes.values(), tid)
 
-        The paths wait on it before this call returns, so one event serves every call: a wait
-        holds the record before it, whatever is recorded afterwards. A path that waits later
-        (``fresh_ready``: the disk tier, on its I/O thread) gets a ``fresh`` event of its own.
-        """
-        if self._streams is None:
-            if after is not None:
-                raise ValueError(f"{op}: after= orders GPU work; this engine's cache is on {self.device}")
-            return None
-        if isinstance(after, torch.cuda.Event):
-            return after
-        if after is None:
-            if not fresh:  # the common case, in one driver call: no Stream object is made
-                with driver_context(self.device):
-                    record_event(self._ready_event, current_stream_handle(self.device.index))
-                return self._ready_event
-            stream = torch.cuda.current_stream(self.device)  # _transfer refused it if capturing
-        elif not isinstance(after, torch.cuda.Stream):
-            raise ValueError(
-                f"{op}: after must be a torch.cuda.Event, a torch.cuda.Stream or None, got {type(after).__name__}"
-            )
-        elif after.device != self.device:
-            raise ValueError(f"{op}: after is a stream of {after.device}, but the engine's cache is on {self.device}")
-        else:
-            # Waiting on an event recorded there would pull the engine's streams into the capture:
-            # the copy would run at the graph's replays, not now, with none of this call's bookkeeping.
-            refuse_capture(
-                op,
-                "after is a stream being captured into a CUDA graph",
-                "order the transfer after the captured work once the graph is replayed (record an event after the replay)",
-                stream=after,
-            )
-            stream = after
-        ready = torch.cuda.Event() if fresh else self._ready_event
-        ready.record(stream)
-        return ready
+    # --- transfers ---------------------------------------------------------------------------
 
-    def _pick(self, blocks: Blocks, paths: dict[str, TransferPath], measured) -> TransferPath:
-        name = self.path
-        if name == "auto":
-            name = None
-            if not blocks.on_host:
-                name = "kernel"  # the one path whose kernel reads both sides' ids
-            elif measured is not None:
-                # The runs are counted only where the pick depends on them.
-                name = measured.pick(
-                    blocks.direction, blocks.count, lambda: blocks.num_runs, COPY_ENGINES, self._alone()
-                )
-            name = name or "kernel"  # nothing measured (a CPU engine): the reference copy
-        return paths[name]
-
-    def _alone(self) -> bool:
-        """Whether no transfer of this engine is in flight, in either direction: a call's host time
-        is then all on its critical path, and auto picks by the single-call rates
-        (:mod:`kv_ops.transfer.crossover`). Transfers of a direction complete in issue order, so
-        its last one tells; a query only where some transfer is still unreported."""
-        for direction, (_, done) in self._last.items():
-            if done is not None and self._lanes[direction].pending and not done.query():
-                return False
-        return True
-
-    def _refuse_gpu_ids(self, op: str, blocks: Blocks, path: TransferPath) -> None:
-        """GPU ids are never read by the host (that would wait for the caller's stream): only a
-        path whose kernel reads them takes them."""
-        for what, ids in (("gpu_ids", blocks.gpu_ids), ("host_ids", blocks.host_ids)):
-            if what in path.host_planned and not isinstance(ids, np.ndarray):
-                raise ValueError(
-                    f"{op}: {what} is a {ids.device} tensor, but {path.label} plans its copies on the host, which "
-                    "would have to wait for the GPU to read it; pass host ids (a list, an array or a CPU tensor)"
-                )
-
-    def _transfer(
-        self,
-        direction: Direction,
-        gpu_ids,
-        host_ids,
-        after,
-        path=None,
-        op: str | None = None,
-        instead: str = "capture kv_ops.copy_blocks instead",
-        group=None,
-    ) -> int:
+    def _transfer(self, side: Side, gpu_ids, host_ids, after, group=None, path=None) -> int:
         """One store or load: ids checked, ordered after ``after``, enqueued on ``path`` (picked
-        here among ``group``'s paths unless given), tracked in its lane. :meth:`load_through`
-        passes a path, and its caller's name (``op``) and advice (``instead``) for the errors."""
-        kind = direction.value
-        op = op or f"OffloadEngine.{kind}"
+        here among ``group``'s paths unless given), tracked in ``side``'s lane. :meth:`load_through`
+        passes a path, and a side that names its caller and advice in the errors."""
+        op = side.op
         self.check_open(op)
         if path is None:
             try:
                 route = self._routes[group]
             except (KeyError, TypeError):  # TypeError: an unhashable group
-                raise ValueError(self._bad_group(op, group)) from None
-        load = direction is Direction.LOAD
-        # Destinations must not repeat (which copy would win is undefined); sources may.
-        gpu = ids_mod.take(op, "gpu_ids", gpu_ids, self.num_blocks, load, self.device)
-        host = ids_mod.take(op, "host_ids", host_ids, self.num_host_blocks, not load, self.device)
+                raise ValueError(bad_group(op, group, self._routes)) from None
+        gpu = ids_mod.take(op, "gpu_ids", gpu_ids, self.num_blocks, side.gpu_unique, self.device)
+        host = ids_mod.take(op, "host_ids", host_ids, self.num_host_blocks, side.host_unique, self.device)
         if len(gpu) != len(host):
             raise ValueError(f"{op}: {len(gpu)} gpu_ids but {len(host)} host_ids")
-        blocks = Blocks(direction, gpu, host)
+        blocks = Blocks(side.direction, gpu, host)
         if self._streams is not None:
             # A replay would repeat the copy with none of this call's bookkeeping (transfer id,
             # completion event, the ids' staging memory). Graphs capture kv_ops.copy_blocks.
             # Before the pick: auto's asks whether a transfer is still in flight (an event
             # query), which a capture forbids and would be invalidated by.
-            refuse_capture(
-                op,
-                "a transfer cannot be captured into a CUDA graph",
-                instead,
-            )
+            refuse_capture(op, "a transfer cannot be captured into a CUDA graph", side.instead)
         if path is None:
-            path = self._pick(blocks, *route)
+            path = pick(self.path, blocks, *route, self._lanes)
         elif callable(path):  # load_through's pick by the ids
             path = path(blocks)
         on_host = blocks.on_host
         if not on_host:
-            self._refuse_gpu_ids(op, blocks, path)
-        ready = self._ready(op, after, fresh=path.fresh_ready)
+            refuse_gpu_ids(op, blocks, path)
+        ready = self._ordering.ready(op, after, fresh=path.fresh_ready)
         if not on_host:
             # The path copies the GPU ids on its own stream: after the caller's stream wrote them.
-            blocks.ids_ready = ready if after is None else self._ready(op, None, fresh=True)
-        last = self._last.get(direction)
+            blocks.ids_ready = ready if after is None else self._ordering.ready(op, None, fresh=True)
+        last = side.lane.last
         if last is not None and last[0] is not path and last[1] is not None:
             # Transfers of one direction land in issue order whatever their paths: a staged load
             # ends on the path's own kernel stream, and a later kernel or DMA load (which run
             # on the copy stream) into the same blocks must not overtake it.
-            self._streams[direction].wait_event(last[1])
+            self._streams[side.direction].wait_event(last[1])
         done = path.enqueue(blocks, ready)
         tid = self._next_tid
         self._next_tid += 1
-        self._last[direction] = (path, done)
         # GPU ids live until their transfer has read them (the caller may drop them at once).
-        self._lanes[direction].add(tid, path, done, keep=None if on_host else (gpu, host))
+        side.lane.add(tid, path, done, keep=None if on_host else (gpu, host))
         self.path_counts[path.name] += 1
         return tid
 
-    def _bad_group(self, op: str, group) -> str:
-        if None in self._routes:
-            return f"{op}: group={group!r}, but this engine was made without groups: leave group out"
-        known = ", ".join(map(repr, self._routes))
-        return f"{op}: group={group!r} is not one of this engine's groups ({known})"
-
     def store(self, gpu_ids, host_ids, after=None, group=None) -> int:
-        """Copy GPU blocks ``gpu_ids[i]`` to host blocks ``host_ids[i]``.
+        return self._transfer(self._store_side, gpu_ids, host_ids, after, group)
 
-        The copy is ordered after ``after``, by default the work enqueued on the caller's current
-        stream before the call (the compute that wrote those blocks). Nothing blocks the
-        caller's thread.
-
-        Write to the GPU blocks again only after this store is reported by :meth:`poll` or
-        :meth:`flush`: until then, what the stored copy holds of a block written meanwhile is
-        undefined. (On the CPU the in-memory engine copies during the call and the disk tier
-        later, on its I/O thread: code that writes early works with one and not the other.)
-
-        Parameters
-        ----------
-        gpu_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
-            Source blocks in ``[0, num_blocks)``; may repeat.
-        host_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
-            Destination host blocks (disk-tier slots) in ``[0, num_host_blocks)``; distinct, as
-            many as ``gpu_ids``.
-        after : torch.cuda.Event or torch.cuda.Stream, optional
-            Order the copy after this event, or after the work enqueued on this stream so far,
-            instead of after the caller's current stream. Not a stream being captured, nor an
-            event recorded during a capture (a graph's work happens at its replays).
-        group : optional
-            On an engine made with ``groups``, the group whose blocks these are (required there):
-            only its regions' bytes move, on both sides. Left out on an engine without groups.
-
-        Returns
-        -------
-        int
-            The transfer id, reported once by :meth:`poll`, :meth:`flush` or :meth:`close`.
-
-        Raises
-        ------
-        ValueError
-            Bad ids (not 1-D, not int32/int64, meta; host ids out of range, a repeated
-            destination, a length mismatch), before any byte moves and without using up a
-            transfer id; GPU ids given to a path or tier that plans on the host (``dma``, the
-            disk tier, ``host_ids`` on ``staged``); a bad ``after``; a ``group`` that is not one
-            of the engine's.
-        RuntimeError
-            While the current stream or ``after`` is being captured into a CUDA graph.
-        ClosedError
-            After :meth:`close`.
-        """
-        return self._transfer(Direction.STORE, gpu_ids, host_ids, after, group=group)
+    store.__doc__ = STORE_DOC
 
     def load(self, host_ids, gpu_ids, after=None, group=None) -> int:
-        """Copy host blocks ``host_ids[i]`` to GPU blocks ``gpu_ids[i]``.
+        return self._transfer(self._load_side, gpu_ids, host_ids, after, group)
 
-        The copy into the GPU blocks is ordered after ``after``, by default the work enqueued on
-        the caller's current stream before the call (every reader of the destination blocks).
-        A load issued while a forward is queued would then wait for the whole forward; to
-        overlap with it, record an event after the last reader of these blocks and pass it.
-        Make the consumer wait for the load with :meth:`poll` before it reads the loaded blocks.
-
-        Parameters
-        ----------
-        host_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
-            Source host blocks (disk-tier slots) in ``[0, num_host_blocks)``; may repeat.
-        gpu_ids : sequence of int, or 1-D int32/int64 numpy array or tensor
-            Destination blocks in ``[0, num_blocks)``; distinct, as many as ``host_ids``.
-        after : torch.cuda.Event or torch.cuda.Stream, optional
-            Order the copy after this event, or after the work enqueued on this stream so far,
-            instead of after the caller's current stream. Not a stream being captured, nor an
-            event recorded during a capture (a graph's work happens at its replays).
-        group : optional
-            On an engine made with ``groups``, the group whose blocks these are (required there):
-            only its regions' bytes move, on both sides. Left out on an engine without groups.
-
-        Returns
-        -------
-        int
-            The transfer id, reported once by :meth:`poll`, :meth:`flush` or :meth:`close`.
-
-        Raises
-        ------
-        ValueError
-            Bad ids (not 1-D, not int32/int64, meta; host ids out of range, a repeated
-            destination, a length mismatch), before any byte moves and without using up a
-            transfer id; GPU ids given to a path or tier that plans on the host (``dma``, the
-            disk tier, ``host_ids`` on ``staged``); a bad ``after``; a ``group`` that is not one
-            of the engine's.
-        RuntimeError
-            While the current stream or ``after`` is being captured into a CUDA graph.
-        ClosedError
-            After :meth:`close`.
-        """
-        return self._transfer(Direction.LOAD, gpu_ids, host_ids, after, group=group)
+    load.__doc__ = LOAD_DOC
 
     # --- completion --------------------------------------------------------------------------
-
-    def _collect(self, wait: bool) -> Completed:
-        out = Completed()
-        self._lanes[Direction.STORE].poll(out, out.stores, wait)
-        self._lanes[Direction.LOAD].poll(out, out.loads, wait)
-        return out
 
     def poll(self) -> Completed:
         """Transfers finished (or failed) since the last poll or flush; never blocks, never early.
@@ -767,7 +383,7 @@ class OffloadEngine:
             After :meth:`close`.
         """
         self.check_open("OffloadEngine.poll")
-        return self._collect(wait=False)
+        return collect(self._lanes, wait=False)
 
     def flush(self) -> Completed:
         """Wait for every transfer in flight (before reusing GPU blocks after a preemption).
@@ -783,20 +399,7 @@ class OffloadEngine:
             After :meth:`close`.
         """
         self.check_open("OffloadEngine.flush")
-        return self._collect(wait=True)
-
-    def completion_event(self, tid: int) -> torch.cuda.Event | None:
-        """The event transfer ``tid`` records on the GPU once its copy has finished, while ``poll``
-        has not reported it; None once reported, for a copy complete when issued, on a CPU engine
-        or the disk tier. The engine reuses the event after reporting ``tid``: wait on it
-        (``Stream.wait_event``) right away rather than keep it. The transfer just issued is
-        found first (the last of its lane)."""
-        lanes = self._lanes.values()
-        last = (lane.pending[-1] for lane in lanes if lane.pending)
-        for pending_tid, _, done, _ in itertools.chain(last, *(lane.pending for lane in lanes)):
-            if pending_tid == tid:
-                return done if isinstance(done, torch.cuda.Event) else None
-        return None
+        return collect(self._lanes, wait=True)
 
     def close(self) -> Completed:
         """Finish every transfer in flight, then free the mirror or close the disk tier.
@@ -820,7 +423,7 @@ class OffloadEngine:
         for drop in self._on_close:
             drop()
         try:
-            return self._collect(wait=True)
+            return collect(self._lanes, wait=True)
         finally:
             self._release()
 
@@ -837,11 +440,12 @@ class OffloadEngine:
                     stream.synchronize()
         finally:
             self.mirror = self.mirror_regions = None
-            self.paths, self._routes, self._last = {}, {}, {}
+            self.paths, self._routes = {}, {}
             if self._registration is not None:  # the copies that used it are done (above)
                 self._registration.release()
                 self._registration = None
-            self._lanes = {d: _Lane(d) for d in Direction}
+            for lane in self._lanes.values():
+                lane.clear()
 
     def __enter__(self) -> "OffloadEngine":
         return self
@@ -887,49 +491,4 @@ def _close_at_exit() -> None:
             stack.callback(engine.close)
 
 
-class AllRanks:
-    """Combines per-rank completion reports: a transfer counts as done once every rank reported it.
-
-    With one engine per rank (tensor parallelism), transfer ``t`` of a step is the same logical
-    store on every rank, but each rank finishes its own part at its own time. Feed each poll's
-    reports of all ranks to :meth:`add` (or let :meth:`gather` all-gather them through
-    ``torch.distributed``); what comes back is done everywhere, so the scheduler may free the
-    GPU blocks or count the host copy as complete.
-
-    Examples
-    --------
-    >>> combined = AllRanks(dist.get_world_size())
-    >>> done = combined.gather(engine.poll())   # the same answer on every rank
-    """
-
-    def __init__(self, world_size: int):
-        self.world_size = positive_int("AllRanks", "world_size", world_size)
-        self._seen: dict[tuple[str, int], int] = {}
-
-    def add(self, reports: Sequence[Completed]) -> Completed:
-        """Count reports (each rank reports a transfer once, as ``poll`` does); return what is now
-        done on every rank, sorted."""
-        out = Completed()
-        for report in reports:
-            out.failed.update(report.failed)  # failed on any rank: failed
-            for kind, ids in (("store", report.stores), ("load", report.loads)):
-                for tid in ids:
-                    key = (kind, tid)
-                    self._seen[key] = self._seen.get(key, 0) + 1
-                    if self._seen[key] == self.world_size:
-                        del self._seen[key]
-                        (out.stores if kind == "store" else out.loads).append(tid)
-        out.stores.sort()
-        out.loads.sort()
-        return out
-
-    def gather(self, local: Completed, group=None) -> Completed:
-        """All-gather this rank's report with every other rank's, then :meth:`add` them all."""
-        import torch.distributed as dist
-
-        reports: list[Completed | None] = [None] * self.world_size
-        dist.all_gather_object(reports, local, group=group)
-        return self.add(reports)
-
-
-__all__ = ["OffloadEngine", "Completed", "AllRanks", "ClosedError", "EngineClosedError", "check_engine"]
+__all__ = ["OffloadEngine", "Completed", "ClosedError", "EngineClosedError", "check_engine"]

@@ -4,9 +4,10 @@ Ids are taken in once (lists, arrays or tensors) and checked on the host; what t
 blocks, the graphs fed from them) is reused only after it has.
 
 A scheduler hands the engine Python lists. Turning one into a torch tensor and checking it with
-torch costs a dozen tiny torch operations of microseconds each; the same in numpy is a few
-microseconds in all, and up to :data:`kv_ops.validation.SMALL_IDS` ids Python's own
-min, max and set on a list are faster still (a short tensor or array is checked as a list).
+torch costs a dozen tiny torch operations, each with its dispatch overhead; the same in numpy is
+a few calls in all, and up to :data:`kv_ops.validation.SMALL_IDS` ids Python's own min, max and
+set on a list cost less still (a short tensor or array is checked as a list; docs/measurements.md,
+"Short id lists are checked as lists").
 Ids already on the GPU are never read by the host (that would wait for the caller's stream):
 they go to a path whose kernel reads them, which skips and counts an invalid pair
 (:func:`kv_ops.error_count`) instead of raising.
@@ -40,13 +41,16 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
     The array may share memory with the caller's; the engine copies what it keeps beyond the call.
     """
     if isinstance(ids, torch.Tensor):
-        # is_meta / is_cpu, not device.type: each device query makes a torch.device (0.5 us).
+        # is_meta / is_cpu, not device.type: each device query builds a new torch.device object,
+        # host time on every call of the hot path.
         if ids.is_meta:
             raise ValueError(no_values_message(op, what))
         if not ids_ok(ids):
             raise ValueError(ids_message(op, what, ids))
         if ids.is_cpu:
-            if ids.numel() <= SMALL_IDS:  # a list is faster to make and to check (4 us less for 16)
+            # A short list is cheaper to make and to check than an array: numpy's fixed cost per
+            # call outweighs the work (docs/measurements.md, "Short id lists are checked as lists").
+            if ids.numel() <= SMALL_IDS:
                 values = ids.tolist()
                 check_host_ids(op, what, values, limit, unique)
                 return np.array(values, dtype=np.int64)

@@ -26,6 +26,7 @@ the step before it; docs/design.md weighs them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -34,26 +35,48 @@ from ..cuda.registration import check_new_name, find_named, register_op
 from ..validation import check_fake_values
 
 # name -> the live object an op's name resolves to in this process (an AOT-loaded step carries
-# only the name). Strong references: an object goes only with its close().
+# only the name). Strong references for what the user closes (LayerwiseLoads, StepTransfers: an
+# object goes only with its close(), which first lets its copies in flight land); weak ones for
+# what lives as long as its owner (a transformers cache, dropped without a close()).
 _live: dict[str, object] = {}
 # Device and page-locked memory a captured step reads (flags, id words, id blocks), kept for the
 # life of the process: a replay after close() must still read memory that is its own.
 _kept: list[torch.Tensor] = []
 
 
+def _get(name: str):
+    """The live object called ``name``, or None."""
+    found = _live.get(name)
+    return found() if isinstance(found, weakref.ref) else found
+
+
+def _find(name: str, op: str, kind: str, hint: str = ""):
+    """The live object called ``name``, else ``find_named``'s ``ValueError`` naming the live ones."""
+    found = _get(name)
+    return found if found is not None else find_named(_names(), name, op, kind, hint)
+
+
+def _names() -> dict[str, object]:
+    """The live names and their objects, dead weak references dropped."""
+    for name in [n for n, v in _live.items() if isinstance(v, weakref.ref) and v() is None]:
+        del _live[name]
+    return {n: v() if isinstance(v, weakref.ref) else v for n, v in _live.items()}
+
+
 def check_name(owner: str, name) -> None:
     """A ``ValueError`` from ``owner`` unless ``name`` is a non-empty string no live object has."""
-    check_new_name(_live, owner, name)
+    check_new_name(_names(), owner, name)
 
 
-def register(name: str, obj) -> None:
-    """Make ``obj`` what ops carrying ``name`` resolve to (after :func:`check_name`)."""
-    _live[name] = obj
+def register(name: str, obj, weak: bool = False) -> None:
+    """Make ``obj`` what ops carrying ``name`` resolve to (after :func:`check_name`); with
+    ``weak``, only while something else keeps ``obj`` alive."""
+    _live[name] = weakref.ref(obj) if weak else obj
 
 
 def unregister(obj) -> bool:
     """Drop ``obj``'s name if it still holds it; whether it did."""
-    if _live.get(obj.name) is obj:
+    if is_live(obj):
         del _live[obj.name]
         return True
     return False
@@ -61,12 +84,12 @@ def unregister(obj) -> bool:
 
 def is_live(obj) -> bool:
     """Whether ``obj`` holds its name (it was not closed)."""
-    return _live.get(obj.name) is obj
+    return _get(obj.name) is obj
 
 
 def lookup(name: str, op: str, kind: type, hint: str = ""):
     """The live ``kind`` called ``name``, else a ``ValueError`` from ``op`` naming what is live."""
-    found = find_named(_live, name, op, kind.__name__, hint)
+    found = _find(name, op, kind.__name__, hint)
     if not isinstance(found, kind):
         raise ValueError(f"{op}: {name!r} is a {type(found).__name__}, not a {kind.__name__}")
     return found
@@ -99,7 +122,7 @@ def _wait_layer_fake(caches, dep, name, layer):
 def _wait_layer_impl(caches, dep, name, layer) -> None:
     if not _wait_condition(caches, layer):
         raise ValueError(_wait_message(caches, layer))
-    found = find_named(_live, name, "kv_ops.wait_layer", "LayerwiseLoads or HostOffloadedCache")
+    found = _find(name, "kv_ops.wait_layer", "LayerwiseLoads or HostOffloadedCache")
     if not hasattr(found, "wait"):
         raise ValueError(f"kv_ops.wait_layer: {name!r} is a {type(found).__name__}, which has no per-layer wait")
     found.wait(layer, caches)

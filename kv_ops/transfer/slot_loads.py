@@ -115,7 +115,7 @@ class SlotLoads:
         self.stream: torch.cuda.Stream | None = None
         self.free: dict[int, torch.cuda.Event] = {}  # recorded where a load's slot may be overwritten
         self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
-        in_step.register(name, self)
+        in_step.register(name, self, weak=True)  # it lives as long as its cache
 
     def layer_bytes(self, keys: torch.Tensor, values: torch.Tensor, max_len: int) -> int:
         """GPU bytes of one slot for a layer whose new keys and values look like these."""

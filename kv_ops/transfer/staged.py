@@ -12,12 +12,10 @@ from .. import kernels, reference
 from ..cuda.driver import driver_context, record_event, wait_event
 from ..validation import error_counter
 from . import dma
-from .blocks import Blocks, Direction, EventPath, Events, host_tensor, host_views, low_priority_streams, recorded
+from .blocks import Blocks, Direction, EventPath, Events, host_tensor, host_views
 from .ids import IdBlock, Pool
+from .staging_ring import RING_SLOTS, StagingRing
 
-# Ring slots per direction: with four, a store's gather of chunk i+1 (and i+2) runs while the
-# copy engines drain chunk i, and calls issued back to back keep the pipeline full.
-RING_SLOTS = 4
 # Programs of the staging gather and scatter: device to device, 32 programs keep the SMs busy for
 # a small part of the time the link needs for the same bytes (benchmarks/engine.py measures it),
 # where fewer take longer and all of them take every SM from the model (docs/design.md).
@@ -69,7 +67,9 @@ class StagedPath(EventPath):
     On the GPU each slot's gather and scatter is a CUDA graph over its own id block
     (:class:`kv_ops.kernels.GraphedCopy`). A slot is reused only after the work that reads it (a
     store's DMA, a load's scatter) has finished: ordered by one event per slot on the GPU, never
-    by the host waiting.
+    by the host waiting. The rings, the slot cursor, the kernel streams and those events are a
+    :class:`~kv_ops.transfer.staging_ring.StagingRing` (``staging``), one per engine: every KV
+    group's staged path holds the same one.
 
     Parameters
     ----------
@@ -82,6 +82,12 @@ class StagedPath(EventPath):
     ring_bytes : int
         GPU memory of each direction's ring; a slot holds at least one row, and no more rows
         than a transfer can have.
+    events : dict of Direction to Events, or None
+        Where it takes completion events from (its own when None).
+    views : sequence of Tensor, or None
+        Each region's columns of the mirror, where ``regions`` are a KV group's.
+    share : StagedPath, or None
+        Another staged path of the same mirror, whose ring this one uses instead of making one.
     """
 
     name = "staged"
@@ -105,88 +111,60 @@ class StagedPath(EventPath):
         self.streams = streams
         self._events = events or {d: Events() for d in Direction}
         self.device = self.regions[0].device
-        row_bytes = mirror.shape[1]
         self._pieces = _pieces(mirror, self.regions, host_views(mirror, self.regions, views))
         # A packed row that is a whole mirror row (every region, in mirror order) keeps the
         # descriptor per run of consecutive host ids; a group's row is one per (block, piece).
-        self.whole_row = self._pieces[2].tolist() == [row_bytes]
+        self.whole_row = self._pieces[2].tolist() == [mirror.shape[1]]
+        # Another group's staged path of this mirror: one ring, its streams and slots, for all.
         if share is not None:
-            # Another group's staged path of this mirror: one ring, its streams and slots, for all.
-            self.chunk, self._next, self._rings = share.chunk, share._next, share._rings
-            self.kernel_streams = share.kernel_streams
+            self.staging = share.staging
         else:
-            most_pairs = max(mirror.shape[0], self.regions[0].shape[0])
-            self.chunk = max(1, min(ring_bytes // (RING_SLOTS * row_bytes), -(-most_pairs // RING_SLOTS)))
-            self._next = {d: 0 for d in Direction}
-            # Each direction's ring. On the GPU, made now with its graphs; on the CPU, on first use
-            # (an engine there picks the kernel path's reference copy unless told).
-            self._rings: dict[Direction, torch.Tensor] = {}
-            # Where the gathers and scatters run, beside the engine's copy streams (None on the CPU).
-            self.kernel_streams = low_priority_streams(self.device) if streams is not None else None
+            self.staging = StagingRing(mirror, self.regions[0].shape[0], self.device, streams, ring_bytes)
+        self.chunk = self.staging.chunk
         if streams is not None:
-            errors = error_counter(self.device)
-            bound = {
-                Direction.STORE: kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS),
-                Direction.LOAD: kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS),
-            }
-            self._bound = bound
-            self._errors = errors
-            # Per direction and slot: graphs of the slot's gather (or scatter) fed from host ids,
-            # pooled (a twin is rewritten only after the replay that read it has run; public: tests see
-            # the pools grow).
-            self.host_fed = {
-                d: [
-                    Pool(
-                        functools.partial(
-                            kernels.GraphedCopy, bound[d], self.chunk, errors, self._slot_rows(d, slot), from_host=True
-                        )
-                    )
-                    for slot in range(RING_SLOTS)
-                ]
-                for d in Direction
-            }
-            # For GPU ids: each slot's graph fed device to device, and the pool of count blocks.
-            # Made now: making a graph synchronises with the legacy stream, which a call must not.
-            self._device_fed = {
-                d: [
-                    [
-                        kernels.GraphedCopy(bound[d], self.chunk, errors, self._slot_rows(d, slot))
-                        for slot in range(RING_SLOTS)
-                    ],
-                    Pool(functools.partial(IdBlock, 1 + self.chunk), initial=1),
-                ]
-                for d in Direction
-            }
-            if share is not None:
-                self._copy, self._kernel, self._free, self._handoff = (
-                    share._copy,
-                    share._kernel,
-                    share._free,
-                    share._handoff,
+            self._make_graphs()
+
+    def _make_graphs(self) -> None:
+        """Bind the gather and scatter and capture each slot's graphs (GPU only)."""
+        errors = error_counter(self.device)
+        bound = {
+            Direction.STORE: kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS),
+            Direction.LOAD: kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS),
+        }
+        self._bound = bound
+        self._errors = errors
+        rows = self.staging.slot_rows
+        # Per direction and slot: graphs of the slot's gather (or scatter) fed from host ids,
+        # pooled (a twin is rewritten only after the replay that read it has run; public: tests see
+        # the pools grow).
+        self.host_fed = {
+            d: [
+                Pool(
+                    functools.partial(kernels.GraphedCopy, bound[d], self.chunk, errors, rows(d, slot), from_host=True)
                 )
-                return
-            self._copy = {d: dma.Launcher(streams[d]) for d in Direction}
-            self._kernel = {d: dma.Launcher(self.kernel_streams[d]) for d in Direction}
-            # Per direction and slot: recorded after the work that last read the slot. Per
-            # direction: the hand-off from one stream to the other, waited on right after each
-            # record. Each recorded once now (on an idle stream), so that it exists and every
-            # later record is one driver call.
-            self._free = {d: [recorded(streams[d]) for _ in range(RING_SLOTS)] for d in Direction}
-            self._handoff = {d: recorded(streams[d]) for d in Direction}
+                for slot in range(RING_SLOTS)
+            ]
+            for d in Direction
+        }
+        # For GPU ids: each slot's graph fed device to device, and the pool of count blocks.
+        # Made now: making a graph synchronises with the legacy stream, which a call must not.
+        self._device_fed = {
+            d: [
+                [kernels.GraphedCopy(bound[d], self.chunk, errors, rows(d, slot)) for slot in range(RING_SLOTS)],
+                Pool(functools.partial(IdBlock, 1 + self.chunk), initial=1),
+            ]
+            for d in Direction
+        }
 
     def close(self) -> None:
-        """Wait for the gathers and scatters on its own kernel streams (the engine synchronizes its
-        copy streams): after an interrupted flush they must not outlive the memory they use."""
-        for stream in (self.kernel_streams or {}).values():
-            stream.synchronize()
+        """Wait for the gathers and scatters on the ring's kernel streams (the engine synchronizes
+        its copy streams): after an interrupted flush they must not outlive the memory they use."""
+        self.staging.close()
 
     @property
     def ring_bytes(self) -> int:
         """GPU bytes of one direction's ring."""
-        return RING_SLOTS * self.chunk * self.mirror.shape[1]
-
-    def _slot_rows(self, direction: Direction, slot: int) -> torch.Tensor:
-        return self.ring(direction)[slot * self.chunk : (slot + 1) * self.chunk]
+        return self.staging.ring_bytes
 
     def enqueue(self, blocks: Blocks, ready: torch.cuda.Event | None) -> torch.cuda.Event | None:
         d = blocks.direction
@@ -196,15 +174,18 @@ class StagedPath(EventPath):
             # On the stream where this direction's staged work ends (a load's last scatter), so
             # that the engine's issue order across paths still holds after an empty call. From the
             # direction's Events like every other completion: the engine gives it back there.
+            staging = self.staging
             stream, launch = (
-                (self.kernel_streams[d], self._kernel[d]) if d is Direction.LOAD else (self.streams[d], self._copy[d])
+                (staging.kernel_streams[d], staging.kernel_launchers[d])
+                if d is Direction.LOAD
+                else (self.streams[d], staging.copy_launchers[d])
             )
             with driver_context(self.device):
                 wait_event(launch.handle, ready)
                 return self._events[d].record(stream, launch.handle)
         ring = self.ring(d)
         # Slots for every chunk up front, so that the whole transfer is planned in one pass.
-        slots = [self._take_slot(d) for _ in range(0, blocks.count, self.chunk)]
+        slots = [self.staging.take_slot(d) for _ in range(0, blocks.count, self.chunk)]
         plans = self.plans(blocks, ring, slots[0])
         bounds = self._bounds(blocks)
         if self.streams is None:
@@ -223,9 +204,10 @@ class StagedPath(EventPath):
 
     def _enqueue(self, blocks: Blocks, ready, bounds, slots, plans) -> torch.cuda.Event:
         d = blocks.direction
-        kernel, copy = self.kernel_streams[d], self.streams[d]
-        kernel_launch, copy_launch = self._kernel[d], self._copy[d]
-        free, handoff = self._free[d], self._handoff[d]
+        staging = self.staging
+        kernel, copy = staging.kernel_streams[d], self.streams[d]
+        kernel_launch, copy_launch = staging.kernel_launchers[d], staging.copy_launchers[d]
+        free, handoff = staging.slot_free[d], staging.handoff[d]
         gpu_ids = blocks.gpu_ids
         k, c = kernel_launch.handle, copy_launch.handle  # raw stream handles, for the driver calls
         on_host = isinstance(gpu_ids, np.ndarray)
@@ -278,16 +260,7 @@ class StagedPath(EventPath):
     def ring(self, direction: Direction) -> torch.Tensor:
         """The direction's ring of packed rows (made on first use on the CPU). Public, with
         :meth:`plans` and :meth:`small_plans`, so that tests check the two planners agree."""
-        ring = self._rings.get(direction)
-        if ring is None:
-            ring = torch.empty((RING_SLOTS * self.chunk, self.mirror.shape[1]), dtype=torch.uint8, device=self.device)
-            self._rings[direction] = ring
-        return ring
-
-    def _take_slot(self, direction: Direction) -> int:
-        slot = self._next[direction]
-        self._next[direction] = (slot + 1) % RING_SLOTS
-        return slot
+        return self.staging.ring(direction)
 
     def _bounds(self, blocks: Blocks):
         return [(start, min(start + self.chunk, blocks.count)) for start in range(0, blocks.count, self.chunk)]

@@ -1,8 +1,11 @@
 """examples/gemma4_transformers.py's tiny configuration on the CPU, in a subprocess: stock
-transformers Gemma 4, compiled generate() with a static cache, stock and with its per-layer table
-served by ple_ops.host_embedding through the model's own accessors; the tokens must be identical."""
+transformers Gemma 4, compiled generate() with a static cache, then with its per-layer table
+served by ple_ops.host_embedding through the model's own accessors, with a static cache and with
+kv_ops's HostOffloadedCache streaming two of its three full-attention layers; the tokens must
+be identical and the memory lines present."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +24,43 @@ def run(args, timeout):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_gemma4_generate_gives_the_same_tokens_with_the_table_in_host_memory():
+def mib(pattern: str, out: str) -> float:
+    found = re.search(pattern, out)
+    assert found, f"{pattern!r} not in\n{out}"
+    return float(found.group(1))
+
+
+def test_gemma4_generate_gives_the_same_tokens_with_the_table_and_the_kv_cache_in_host_memory():
     result = run(["--config", "tiny", "--device", "cpu"], timeout=800)
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-4000:]}"
-    assert out.splitlines()[0].startswith("Gemma4ForCausalLM (tiny: hidden 64, 4 layers, PLE 24"), out
-    assert "per-layer table: [512, 96] torch.float32" in out, out
-    assert "| in the model (stock) |" in out and "| page-locked host (host_embedding) |" in out, out
+    assert out.splitlines()[0].startswith("Gemma4ForCausalLM (tiny: hidden 64, 8 layers, PLE 24"), out
+    assert "per-layer table: [512, 192] torch.float32" in out, out
+    # Three full-attention layers own a cache (the last two layers reuse earlier ones'); a budget
+    # of two keeps the first and streams the other two through one shared slot.
+    assert (
+        "full-attention KV: layers [1, 3, 5] own a cache; HostOffloadedCache keeps [1] on the cpu and streams [3, 5]"
+        in out
+    )
+    static = mib(r"StaticCache holds ([0-9.]+) MiB", out)
+    offloaded = mib(r"HostOffloadedCache ([0-9.]+) MiB\n", out)
+    freed = mib(r"memory freed by HostOffloadedCache: ([0-9.]+) MiB", out)
+    assert 0 < offloaded < static and freed == pytest.approx(static - offloaded, abs=0.002), out
+    assert mib(r"streamed per decode step at a run's end: ([0-9.]+) MiB host to", out) > 0, out
+    for row in ("| in the model (stock) | StaticCache |", "| page-locked host (host_embedding) | StaticCache |"):
+        assert row in out, out
+    assert "| page-locked host (host_embedding) | HostOffloadedCache |" in out, out
     assert out.splitlines()[-1] == "gemma4 transformers: tokens match (24 tokens)", out
 
 
 @pytest.mark.parametrize(
     "args, named",
-    [(["--model", "gemma5"], "--model"), (["--config", "e4b"], "--config"), (["--new-tokens", "1"], "--new-tokens")],
+    [
+        (["--config", "e4b"], "--config"),
+        (["--new-tokens", "1"], "--new-tokens"),
+        (["--kv-layers", "1"], "--kv-layers"),
+        (["--max-cache-len", "20"], "--max-cache-len"),
+    ],
 )
 def test_bad_arguments_are_refused_by_name_before_any_model_is_built(args, named):
     result = run(["--config", "tiny", *args], timeout=300)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kv_ops
-from kv_ops.transfer import disk
-from kv_ops.transfer.disk import BlockFile, slot_runs
+from kv_ops.transfer import block_file
+from kv_ops.transfer.block_file import BlockFile, slot_runs
 
 
 def staging(rows, stride, seed):
@@ -81,11 +81,11 @@ def test_the_file_has_no_name_from_the_moment_it_is_open(tmp_path):
 
 def test_without_o_tmpfile_the_file_is_created_exclusively_and_unlinked_at_once(tmp_path, monkeypatch):
     # A file system without O_TMPFILE (what open_tmpfile answers there), on a real file system.
-    monkeypatch.setattr(disk, "open_tmpfile", lambda directory: None)
+    monkeypatch.setattr(block_file, "open_tmpfile", lambda directory: None)
     # The first candidate name is taken by a symbolic link (planted, or a stale leftover): it is
     # neither followed, nor reused, nor removed; the next name is used and removed at once.
     names = iter(["kv_offload.rank0.planted.tmp", "kv_offload.rank0.fresh.tmp"])
-    monkeypatch.setattr(disk, "candidate_names", lambda tag: names)
+    monkeypatch.setattr(block_file, "candidate_names", lambda tag: names)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"keep")
     os.symlink(target, tmp_path / "kv_offload.rank0.planted.tmp")
@@ -138,7 +138,7 @@ _FULL_DISK = """
 import resource, signal, sys, warnings
 sys.path[:0] = [{root!r}]
 import torch, kv_ops
-from kv_ops.transfer.disk import BlockFile
+from kv_ops.transfer.block_file import BlockFile
 warnings.simplefilter("ignore")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 f = BlockFile({directory!r}, "rank0", 4096, 64, page_cache=True)  # allocated before the limit

@@ -352,7 +352,7 @@ def test_a_mirror_larger_than_the_machine_is_refused_naming_capacity_bytes_and_t
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (available, 2 * available))
     allocated = []
     monkeypatch.setattr(
-        "kv_ops.transfer.engine.pinned_empty", lambda *a, **k: allocated.append(a) or torch.empty(*a, dtype=torch.uint8)
+        "kv_ops.transfer.routes.pinned_empty", lambda *a, **k: allocated.append(a) or torch.empty(*a, dtype=torch.uint8)
     )
     capacity = 64 << 30
     asked = (capacity // 704) * 704  # the mirror's bytes: whole blocks of the capacity
@@ -371,7 +371,7 @@ def test_disk_staging_larger_than_the_machine_is_refused_before_the_file_is_made
 
     monkeypatch.setattr(host_memory, "host_memory_bytes", lambda: (1 << 20, 1 << 21))
     made = []
-    monkeypatch.setattr("kv_ops.transfer.engine.DiskPath", lambda *a: made.append(a))
+    monkeypatch.setattr("kv_ops.transfer.routes.DiskPath", lambda *a: made.append(a))
     kv = {"l": torch.zeros(32, 352, dtype=torch.float16)}  # 704-byte blocks, 4 KiB slots
     asked = 2 * 1024 * 4096
     with pytest.raises(ValueError, match=rf"^OffloadEngine: staging_slots x staging_blocks .* asks for {asked} bytes"):

@@ -142,7 +142,7 @@ def test_groups_of_equal_entries_share_their_paths_and_every_staged_path_one_rin
     with engine:
         routes = engine._routes
         assert routes["a"][0] is routes["b"][0] and routes["a"][0] is not routes["c"][0]
-        assert routes["a"][0]["staged"]._rings is routes["c"][0]["staged"]._rings
+        assert routes["a"][0]["staged"].staging is routes["c"][0]["staged"].staging
 
 
 def test_an_engine_without_groups_refuses_a_group_and_one_with_groups_needs_one():

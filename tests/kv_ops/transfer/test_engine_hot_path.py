@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 
 import kv_ops
 from kv_ops import kernels
-from kv_ops.transfer import blocks, dma, staged
-from kv_ops.transfer import engine as engine_mod
+from kv_ops.transfer import blocks, dma, ordering, staged
 from kv_ops.transfer import ids as ids_mod
 from kv_ops.transfer.paths import RING_SLOTS
 from kv_ops.validation import SMALL_IDS
@@ -313,7 +312,7 @@ class Counts:
             ("graphs", kernels.GraphedCopy, "__init__"),
             ("record", blocks, "record_event"),  # the raw records of events made before
             ("record", staged, "record_event"),
-            ("record", engine_mod, "record_event"),
+            ("record", ordering, "record_event"),
         ]:
             monkeypatch.setattr(owner, attr, self._counting(name, getattr(owner, attr)))
 

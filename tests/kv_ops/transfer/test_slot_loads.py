@@ -63,3 +63,19 @@ def test_the_streamed_layers_are_spread_over_the_step(layers, slots, streamed):
 def test_too_few_slots_or_layers_are_refused(layers, slots):
     with pytest.raises(ValueError, match="plan_slots: needs layers >= 1 and slots >= min"):
         plan_slots(layers, slots)
+
+
+def test_a_dropped_set_of_slot_loads_gives_up_its_name_without_a_close():
+    # A transformers cache is dropped, never closed: its name (and memory) must go with it.
+    import gc
+
+    from kv_ops.transfer import in_step
+    from kv_ops.transfer.slot_loads import SlotLoads, lookup
+
+    loads = SlotLoads("dropped-cache")
+    assert lookup("dropped-cache") is loads
+    del loads
+    gc.collect()
+    with pytest.raises(ValueError, match=r"no SlotLoads named 'dropped-cache'"):
+        lookup("dropped-cache")
+    in_step.check_name("SlotLoads", "dropped-cache")  # free for a new one

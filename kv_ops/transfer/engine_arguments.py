@@ -1,0 +1,91 @@
+"""OffloadEngine's arguments: each checked by its public name, before anything is allocated."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..cuda.arguments import positive_int
+from ..cuda.host_memory import check_host_bytes
+from ..geometry import check_kv_caches
+from .block_file import aligned
+from .paths import PATH_NAMES
+
+PATHS = ("auto", *PATH_NAMES)
+
+
+def check_counts(kv_caches, num_blocks, path, capacity_bytes, ring_bytes, staging_slots, staging_blocks) -> int:
+    """The caches, ``num_blocks`` (returned as an int), ``path`` and every other count, checked in
+    that order."""
+    check_kv_caches("OffloadEngine", kv_caches)
+    num_blocks = positive_int("OffloadEngine", "num_blocks", num_blocks)
+    if path not in PATHS:
+        raise ValueError(f"OffloadEngine: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}")
+    for what, value in (
+        ("capacity_bytes", capacity_bytes),
+        ("ring_bytes", ring_bytes),
+        ("staging_slots", staging_slots),
+        ("staging_blocks", staging_blocks),
+    ):
+        positive_int("OffloadEngine", what, value)
+    return num_blocks
+
+
+def check_files_and_device(kv_caches, disk_dir, crossover_file, page_cache) -> torch.device:
+    """The file arguments' types checked, then the one device the caches sit on, returned."""
+    for what, value in (("disk_dir", disk_dir), ("crossover_file", crossover_file)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"OffloadEngine: {what} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
+        raise TypeError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
+    devices = {t.device for t in kv_caches.values()}
+    if len(devices) != 1:
+        raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
+    (device,) = devices
+    return device
+
+
+def host_blocks(capacity_bytes, block_bytes: int, disk_dir, host_buffer, staging_slots, staging_blocks) -> int:
+    """How many host blocks (disk-tier slots) ``capacity_bytes`` holds: at least one, and only if
+    the page-locked memory they take is available, or ``host_buffer`` holds them."""
+    slot_bytes = aligned(block_bytes) if disk_dir is not None else block_bytes
+    num_host_blocks = int(capacity_bytes) // slot_bytes
+    if num_host_blocks < 1:
+        raise ValueError(f"OffloadEngine: capacity_bytes {capacity_bytes} holds no block of {slot_bytes} bytes")
+    # Page-locked memory cannot be swapped: more than the machine has is refused here, naming
+    # the bytes, rather than as an ENOMEM from mmap or the driver.
+    if host_buffer is not None:
+        check_host_buffer(host_buffer, num_host_blocks * block_bytes, disk_dir)
+    elif disk_dir is None:
+        check_host_bytes("OffloadEngine", "capacity_bytes", num_host_blocks * block_bytes)
+    else:
+        check_host_bytes(
+            "OffloadEngine",
+            "staging_slots x staging_blocks (the disk tier's staging buffers)",
+            int(staging_slots) * int(staging_blocks) * slot_bytes,
+        )
+    return num_host_blocks
+
+
+def check_host_buffer(buffer, nbytes: int, disk_dir) -> None:
+    """A ``ValueError`` naming ``host_buffer`` unless it is host memory the mirror can live in:
+    a contiguous CPU uint8 tensor of at least ``nbytes`` bytes, and no ``disk_dir``."""
+    if disk_dir is not None:
+        raise ValueError("OffloadEngine: host_buffer holds the host mirror, but disk_dir was given: pass one of them")
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"OffloadEngine: host_buffer must be a CPU uint8 tensor, got {type(buffer).__name__}")
+    if buffer.device.type != "cpu":
+        raise ValueError(f"OffloadEngine: host_buffer must be host memory, got a tensor on {buffer.device}")
+    if buffer.dtype != torch.uint8:
+        raise ValueError(f"OffloadEngine: host_buffer must be uint8, got {buffer.dtype}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"OffloadEngine: host_buffer must be contiguous, got strides {buffer.stride()}")
+    if buffer.numel() < nbytes:
+        raise ValueError(
+            f"OffloadEngine: host_buffer holds {buffer.numel()} bytes, but the mirror of capacity_bytes needs {nbytes}"
+        )
+
+
+__all__ = ["PATHS", "check_counts", "check_files_and_device", "host_blocks", "check_host_buffer"]
