@@ -68,28 +68,36 @@ def _block_copy_kernel(
     lanes = tl.arange(0, COLS).to(tl.int64)
     first = tl.full([], 0, tl.int64)  # global index of region r's first tile
     for r in range(num_regions):
-        tiles = _copy_region(
-            table_ptr,
-            num_regions,
-            r,
-            first,
-            pid,
-            nprog,
-            n,
-            src_ids_ptr,
-            dst_ids_ptr,
-            src_limit,
-            dst_limit,
-            anchor_ptr,
-            packed_ptr,
-            packed_stride,
-            lanes,
-            COLS,
-            ROWS,
-            ALIGN,
-            SRC_PACKED,
-            DST_PACKED,
-        )
+        src_off = tl.load(table_ptr + r)
+        dst_off = tl.load(table_ptr + num_regions + r)
+        src_stride = tl.load(table_ptr + 2 * num_regions + r)
+        dst_stride = tl.load(table_ptr + 3 * num_regions + r)
+        width = tl.multiple_of(tl.load(table_ptr + 4 * num_regions + r), ALIGN)
+        column = tl.load(table_ptr + 5 * num_regions + r)
+        chunks = (width + COLS - 1) // COLS  # tile rows per block
+        items = n * chunks
+        tiles = (items + ROWS - 1) // ROWS
+        # Tiles are dealt round-robin over programs across region boundaries: the program after
+        # the one that took region r's last tile takes region r + 1's first, so many small
+        # regions still keep every program busy.
+        start = ((pid - first) % nprog + nprog) % nprog
+        for t in range(start, tiles, nprog):
+            item = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
+            live = item < items
+            pair = item // chunks
+            col = (item - pair * chunks) * COLS  # first byte of this row within the block
+            sid, did, ok = _tile_ids(src_ids_ptr, dst_ids_ptr, pair, live, src_limit, dst_limit, SRC_PACKED, DST_PACKED)
+            src_base, src_row = _side_row(
+                sid, anchor_ptr, src_off, src_stride, packed_ptr, packed_stride, column, col, SRC_PACKED
+            )
+            dst_base, dst_row = _side_row(
+                did, anchor_ptr, dst_off, dst_stride, packed_ptr, packed_stride, column, col, DST_PACKED
+            )
+            src_row = tl.multiple_of(src_row, ALIGN)
+            dst_row = tl.multiple_of(dst_row, ALIGN)
+            mask = ok[:, None] & ((col[:, None] + lanes[None, :]) < width)
+            values = tl.load(src_base + (src_row[:, None] + lanes[None, :]), mask=mask)
+            tl.store(dst_base + (dst_row[:, None] + lanes[None, :]), values, mask=mask)
         first += tiles
 
 
@@ -141,64 +149,6 @@ def _count_invalid(
         count = tl.sum((bad & live).to(tl.int64), axis=0)
         if count > 0:
             tl.atomic_add(error_ptr, count)
-
-
-@triton.jit
-def _copy_region(
-    table_ptr,
-    num_regions,
-    r,
-    first,  # global index of region r's first tile
-    pid,
-    nprog,
-    n,
-    src_ids_ptr,
-    dst_ids_ptr,
-    src_limit,
-    dst_limit,
-    anchor_ptr,
-    packed_ptr,
-    packed_stride,
-    lanes,  # int64 [COLS]: 0 .. COLS - 1
-    COLS: tl.constexpr,
-    ROWS: tl.constexpr,
-    ALIGN: tl.constexpr,
-    SRC_PACKED: tl.constexpr,
-    DST_PACKED: tl.constexpr,
-):
-    """This program's tiles of region ``r`` (the kernel's arguments say what each is); returns
-    the region's number of tiles."""
-    src_off = tl.load(table_ptr + r)
-    dst_off = tl.load(table_ptr + num_regions + r)
-    src_stride = tl.load(table_ptr + 2 * num_regions + r)
-    dst_stride = tl.load(table_ptr + 3 * num_regions + r)
-    width = tl.multiple_of(tl.load(table_ptr + 4 * num_regions + r), ALIGN)
-    column = tl.load(table_ptr + 5 * num_regions + r)
-    chunks = (width + COLS - 1) // COLS  # tile rows per block
-    items = n * chunks
-    tiles = (items + ROWS - 1) // ROWS
-    # Tiles are dealt round-robin over programs across region boundaries: the program after
-    # the one that took region r's last tile takes region r + 1's first, so many small
-    # regions still keep every program busy.
-    start = ((pid - first) % nprog + nprog) % nprog
-    for t in range(start, tiles, nprog):
-        item = t * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        live = item < items
-        pair = item // chunks
-        col = (item - pair * chunks) * COLS  # first byte of this row within the block
-        sid, did, ok = _tile_ids(src_ids_ptr, dst_ids_ptr, pair, live, src_limit, dst_limit, SRC_PACKED, DST_PACKED)
-        src_base, src_row = _side_row(
-            sid, anchor_ptr, src_off, src_stride, packed_ptr, packed_stride, column, col, SRC_PACKED
-        )
-        dst_base, dst_row = _side_row(
-            did, anchor_ptr, dst_off, dst_stride, packed_ptr, packed_stride, column, col, DST_PACKED
-        )
-        src_row = tl.multiple_of(src_row, ALIGN)
-        dst_row = tl.multiple_of(dst_row, ALIGN)
-        mask = ok[:, None] & ((col[:, None] + lanes[None, :]) < width)
-        values = tl.load(src_base + (src_row[:, None] + lanes[None, :]), mask=mask)
-        tl.store(dst_base + (dst_row[:, None] + lanes[None, :]), values, mask=mask)
-    return tiles
 
 
 @triton.jit

@@ -38,26 +38,28 @@ def copy_blocks(
 
 def gather_blocks(regions: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor) -> int:
     """``out[i] = concat_r regions[r][ids[i]]``; rows of invalid ids are left untouched."""
-    ok = in_range(ids, num_blocks(regions))
-    rows = torch.nonzero(ok).flatten().to(out.device)
-    s = ids[ok].long()
-    col = 0
-    for region in regions:
-        width = region.shape[1]
-        out[rows, col : col + width] = region[s.to(region.device)].to(out.device)
-        col += width
-    return int((~ok).sum())
+    return _packed_copy(regions, ids, out, gather=True)
 
 
 def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Sequence[torch.Tensor]) -> int:
     """``regions[r][ids[i]] = packed[i, cols of r]``: the inverse of :func:`gather_blocks`."""
+    return _packed_copy(regions, ids, packed, gather=False)
+
+
+def _packed_copy(regions: Sequence[torch.Tensor], ids: torch.Tensor, packed: torch.Tensor, gather: bool) -> int:
+    """Between blocks ``ids`` of the regions and the rows of ``packed``, region r at its columns
+    (the block bytes of the regions before it summed): into ``packed`` with ``gather``, else out
+    of it. Returns the number of skipped (invalid) ids."""
     ok = in_range(ids, num_blocks(regions))
     rows = torch.nonzero(ok).flatten().to(packed.device)
-    d = ids[ok].long()
+    blocks = ids[ok].long()
     col = 0
     for region in regions:
         width = region.shape[1]
-        region[d.to(region.device)] = packed[rows, col : col + width].to(region.device)
+        if gather:
+            packed[rows, col : col + width] = region[blocks.to(region.device)].to(packed.device)
+        else:
+            region[blocks.to(region.device)] = packed[rows, col : col + width].to(region.device)
         col += width
     return int((~ok).sum())
 

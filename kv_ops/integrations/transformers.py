@@ -32,7 +32,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 from ..cuda import arguments
 from ..cuda.capture import capturing
 from ..cuda.torch_internals import mark_static_address
-from ..transfer.slot_loads import SlotLoads, plan_slots
+from ..transfer.slot_loads import SlotLoads, plan_slots, slot_bytes
 
 # Layer types this cache serves: full attention (offloaded) and the windowed kinds (kept on the GPU).
 FULL = "full_attention"
@@ -183,7 +183,7 @@ class HostOffloadedCache(Cache):
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Plan the slots for the budget and allocate them (the first full-attention layer's first update)."""
         count = len(self.offloaded)
-        layer = self.loads.layer_bytes(keys, values, self.max_cache_len_)
+        layer = slot_bytes(keys, values, self.max_cache_len_)
         slots = min(3, count)
         if self.max_gpu_bytes is not None:
             slots = min(2, count)

@@ -388,15 +388,8 @@ class OffloadEngine:
     def flush(self) -> Completed:
         """Wait for every transfer in flight (before reusing GPU blocks after a preemption).
 
-        Returns
-        -------
-        Completed
-            Every transfer not reported before, all of them finished or failed.
-
-        Raises
-        ------
-        ClosedError
-            After :meth:`close`.
+        Returns and raises as :meth:`poll` does, once nothing is in flight: the :class:`Completed`
+        holds every transfer not reported before, all of them finished or failed.
         """
         self.check_open("OffloadEngine.flush")
         return collect(self._lanes, wait=True)

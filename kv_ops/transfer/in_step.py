@@ -51,9 +51,10 @@ def _get(name: str):
 
 
 def _find(name: str, op: str, kind: str, hint: str = ""):
-    """The live object called ``name``, else ``find_named``'s ``ValueError`` naming the live ones."""
+    """The live object called ``name``, else ``find_named``'s ``ValueError`` naming the live ones
+    (``hint`` after them, its ``{kind}`` filled in: only then, so a call that finds pays nothing)."""
     found = _get(name)
-    return found if found is not None else find_named(_names(), name, op, kind, hint)
+    return found if found is not None else find_named(_names(), name, op, kind, hint.format(kind=kind))
 
 
 def _names() -> dict[str, object]:
@@ -87,8 +88,13 @@ def is_live(obj) -> bool:
     return _get(obj.name) is obj
 
 
+# The hint of a lookup for an object the user makes from an engine and a name before the step.
+MADE_BEFORE_STEP = "; make it (kv_ops.{kind}(engine, name)) before running the step"
+
+
 def lookup(name: str, op: str, kind: type, hint: str = ""):
-    """The live ``kind`` called ``name``, else a ``ValueError`` from ``op`` naming what is live."""
+    """The live ``kind`` called ``name``, else a ``ValueError`` from ``op`` naming what is live,
+    then ``hint`` (such as :data:`MADE_BEFORE_STEP`)."""
     found = _find(name, op, kind.__name__, hint)
     if not isinstance(found, kind):
         raise ValueError(f"{op}: {name!r} is a {type(found).__name__}, not a {kind.__name__}")
@@ -167,4 +173,4 @@ def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.
     return dep
 
 
-__all__ = ["wait_layer", "check_name", "register", "unregister", "is_live", "lookup", "keep"]
+__all__ = ["wait_layer", "check_name", "register", "unregister", "is_live", "lookup", "MADE_BEFORE_STEP", "keep"]

@@ -73,12 +73,7 @@ WAIT_TIMEOUT_S = 10.0
 
 def lookup(name: str) -> LayerwiseLoads:
     """The live :class:`LayerwiseLoads` called ``name`` in this process."""
-    return in_step.lookup(
-        name,
-        "kv_ops.wait_layer",
-        LayerwiseLoads,
-        "; make it (kv_ops.LayerwiseLoads(engine, name)) before running the step",
-    )
+    return in_step.lookup(name, "kv_ops.wait_layer", LayerwiseLoads, in_step.MADE_BEFORE_STEP)
 
 
 def _layer_groups(engine, layers) -> list[list[str]]:

@@ -93,6 +93,12 @@ def plan_slots(layers: int, slots: int) -> SlotPlan:
     return SlotPlan(layers, tuple(streamed), tuple(slot), evicts, {j: tuple(v) for j, v in issues.items() if v})
 
 
+def slot_bytes(keys: torch.Tensor, values: torch.Tensor, max_len: int) -> int:
+    """GPU bytes of one slot of ``max_len`` positions for a layer whose new keys and values look like these."""
+    batch, heads = keys.shape[:2]
+    return batch * heads * max_len * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
+
+
 class SlotLoads:
     """The live state behind one set of slot loads: slots, host copies, counts, stream and events.
 
@@ -117,13 +123,6 @@ class SlotLoads:
         self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
         in_step.register(name, self, weak=True)  # it lives as long as its cache
 
-    def layer_bytes(self, keys: torch.Tensor, values: torch.Tensor, max_len: int) -> int:
-        """GPU bytes of one slot for a layer whose new keys and values look like these."""
-        batch, heads = keys.shape[:2]
-        return (
-            batch * heads * max_len * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
-        )
-
     def allocate(
         self, plan: SlotPlan, keys: torch.Tensor, values: torch.Tensor, max_len: int, lengths: list[torch.Tensor]
     ) -> None:
@@ -138,7 +137,7 @@ class SlotLoads:
             check_host_bytes(
                 "HostOffloadedCache",
                 "the host copy of the streamed layers",
-                len(plan.streamed) * self.layer_bytes(keys, values, max_len),
+                len(plan.streamed) * slot_bytes(keys, values, max_len),
             )
         for _ in range(plan.slots):
             pair = (
@@ -277,4 +276,4 @@ register_op(
     cuda=_prefetch_cuda,
 )
 
-__all__ = ["SlotLoads", "SlotPlan", "plan_slots", "lookup"]
+__all__ = ["SlotLoads", "SlotPlan", "plan_slots", "slot_bytes", "lookup"]

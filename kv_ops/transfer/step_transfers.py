@@ -39,12 +39,7 @@ STAGE_TIMEOUT_S = 10.0
 
 def lookup(name: str) -> StepTransfers:
     """The live :class:`StepTransfers` called ``name`` in this process."""
-    return in_step.lookup(
-        name,
-        "kv_ops.step_transfers",
-        StepTransfers,
-        "; make it (kv_ops.StepTransfers(engine, name)) before running the step",
-    )
+    return in_step.lookup(name, "kv_ops.step_transfers", StepTransfers, in_step.MADE_BEFORE_STEP)
 
 
 class StepTransfers:

@@ -77,14 +77,7 @@ class StepTransaction:
         self._open = False
 
     def check(self) -> None:
-        """Raise :class:`OffloadError` if the runtime cannot serve, or an earlier step failed unreported.
-
-        Raises
-        ------
-        OffloadError
-            Fatal (closed, offload process dead or late, a stream waited with no step), or the
-            error of a released step whose failure no call has raised yet (raised once).
-        """
+        """Whether the runtime can serve (:meth:`ple_ops.OffloadRuntime.check` documents it, and calls this method)."""
         self._check_usable()
         self._raise_unreported(self._step - 1 if self._open else self._step)
 

@@ -1,4 +1,8 @@
-"""The doctor's checks of the CUDA stack: the driver, stream memory ops, host registration, batched copies."""
+"""The doctor's checks of the CUDA stack: the driver, stream memory ops, host registration, batched copies.
+
+Each check takes ``device``, the CUDA device to check (the current one by default), and returns
+a :class:`~kv_ops.tools.doctor.common.CheckResult`: ``skip`` where torch sees no CUDA device.
+"""
 
 from __future__ import annotations
 
@@ -26,11 +30,6 @@ def _nvidia_kernel_module_version() -> str | None:
 
 def check_driver_version(device: torch.device | str | int | None = None) -> CheckResult:
     """Driver CUDA version, torch's CUDA version and the device's name.
-
-    Parameters
-    ----------
-    device : device, optional
-        The CUDA device to check; the current one by default.
 
     Returns
     -------
@@ -106,11 +105,6 @@ def check_stream_memory_ops(device: torch.device | str | int | None = None) -> C
     from doing it: the legacy V1 attribute reads 0 on most healthy machines, because CUDA 12 and
     later route these calls to the V2 operations, which every driver enables.
 
-    Parameters
-    ----------
-    device : device, optional
-        The CUDA device to check; the current one by default.
-
     Returns
     -------
     CheckResult
@@ -181,11 +175,6 @@ def check_host_register(device: torch.device | str | int | None = None) -> Check
     Registers a small buffer through :func:`kv_ops.cuda.host_memory.pinned_empty`, resolves its device
     address and has a GPU kernel write it through that address.
 
-    Parameters
-    ----------
-    device : device, optional
-        The CUDA device to check; the current one by default.
-
     Returns
     -------
     CheckResult
@@ -241,11 +230,6 @@ def check_batched_copy(device: torch.device | str | int | None = None) -> CheckR
     """Whether ``cuMemcpyBatchAsync`` resolves and moves bytes, through :mod:`kv_ops.dma` itself.
 
     Four blocks go GPU to host in a shuffled order (four copies) and back in one merged copy.
-
-    Parameters
-    ----------
-    device : device, optional
-        The CUDA device to check; the current one by default.
 
     Returns
     -------
