@@ -175,7 +175,7 @@ def test_decode_step_under_reduce_overhead():
         rt.release()
 
 
-def test_killing_the_offload_process_unblocks_the_gpu_within_a_second():
+def test_killing_the_offload_process_unblocks_the_gpu_before_the_step_timeout():
     with ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cuda") as rt:
         ids = torch.arange(8)
         rt.prepare(ids)
@@ -185,7 +185,9 @@ def test_killing_the_offload_process_unblocks_the_gpu_within_a_second():
         killed = time.perf_counter()
         os.kill(rt.process.pid, 9)
         torch.cuda.synchronize()  # returns: the watchdog raised the flags over poisoned rows
-        assert time.perf_counter() - killed < 1.0
+        # Freed by the watchdog's looks at the dead process, every POLL seconds, not by the step's
+        # timeout (whose error would not say "died" below).
+        assert time.perf_counter() - killed < rt.step_timeout
         assert torch.isnan(out).all()
         with pytest.raises(ple_ops.OffloadError, match="died"):
             rt.release()
@@ -300,7 +302,8 @@ def test_an_eager_forward_without_prepare_raises_at_once_and_enqueues_nothing():
         with pytest.raises(ple_ops.OffloadError, match=r"prepare\(\) was missing") as e:
             rt.model(hidden, ids.cuda())
         torch.cuda.synchronize()
-        assert time.perf_counter() - start < 0.5 and not e.value.fatal
+        # At once: before the step_timeout that a wait for the missing step would run out.
+        assert time.perf_counter() - start < rt.step_timeout and not e.value.fatal
         rt.prepare(ids)
         torch.testing.assert_close(rt.model(hidden, ids.cuda()), local(hidden, ids.cuda()), rtol=1e-4, atol=1e-4)
         rt.release()

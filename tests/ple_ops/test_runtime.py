@@ -35,6 +35,10 @@ from ple_ops.semaphore import DONE, RESET
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = [f"blocks.{i}.ple" for i in range(LAYERS)]
+# An error "within step_timeout" comes after the timeout, the watchdog's next look (POLL), the
+# waiter's next check and whatever scheduling a loaded host adds: the tests allow twice the
+# runtime's step_timeout, so that the bound is the contract's own figure, never one of theirs.
+WITHIN_TIMEOUT = 2.0
 
 
 @pytest.fixture
@@ -130,7 +134,8 @@ def test_a_forward_without_prepare_raises_at_once_and_the_runtime_serves_on(runt
             ple_ops.OffloadError, match=r"layer 'blocks\.0\.ple' waited .* no step prepared: prepare\(\) was missing"
         ) as e:
             runtime.model(hidden, ids)
-        assert time.perf_counter() - start < 0.5 and not e.value.fatal
+        # At once: before the step_timeout that a wait for the missing step would run out.
+        assert time.perf_counter() - start < runtime.step_timeout and not e.value.fatal
         served_step(runtime, local, ids, hidden)
     with pytest.raises(ple_ops.OffloadError, match=r"released with no step prepared"):
         runtime.model.blocks[2].ple.release_offloaded()
@@ -177,13 +182,14 @@ def test_a_stream_waiting_for_a_slow_step_is_not_mistaken_for_a_stuck_one(local)
 def test_a_step_not_served_within_step_timeout_fails_the_runtime():
     with ple_ops.OffloadRuntime(make_slow_model, max_tokens=8, device="cpu", step_timeout=1.0) as rt:
         ids = torch.arange(8)
+        start = time.monotonic()  # before prepare, whose time the watchdog counts the timeout from
         rt.prepare(ids)
-        start = time.perf_counter()
         with pytest.raises(
             ple_ops.OffloadError, match=r"did not serve step 1 within step_timeout 1.0 s: layer 'blocks\.1\.ple'"
         ):
             rt.model(torch.zeros(8, 64), ids)
-        assert 0.9 < time.perf_counter() - start < 1.5
+        took = time.monotonic() - start
+        assert rt.step_timeout < took < WITHIN_TIMEOUT * rt.step_timeout, took
         with pytest.raises(ple_ops.OffloadError, match="within step_timeout"):
             rt.release()
 
@@ -211,12 +217,13 @@ def test_a_death_between_steps_fails_the_next_prepare_once_the_watchdog_looked(l
                 rt.model(torch.zeros(5, DIM), ids)
             with pytest.raises(ple_ops.OffloadError, match="died"):
                 rt.release()
-        assert time.monotonic() - killed < 1.0
+        # Noticed by the watchdog's looks, not by the step's timeout (that error would not say "died").
+        assert time.monotonic() - killed < rt.step_timeout
         with pytest.raises(ple_ops.OffloadError, match="died"):
             rt.prepare(ids)
 
 
-def test_killing_the_offload_process_mid_step_raises_within_a_second():
+def test_killing_the_offload_process_mid_step_raises_before_its_step_timeout():
     rt = ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cpu")
     try:
         ids = torch.arange(8)
@@ -231,7 +238,8 @@ def test_killing_the_offload_process_mid_step_raises_within_a_second():
         threading.Thread(target=kill).start()
         with pytest.raises(ple_ops.OffloadError, match="died"):
             rt.model(torch.zeros(8, 64), ids)  # blocks in layer 1's wait until the kill
-        assert time.perf_counter() - killed_at[0] < 1.0
+        # Noticed by the watchdog's looks, every POLL seconds, not by the step's timeout.
+        assert time.perf_counter() - killed_at[0] < rt.step_timeout
         # The rows of the failed step are poisoned, and the runtime refuses further steps.
         assert torch.isnan(ple_ops.lookup("blocks.1.ple").slot[:8].view(torch.float32)).all()
         with pytest.raises(ple_ops.OffloadError):
@@ -412,7 +420,7 @@ def test_an_exception_in_the_offload_process_surfaces_with_its_traceback(local):
         start = time.perf_counter()
         with pytest.raises(ple_ops.OffloadError, match="table shard unavailable"):
             rt.model(torch.zeros(8, 64), ids)
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < rt.step_timeout  # the failure's report, not the step's timeout
         # The step is still open after the forward raised; the refusal says how to go on.
         with pytest.raises(ple_ops.OffloadError, match=r"step 1 is still open .* Call release\(\) to end it first"):
             rt.prepare(torch.arange(3))
@@ -441,10 +449,14 @@ def test_close_is_idempotent_and_every_call_after_it_raises():
         ids = torch.arange(3)
         rt.prepare(ids)
         rt.model(torch.zeros(3, 64), ids)
+        start = time.perf_counter()
+        rt.close()  # stops and joins the offload process and the watchdog
+        first = time.perf_counter() - start
     start = time.perf_counter()
     rt.close()
     rt.close()
-    assert time.perf_counter() - start < 0.1
+    again = time.perf_counter() - start
+    assert again < first, f"two more closes took {again:.4f} s, the first {first:.4f} s: they did its work again"
     calls = {
         "prepare": lambda: rt.prepare(ids),
         "release": rt.release,
@@ -460,6 +472,14 @@ def test_close_is_idempotent_and_every_call_after_it_raises():
 
 
 # --- F: construction ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def start_up():
+    """Seconds this machine takes to start and close a runtime, timed in this run."""
+    start = time.perf_counter()
+    ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu").close()
+    return time.perf_counter() - start
 
 
 @pytest.mark.parametrize(
@@ -499,12 +519,13 @@ def test_close_is_idempotent_and_every_call_after_it_raises():
         "lambda",
     ],
 )
-def test_constructor_arguments_are_checked_before_anything_starts(kwargs, error, message):
+def test_constructor_arguments_are_checked_before_anything_starts(kwargs, error, message, start_up):
     before = set(multiprocessing.active_children())
     start = time.perf_counter()
     with pytest.raises(error, match=message):
         ple_ops.OffloadRuntime(**{"model_factory": make_model, "max_tokens": 8, "device": "cpu", **kwargs})
-    assert time.perf_counter() - start < 1.0
+    # Faster than a start-up: no process was started (and stopped again) before the refusal.
+    assert time.perf_counter() - start < start_up
     assert set(multiprocessing.active_children()) == before and ple_ops.armed_names() == []
 
 
