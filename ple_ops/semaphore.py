@@ -42,6 +42,11 @@ class ProducerFailed(RuntimeError):
     """The process that raises a flag died, failed or missed its deadline."""
 
 
+# How often spin_wait asks whether the other side is gone: often enough that a death ends a wait
+# long before any step timeout, rarely enough that the check's system calls cost nothing.
+CHECK_EVERY_S = 0.01
+
+
 def spin_wait(
     read: Callable[[], int],
     value: int,
@@ -54,10 +59,10 @@ def spin_wait(
 
     Spins for the first ``spin`` seconds (the other side is usually close), then sleeps with
     exponential backoff up to 1 ms so that a long wait does not burn a core. ``check`` runs
-    about every 10 ms and raises if the other side is gone; ``timeout`` (seconds) bounds it.
+    about every :data:`CHECK_EVERY_S` and raises if the other side is gone; ``timeout`` (seconds) bounds it.
     """
     start = time.perf_counter()
-    next_check = start + 0.01
+    next_check = start + CHECK_EVERY_S
     delay = 0.0
     while read() != value:
         now = time.perf_counter()
@@ -66,7 +71,7 @@ def spin_wait(
         if now >= next_check:
             if check is not None:
                 check()
-            next_check = now + 0.01
+            next_check = now + CHECK_EVERY_S
         if now - start > spin:
             delay = min(1e-3, max(delay * 2, 1e-5))
             time.sleep(delay)
@@ -262,6 +267,7 @@ __all__ = [
     "ProducerFailed",
     "release_fence",
     "spin_wait",
+    "CHECK_EVERY_S",
     "DONE",
     "RESET",
     "IDLE",

@@ -14,6 +14,10 @@ from ..semaphore import DONE, release_fence, spin_wait
 from .control import StepFailed, Word
 from .process import OffloadError, RuntimeLayer, WorkerProcess
 
+# The host's own waits give up this long after step_timeout: the watchdog fails a late step at
+# step_timeout, so this is a second line of defence, never the one that normally fires.
+BACKSTOP_S = 1.0
+
 # Header words as plain ints, for the hot paths' direct loads and stores (ControlBlock.words).
 _REQUEST, _NUM_TOKENS, _TAKEN, _FAILED = int(Word.REQUEST), int(Word.NUM_TOKENS), int(Word.TAKEN), int(Word.FAILED)
 
@@ -118,7 +122,7 @@ class StepTransaction:
                     self._step,
                     "prepare",
                     self._check_usable,
-                    timeout=self.step_timeout + 1.0,
+                    timeout=self.step_timeout + BACKSTOP_S,
                 )
             except TimeoutError:
                 self._fail(
@@ -241,7 +245,7 @@ class StepTransaction:
         try:
             # The watchdog fails a step that is late past step_timeout, and _check_usable raises
             # then; the timeout here is a second line of defence.
-            spin_wait(published, 1, f"layer {layer.name!r}", self._check_usable, timeout=self.step_timeout + 1.0)
+            spin_wait(published, 1, f"layer {layer.name!r}", self._check_usable, timeout=self.step_timeout + BACKSTOP_S)
         except TimeoutError:
             self._fail(f"layer {layer.name!r}'s rows were not published within step_timeout {self.step_timeout} s")
             self._check_usable()
