@@ -34,9 +34,16 @@ from ..cuda.capture import capturing
 from ..cuda.torch_internals import mark_static_address
 from ..transfer.slot_loads import SlotLoads, plan_slots, slot_bytes
 
-# Layer types this cache serves: full attention (offloaded) and the windowed kinds (kept on the GPU).
+try:  # transformers >= 5.24: layers that keep no cache (Gemma 4's KV-shared ones) are "dummy"
+    from transformers.cache_utils import DummyLayer
+except ImportError:
+    DummyLayer = None
+
+# Layer types this cache serves: full attention (offloaded), the windowed kinds (kept on the GPU)
+# and, where transformers has them, the placeholders of layers that keep no cache of their own.
 FULL = "full_attention"
 WINDOWED = ("sliding_attention", "chunked_attention")
+NO_CACHE = ("dummy",) if DummyLayer is not None else ()
 
 _names = itertools.count()
 
@@ -155,7 +162,7 @@ class HostOffloadedCache(Cache):
         layer_types, kwargs_ = get_layer_types_and_kwargs(text)
         # One dict for every layer (transformers < 5.19) or one per layer.
         per_layer = kwargs_ if isinstance(kwargs_, list) else [kwargs_] * len(layer_types)
-        others = sorted({t for t in layer_types if t != FULL and t not in WINDOWED})
+        others = sorted({t for t in layer_types if t != FULL and t not in WINDOWED and t not in NO_CACHE})
         if others:
             raise ValueError(
                 f"HostOffloadedCache: {type(config).__name__} has layers of type {others}; this cache serves "
@@ -173,6 +180,8 @@ class HostOffloadedCache(Cache):
         layers = [
             HostOffloadedLayer(self.max_cache_len_, self, index[i])
             if t == FULL
+            else DummyLayer()
+            if t in NO_CACHE
             else StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_, sliding_window=kw["sliding_window"])
             for i, (t, kw) in enumerate(zip(layer_types, per_layer, strict=True))
         ]
