@@ -231,9 +231,9 @@ def at_least(low: int):
     return parse
 
 
-def main(argv: list[str] | None = None, default_model: str = "gemma3n") -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=MODELS, default=default_model, help=f"default: {default_model}")
+def run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every Gemma example run takes: the model's size, device, batch, prompt, tokens,
+    repeats and compile backend."""
     parser.add_argument("--config", choices=["tiny", "e2b"], default=None, help="default: e2b on CUDA, tiny on the CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=at_least(1), default=None, help="default: 8 (e2b) or 2 (tiny)")
@@ -245,18 +245,29 @@ def main(argv: list[str] | None = None, default_model: str = "gemma3n") -> int:
         "--repeats", type=at_least(1), default=None, help="timed runs of each, best taken; default 4 (e2b) or 2"
     )
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (CompileConfig.backend)")
-    args = parser.parse_args(argv)
+
+
+def run_defaults(parser: argparse.ArgumentParser, args) -> torch.device:
+    """Fill in what :func:`run_arguments` left to the size (e2b on CUDA, tiny elsewhere); the device."""
     try:
         device = torch.device(args.device)
     except RuntimeError as e:
         parser.error(f"--device: {e}")
-    name = args.config or ("e2b" if device.type == "cuda" else "tiny")
-    if args.batch is None:
-        args.batch = 8 if name == "e2b" else 2
-    if args.new_tokens is None:
-        args.new_tokens = 64 if name == "e2b" else 12
-    if args.repeats is None:
-        args.repeats = 4 if name == "e2b" else 2
+    args.config = args.config or ("e2b" if device.type == "cuda" else "tiny")
+    e2b = args.config == "e2b"
+    args.batch = args.batch or (8 if e2b else 2)
+    args.new_tokens = args.new_tokens or (64 if e2b else 12)
+    args.repeats = args.repeats or (4 if e2b else 2)
+    return device
+
+
+def main(argv: list[str] | None = None, default_model: str = "gemma3n") -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default=default_model, help=f"default: {default_model}")
+    run_arguments(parser)
+    args = parser.parse_args(argv)
+    device = run_defaults(parser, args)
+    name = args.config
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = config(name, args.model)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))

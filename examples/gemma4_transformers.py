@@ -37,7 +37,7 @@ import time
 import torch
 
 # examples/ is first on sys.path when this file runs as a script
-from gemma3n_transformers import allocated, at_least, build, config, generation_config
+from gemma3n_transformers import allocated, at_least, build, config, generation_config, run_arguments, run_defaults
 from transformers import StaticCache
 
 import ple_ops
@@ -100,34 +100,16 @@ def decode_rate(model, ids, cache, configs) -> tuple[torch.Tensor, float]:
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", choices=["tiny", "e2b"], default=None, help="default: e2b on CUDA, tiny on the CPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=at_least(1), default=None, help="default: 8 (e2b) or 2 (tiny)")
-    parser.add_argument("--prompt-len", type=at_least(1), default=16)
-    # Two at least: the decode rate is (new tokens - 1) per sequence over the time beyond a
-    # one-token generate.
-    parser.add_argument("--new-tokens", type=at_least(2), default=None, help="default: 64 (e2b) or 12 (tiny)")
+    run_arguments(parser)
     parser.add_argument(
         "--max-cache-len", type=at_least(1), default=None, help="both caches' length; default 4 x (prompt + new tokens)"
     )
     parser.add_argument(
         "--kv-layers", type=at_least(2), default=2, help="full-attention layers the offloaded cache's GPU budget holds"
     )
-    parser.add_argument(
-        "--repeats", type=at_least(1), default=None, help="timed runs of each, best taken; default 4 (e2b) or 2"
-    )
     parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa", help="transformers' attention")
-    parser.add_argument("--backend", default="inductor", help="torch.compile backend (CompileConfig.backend)")
     args = parser.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device: {e}")
-    args.config = args.config or ("e2b" if device.type == "cuda" else "tiny")
-    e2b = args.config == "e2b"
-    args.batch = args.batch or (8 if e2b else 2)
-    args.new_tokens = args.new_tokens or (64 if e2b else 12)
-    args.repeats = args.repeats or (4 if e2b else 2)
+    device = run_defaults(parser, args)
     args.max_cache_len = args.max_cache_len or 4 * (args.prompt_len + args.new_tokens)
     if args.max_cache_len < args.prompt_len + args.new_tokens:
         parser.error(f"--max-cache-len: {args.max_cache_len} is below prompt + new tokens")
