@@ -79,3 +79,30 @@ def test_a_dropped_set_of_slot_loads_gives_up_its_name_without_a_close():
     with pytest.raises(ValueError, match=r"no SlotLoads named 'dropped-cache'"):
         lookup("dropped-cache")
     in_step.check_name("SlotLoads", "dropped-cache")  # free for a new one
+
+
+def test_a_wait_on_a_layer_that_is_not_streamed_or_a_name_without_waits_is_refused():
+    # The one per-layer wait (kv_ops.wait_layer) resolves names of every in-step object: a slot
+    # load's resident layer, or a StepTransfers (no per-layer wait), is a clear error, not a no-op.
+    import torch
+
+    import kv_ops
+    from kv_ops.transfer.slot_loads import SlotLoads
+
+    loads = SlotLoads("wait-refusals")
+    keys = torch.randn(1, 2, 1, 4)
+    lengths = [torch.zeros((), dtype=torch.int64) for _ in range(4)]
+    loads.allocate(plan_slots(4, 2), keys, keys.clone(), 8, lengths)
+    slot_k, slot_v = loads.slots[0]
+    h = torch.randn(3)
+    with pytest.raises(
+        ValueError, match=r"layer 0 is not a streamed layer of 'wait-refusals' \(streamed: \[1, 2, 3\]\)"
+    ):
+        kv_ops.wait_layer(h, "wait-refusals", 0, [slot_k, slot_v])
+    streamed_k, streamed_v = loads.slots[loads.plan.slot[2]]
+    assert kv_ops.wait_layer(h, "wait-refusals", 2, [streamed_k, streamed_v]) is h  # a streamed one waits
+    caches = {f"layer{i}": torch.randn(4, 2, 8) for i in range(2)}
+    with kv_ops.OffloadEngine(caches, 4, capacity_bytes=1 << 16) as engine, kv_ops.StepTransfers(engine, "no-waits"):
+        with pytest.raises(ValueError, match=r"'no-waits' is a StepTransfers, which has no per-layer wait"):
+            kv_ops.wait_layer(h, "no-waits", 0, list(caches.values()))
+    loads.close()
