@@ -18,16 +18,11 @@ device addresses (zero-copy), so there is no staging buffer and the launch is on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES, alignment, direct_launcher, launch_compiled
-
-# Programs (one CTA each) and bytes one program moves per tile: the block-copy kernel's, whose
-# reasons hold here too (a PCIe read needs many bytes in flight per program; a few SMs suffice).
+from .cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES, alignment, direct_launcher, interpreting, launch_compiled
 
 
 @triton.jit(do_not_specialize=["rows", "k_row_bytes", "v_row_bytes", "k_pos_bytes", "v_pos_bytes"])
@@ -148,7 +143,7 @@ class PrefixCopy:
             self.compiled, self.device, NUM_PROGRAMS, stream, (*args, TILE_BYTES, self.align)
         ):
             return
-        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.device.type == "cpu" and not interpreting():
             raise RuntimeError("kv_ops.prefix_copy runs on CPU tensors only under TRITON_INTERPRET=1")
         launch = _prefix_copy_kernel[(NUM_PROGRAMS,)]
         if self.device.type == "cuda":
@@ -159,4 +154,4 @@ class PrefixCopy:
         self.compiled = handle if direct_launcher(handle) else None
 
 
-__all__ = ["PrefixCopy", "NUM_PROGRAMS", "TILE_BYTES"]
+__all__ = ["PrefixCopy"]

@@ -24,9 +24,8 @@ Its layers, bottom up; each imports only the layers below it (tests/ple_ops/test
                       ``host_embedding``.
    * ``runtime/``  -- the offload process and the step transaction: ``OffloadRuntime``.
 
-From kv_ops it imports only public names: those in the ``__all__`` of ``kv_ops.cuda.driver``,
-``capture``, ``host_memory``, ``kernels``, ``arguments``, ``registration`` and ``ops``, and the
-package's ``__version__``.
+From kv_ops it imports only the CUDA floor, ``kv_ops.cuda`` (public names in its modules'
+``__all__``), the gather op ``kv_ops.ops.gather_blocks`` and the package's ``__version__``.
 """
 
 from kv_ops import __version__  # one version for the distribution, written in kv_ops

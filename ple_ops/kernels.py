@@ -24,13 +24,11 @@ by raising the flag, exactly as it frees a ``cuStreamWaitValue32``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kv_ops.cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES
+from kv_ops.cuda.launch import NUM_PROGRAMS, NUM_WARPS, TILE_BYTES, interpreting
 
 from .semaphore import DONE, IDLE, RESET, WAITING
 
@@ -39,7 +37,7 @@ from .semaphore import DONE, IDLE, RESET, WAITING
 # node's fixed cost (benchmarks/ple_latency.py times both routes; docs/design.md).
 COPY_ENGINE_FROM = 4 << 20
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if interpreting():
 
     @triton.jit
     def _fence_system():

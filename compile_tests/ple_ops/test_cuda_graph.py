@@ -176,7 +176,7 @@ def test_decode_step_under_reduce_overhead():
 
 
 def test_killing_the_offload_process_unblocks_the_gpu_before_the_step_timeout():
-    with ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cuda") as rt:
+    with ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cuda", step_timeout=2.0) as rt:
         ids = torch.arange(8)
         rt.prepare(ids)
         out = rt.model(torch.zeros(8, 64, device="cuda"), ids.cuda())  # the stream waits on layer 1

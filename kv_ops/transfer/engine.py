@@ -213,7 +213,6 @@ class OffloadEngine:
         self._lanes = {d: Lane(d) for d in Direction}
         self._ordering = Ordering(self.device, self._streams)
         self._store_side, self._load_side = engine_sides(self._lanes)
-        self._through: dict[str, Side] = {}  # load_through's, by its caller's name
         self._next_tid = 0  # taken only by a call that enqueued its transfer
         self._closed = False
         self._on_close: list = []  # see on_close()
@@ -272,19 +271,20 @@ class OffloadEngine:
         (through the path's ``reported``) once the transfer is reported."""
         return self._events[Direction.LOAD]
 
-    def load_through(self, path, host_ids, gpu_ids, after=None, *, op: str, instead: str) -> int:
+    def load_side(self, op: str, instead: str) -> Side:
+        """The load side for a caller of :meth:`load_through`, bound once: its name ``op`` in
+        errors, and ``instead``, the advice given when a CUDA-graph capture is refused."""
+        return replace(self._load_side, op=op, instead=instead)
+
+    def load_through(self, path, side: Side, host_ids, gpu_ids, after=None) -> int:
         """One load issued on ``path`` and tracked as :meth:`load` tracks its own: the ids checked
         and taken in as :meth:`load` documents, ordered after ``after``, enqueued on ``path``
         (:class:`~kv_ops.transfer.paths.TransferPath`), reported by :meth:`poll` and counted in
         ``path_counts[path.name]`` (a key the caller adds once). ``path`` may instead be a function
         of the checked :class:`~kv_ops.transfer.blocks.Blocks` that returns the path, for a caller
         that picks its mechanism by the ids: a pick that differs from the last load's path is
-        ordered after that load, as every change of path is. ``op`` names the caller in errors and
-        ``instead`` is the advice given when a CUDA-graph capture is refused. Returns the
-        transfer id."""
-        side = self._through.get(op)
-        if side is None or side.instead != instead:  # bound once per caller
-            side = self._through[op] = replace(self._load_side, op=op, instead=instead)
+        ordered after that load, as every change of path is. ``side`` is the caller's
+        :meth:`load_side`. Returns the transfer id."""
         return self._transfer(side, gpu_ids, host_ids, after, path=path)
 
     def on_close(self, callback) -> None:

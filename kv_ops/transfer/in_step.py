@@ -101,6 +101,20 @@ def lookup(name: str, op: str, kind: type, hint: str = ""):
     return found
 
 
+def check_caches(name: str, layer: int, caches: Sequence[torch.Tensor], device: torch.device) -> None:
+    """A ``ValueError`` from :func:`wait_layer` unless every one of layer ``layer``'s ``caches`` is
+    on ``device``, where ``name`` loads.
+
+    Not checked: that they are the very tensors the loads write. A functionalizing backend
+    (aot_eager, opcheck) hands the op clones of what it mutates, so an address check would refuse
+    correct programs; the compile tests' node order is the guard."""
+    for c in caches:
+        if c.device != device:
+            raise ValueError(
+                f"kv_ops.wait_layer: a cache of layer {layer} is on {c.device}, but {name!r} loads into {device}"
+            )
+
+
 def keep(*tensors: torch.Tensor) -> None:
     """Keep memory a captured step reads for the life of the process."""
     _kept.extend(tensors)
@@ -173,4 +187,14 @@ def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.
     return dep
 
 
-__all__ = ["wait_layer", "check_name", "register", "unregister", "is_live", "lookup", "MADE_BEFORE_STEP", "keep"]
+__all__ = [
+    "check_caches",
+    "wait_layer",
+    "check_name",
+    "register",
+    "unregister",
+    "is_live",
+    "lookup",
+    "MADE_BEFORE_STEP",
+    "keep",
+]

@@ -47,7 +47,8 @@ from ..layer_wait import wait_landed
 from ..validation import error_counter
 from . import dma, in_step, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
-from .engine import ClosedError, check_engine
+from .closed import ClosedError
+from .engine import check_engine
 from .ids import Pool
 from .in_step import wait_layer
 
@@ -257,6 +258,7 @@ class LayerwiseLoads:
         bounds = np.cumsum([0] + [len(g) for g in groups])
         self._rows = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         self.device = engine.device
+        self._side = engine.load_side("LayerwiseLoads.start", "start it before the replay")
         self.copies = copies
         mechanisms = ("kernel", "staged") if copies == "auto" else (copies,)
         self.starts = dict.fromkeys(mechanisms, 0)
@@ -340,9 +342,7 @@ class LayerwiseLoads:
             self.engine.check_open("LayerwiseLoads.start")
             raise ClosedError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
         path = self._pick if self.copies == "auto" else self._paths[self.copies]
-        return self.engine.load_through(
-            path, host_ids, gpu_ids, after, op="LayerwiseLoads.start", instead="start it before the replay"
-        )
+        return self.engine.load_through(path, self._side, host_ids, gpu_ids, after)
 
     def _pick(self, blocks: Blocks) -> _LayerPath:
         """copies="auto": the path of the mechanism :func:`pick_copies` picks for these ids."""
@@ -417,14 +417,7 @@ class LayerwiseLoads:
             raise ValueError(
                 f"kv_ops.wait_layer: layer {layer} is not a layer of {self.name!r} (0..{self.num_layers - 1})"
             )
-        # Not checked: that the caches are the very tensors holding the layer's regions. A
-        # functionalizing backend (aot_eager, opcheck) hands the op clones of what it mutates,
-        # so an address check would refuse correct programs; the node-order test is the guard.
-        for c in caches:
-            if c.device != self.device:
-                raise ValueError(
-                    f"kv_ops.wait_layer: a cache of layer {layer} is on {c.device}, but {self.name!r} loads into {self.device}"
-                )
+        in_step.check_caches(self.name, layer, caches, self.device)
 
     def wait(self, layer: int, caches: Sequence[torch.Tensor]) -> None:
         """What :func:`kv_ops.wait_layer` does for layer ``layer`` of this object."""

@@ -220,12 +220,7 @@ class SlotLoads:
             raise ValueError(
                 f"kv_ops.wait_layer: layer {k} is not a streamed layer of {self.name!r} (streamed: {streamed})"
             )
-        device = self.saved.device
-        for c in caches:
-            if c.device != device:
-                raise ValueError(
-                    f"kv_ops.wait_layer: a slot of layer {k} is on {c.device}, but {self.name!r} loads into {device}"
-                )
+        in_step.check_caches(self.name, k, caches, self.saved.device)
 
     # --- on the CPU: the same, at once ---------------------------------------------------------
 

@@ -131,7 +131,6 @@ class StagedPath(EventPath):
             Direction.STORE: kernels.BoundCopy(self.device, self.regions, None, num_programs=STAGE_PROGRAMS),
             Direction.LOAD: kernels.BoundCopy(self.device, None, self.regions, num_programs=STAGE_PROGRAMS),
         }
-        self._bound = bound
         self._errors = errors
         rows = self.staging.slot_rows
         # Per direction and slot: graphs of the slot's gather (or scatter) fed from host ids,

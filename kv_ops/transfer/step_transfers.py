@@ -30,7 +30,8 @@ from ..cuda.registration import register_op
 from ..validation import check_fake_values, error_counter
 from . import ids as ids_mod
 from . import in_step
-from .engine import ClosedError, check_engine
+from .closed import ClosedError
+from .engine import check_engine
 
 # How long stage() waits for the step that reads the last staged ids before it gives up: that
 # step was launched but has not run yet (the GPU is behind), or was never launched.

@@ -16,8 +16,8 @@ from transformers import (  # noqa: E402
     StaticCache,
 )
 
+from kv_ops.cuda.launch import TILE_BYTES  # noqa: E402
 from kv_ops.integrations.transformers import HostOffloadedCache  # noqa: E402
-from kv_ops.prefix_copy import TILE_BYTES  # noqa: E402
 
 NEW = 6
 gpu = pytest.mark.gpu

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kv_ops import reference
 from kv_ops.cuda.host_memory import device_view, pinned_empty
-from kv_ops.prefix_copy import TILE_BYTES, PrefixCopy
+from kv_ops.cuda.launch import TILE_BYTES
+from kv_ops.prefix_copy import PrefixCopy
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -224,7 +224,7 @@ def test_a_death_between_steps_fails_the_next_prepare_once_the_watchdog_looked(l
 
 
 def test_killing_the_offload_process_mid_step_raises_before_its_step_timeout():
-    rt = ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cpu")
+    rt = ple_ops.OffloadRuntime(make_slow_model, max_tokens=16, device="cpu", step_timeout=2.0)
     try:
         ids = torch.arange(8)
         rt.prepare(ids)
@@ -413,7 +413,7 @@ def test_an_out_of_vocabulary_id_fails_that_step_only(runtime, local, forward):
 
 
 def test_an_exception_in_the_offload_process_surfaces_with_its_traceback(local):
-    rt = ple_ops.OffloadRuntime(make_failing_model, max_tokens=16, device="cpu")
+    rt = ple_ops.OffloadRuntime(make_failing_model, max_tokens=16, device="cpu", step_timeout=2.0)
     try:
         ids = torch.arange(8)
         rt.prepare(ids)

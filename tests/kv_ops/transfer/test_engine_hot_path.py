@@ -216,7 +216,7 @@ SLEEP_CYCLES = 1_000_000_000  # ~0.5 s on an H200
 # A call "returns at once" when it returns before this share of the GPU sleep queued ahead of it
 # has run, as the host saw it in the same run: a call that waited for the GPU takes all of it, and
 # a loaded host stretches the call, never the sleep.
-AT_ONCE = 0.5
+AT_ONCE = 0.1
 
 
 def sleep_seen_from(start: float, slept: torch.cuda.Event) -> float:

@@ -53,6 +53,9 @@ def test_every_plan_loads_each_streamed_layer_into_a_free_slot_before_it_reads(l
         (8, 12, ()),
         (3, 2, (1, 2)),
         (6, 2, (1, 2, 3, 4, 5)),
+        # Where two shared slots would hold three layers, two layers share one, spread as two.
+        (5, 4, (2, 4)),
+        (10, 9, (4, 9)),
     ],
 )
 def test_the_streamed_layers_are_spread_over_the_step(layers, slots, streamed):
