@@ -87,14 +87,10 @@ def _block_copy_kernel(
             pair = item // chunks
             col = (item - pair * chunks) * COLS  # first byte of this row within the block
             sid, did, ok = _tile_ids(src_ids_ptr, dst_ids_ptr, pair, live, src_limit, dst_limit, SRC_PACKED, DST_PACKED)
-            src_base, src_row = _side_row(
-                sid, anchor_ptr, src_off, src_stride, packed_ptr, packed_stride, column, col, SRC_PACKED
-            )
-            dst_base, dst_row = _side_row(
-                did, anchor_ptr, dst_off, dst_stride, packed_ptr, packed_stride, column, col, DST_PACKED
-            )
-            src_row = tl.multiple_of(src_row, ALIGN)
-            dst_row = tl.multiple_of(dst_row, ALIGN)
+            src_base = packed_ptr if SRC_PACKED else anchor_ptr
+            dst_base = packed_ptr if DST_PACKED else anchor_ptr
+            src_row = _side_row(sid, src_off, src_stride, packed_stride, column, col, ALIGN, SRC_PACKED)
+            dst_row = _side_row(did, dst_off, dst_stride, packed_stride, column, col, ALIGN, DST_PACKED)
             mask = ok[:, None] & ((col[:, None] + lanes[None, :]) < width)
             values = tl.load(src_base + (src_row[:, None] + lanes[None, :]), mask=mask)
             tl.store(dst_base + (dst_row[:, None] + lanes[None, :]), values, mask=mask)
@@ -170,16 +166,17 @@ def _tile_ids(
 
 
 @triton.jit
-def _side_row(block, anchor_ptr, offset, stride, packed_ptr, packed_stride, column, col, PACKED: tl.constexpr):
-    """One side's base pointer, and each tile row's first byte as an offset from it: in the
-    packed buffer, row ``block`` at the region's ``column``; in a region, block ``block``."""
+def _side_row(block, offset, stride, packed_stride, column, col, ALIGN: tl.constexpr, PACKED: tl.constexpr):
+    """Each tile row's first byte on one side, as an offset from that side's base pointer: in
+    the packed buffer, row ``block`` at the region's ``column``; in a region (from the anchor),
+    block ``block``. A multiple of ``ALIGN``."""
     if PACKED:
         row = block * packed_stride + column + col
-        base = packed_ptr
     else:
         row = offset + block * stride + col
-        base = anchor_ptr
-    return base, row
+    # Said here, on the op that makes the row: a hint given to a helper's returned value (a call
+    # result) is dropped, and the copy would not vectorise.
+    return tl.multiple_of(row, ALIGN)
 
 
 class BoundCopy:
