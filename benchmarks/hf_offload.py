@@ -13,7 +13,10 @@ Floor: the bytes HostOffloadedCache streams per step (the positions in use of ev
 layer in, one new position of each out, at the decode's mean length) at the same run's pinned
 host-to-GPU memcpy rate; target: max(floor, the on-GPU static step at the same ``max_cache_len``
 and mode). Host time per layer update, eager: ``Cache.update`` of a decode token over every
-layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours in the same run.
+layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours in the same run;
+and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` on the cache's
+layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
+graph launch).
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
 at these widths, so tokens are not compared here: examples/hf_offload.py (eager attention)
 checks them bit for bit.
@@ -29,7 +32,9 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, StaticCache
+from transformers.cache_utils import StaticLayer
 
+from kv_ops.cuda.capture import capturing
 from kv_ops.integrations.transformers import HostOffloadedCache
 
 from common import finish, guard, parse, parser, save  # this script's own directory
@@ -47,7 +52,9 @@ COLUMNS = [
     "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
+    "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers",
 ]  # fmt: skip
+PARTS = ("layer", "check", "wait", "issue")
 
 
 def memcpy_rate() -> float:
@@ -123,6 +130,35 @@ def update_host_us(model, ids, cache, reps: int = 20) -> float:
     return statistics.median(times) * 1e6
 
 
+def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> dict[str, float]:
+    """Host microseconds per call of each piece of ``cache``'s eager layer update (p50 over
+    ``reps``, the GPU idle before each), after a prefill through the model."""
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    cfg = model.config
+    shape = (ids.shape[0], cfg.num_key_value_heads, 1, cfg.head_dim)
+    k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    loads, layer = cache.loads, cache.layers[cache.offloaded[0]]
+    streamed = loads.plan.streamed[0]
+
+    def p50(piece) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            piece()
+            times.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        return statistics.median(times) * 1e6
+
+    return {
+        "layer": p50(lambda: StaticLayer.update(layer, k, v)),  # what StaticCache's update does
+        "check": p50(lambda: capturing(k.device)),
+        "wait": p50(lambda: loads.wait(streamed)),
+        "issue": p50(lambda: loads.issue(streamed)),
+    }
+
+
 def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
@@ -150,6 +186,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         ]
     static_us = update_host_us(model, ids, StaticCache(config=cfg, max_cache_len=context))
     ours_us = update_host_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
+    parts = update_parts_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
     all_bytes = layers * layer_bytes
     mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
     rows, reference = [], {}
@@ -174,6 +211,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         else:  # transformers' offloaded caches hold two layers on the GPU, at the sequence's length
             kv_gpu = 2 * per_position * sequence
         floor = moved / rate
+        pieces = cache == "HostOffloadedCache" and shown == "eager"
         target = max(floor, base_step) if base_step is not None else floor
         rows.append(
             {
@@ -185,6 +223,8 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
                 "peak_gpu_gib": peak, "mib_per_step": moved / 2**20,
                 "update_host_us": ours_us if cache == "HostOffloadedCache" and shown == "eager" else None,
                 "static_update_host_us": static_us if cache == "static" and shown == "eager" else None,
+                **{f"part_{name}_us": parts[name] if pieces else None for name in PARTS},
+                "streamed_layers": streamed if pieces else None,
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -221,6 +261,31 @@ def markdown(rows, rate) -> str:
             f"| {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
             f"| {r['floor_ms']:.2f} | {fmt(r['step_vs_target'], '.2f')} | {r['mib_per_step']:.0f} "
             f"| {r['kv_gpu_mib']:.0f} | {fmt(update, '.1f')} |"
+        )
+    lines += [
+        "",
+        "Eager update, host us per layer: StaticCache's beside ours, and ours piece by piece (p50 per call): "
+        "transformers' `StaticLayer.update` on the cache's layer, the capture check, then per step one event "
+        "wait and one queued load per streamed layer.",
+        "",
+        "| layers | batch | max_cache_len | StaticCache | HostOffloadedCache | layer | check | wait | load "
+        "| streamed | excess / layer |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    static = {
+        (r["layers"], r["batch"], r["context"]): r["static_update_host_us"]
+        for r in rows
+        if r["static_update_host_us"] is not None
+    }
+    for r in rows:
+        if r["part_layer_us"] is None:
+            continue
+        base = static.get((r["layers"], r["batch"], r["context"]))
+        excess = r["update_host_us"] - base if base is not None else None
+        lines.append(
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {fmt(base, '.1f')} | {r['update_host_us']:.1f} "
+            f"| {r['part_layer_us']:.1f} | {r['part_check_us']:.1f} | {r['part_wait_us']:.1f} "
+            f"| {r['part_issue_us']:.1f} | {r['streamed_layers']} | {fmt(excess, '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
