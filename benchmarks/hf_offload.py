@@ -17,6 +17,8 @@ layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours i
 and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` on the cache's
 layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
 graph launch).
+``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
+references) to this run's table, for a sweep split over several processes.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
 at these widths, so tokens are not compared here: examples/hf_offload.py (eager attention)
 checks them bit for bit.
@@ -24,6 +26,7 @@ checks them bit for bit.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import statistics
 import sys
@@ -49,7 +52,7 @@ build, config, generate, generation = example.build, example.config, example.gen
 
 NEW = 32
 COLUMNS = [
-    "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "decode_tok_s", "step_ms",
+    "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
     "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers",
@@ -216,7 +219,8 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         rows.append(
             {
                 "layers": layers, "batch": batch, "sequence": sequence, "capacity": capacity, "context": context,
-                "cache": cache, "mode": shown, "decode_tok_s": batch / step, "step_ms": step * 1e3,
+                "cache": cache, "mode": shown, "memcpy_gbs": rate / 1e9, "decode_tok_s": batch / step,
+                "step_ms": step * 1e3,
                 "floor_ms": floor * 1e3, "target_ms": target * 1e3,
                 "step_vs_target": step / target if ours is not None else None,
                 "kv_gpu_mib": kv_gpu / 2**20, "kv_gpu_saved_mib": (all_bytes - kv_gpu) / 2**20,
@@ -240,13 +244,32 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def markdown(rows, rate) -> str:
+def read_rows(path: Path) -> list[dict]:
+    """An earlier run's rows from its CSV, typed as this script writes them (empty cells: None)."""
+
+    def typed(value: str):
+        if value == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+        return value
+
+    with open(path, newline="") as f:
+        return [{k: typed(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def markdown(rows) -> str:
+    rates = sorted({round(r["memcpy_gbs"], 1) for r in rows if r.get("memcpy_gbs") is not None})
+    rate = "-".join(str(v) for v in sorted({rates[0], rates[-1]})) if rates else "?"
     lines = [
         "# HostOffloadedCache in generate()",
         "",
         f"Random-weight Llama at Llama-3-8B widths, bf16, greedy, {NEW} new tokens, sdpa attention; pinned "
-        f"host-to-GPU memcpy {rate / 1e9:.1f} GB/s in this run. Decode tokens/s; `vs offload`: over the better of "
-        "transformers' offloaded caches at the shape; floor: HostOffloadedCache's bytes per step at the memcpy rate; "
+        f"host-to-GPU memcpy {rate} GB/s, measured in each shape's own run. Decode tokens/s; `vs offload`: "
+        "over the better of transformers' offloaded caches at the shape; floor: HostOffloadedCache's bytes per step at the memcpy rate; "
         "target: max(floor, static's step at the same max_cache_len and mode); update us: host time per layer "
         "update, eager.",
         "",
@@ -329,15 +352,16 @@ def main(argv=None) -> int:
         help="the shapes that also run with CUDA graphs, and with a budget for half the layers",
     )
     p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
+    p.add_argument("--merge", type=Path, help="an earlier run's hf_offload.csv, whose rows join this run's table")
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    rows = []
+    rows = read_rows(args.merge) if args.merge else []
     for shape in args.shapes.split(","):
         layers, batch, sequence, capacity = (int(v) for v in shape.split("x"))
         rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes)
-    save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows, rate), plot=plot)
+    save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows), plot=plot)
     finish()
     return 0
 

@@ -120,6 +120,35 @@ def test_layerwise_parts_table_from_fake_rows():
     ]
 
 
+def hf_row(hf, cache, mode, capacity, rate, **values):
+    row = dict.fromkeys(hf.COLUMNS)
+    row.update(layers=8, batch=4, sequence=2048, capacity=capacity, context=2048 * capacity, cache=cache, mode=mode)
+    row.update(memcpy_gbs=rate, decode_tok_s=400.0, step_ms=10.0, floor_ms=4.25, target_ms=9.5, kv_gpu_mib=256.0)
+    row.update(kv_gpu_saved_mib=0.0, peak_gpu_gib=2.5, mib_per_step=222.0, vs_best_transformers_offload=1.05)
+    row.update(values)
+    return row
+
+
+def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    parts = dict(part_layer_us=40.5, part_check_us=1.25, part_wait_us=3.0, part_issue_us=12.0, streamed_layers=7)
+    earlier = [
+        hf_row(hf, "static", "eager", 1, 54.4, static_update_host_us=42.7),
+        hf_row(hf, "HostOffloadedCache", "eager", 1, 54.4, update_host_us=90.5, step_vs_target=1.13, **parts),
+    ]
+    path = tmp_path / "hf_offload.csv"
+    report.write_csv(path, earlier, hf.COLUMNS)
+    assert hf.read_rows(path) == earlier  # typed back as written: ints, floats, strings, None
+    now = [hf_row(hf, "HostOffloadedCache", "cudagraphs", 8, 55.1, step_vs_target=1.11)]
+    lines = hf.markdown(hf.read_rows(path) + now).splitlines()
+    assert "memcpy 54.4-55.1 GB/s, measured in each shape's own run" in lines[2]
+    assert lines[-1] == "| 8 | 4 | 2048 | 42.7 | 90.5 | 40.5 | 1.2 | 3.0 | 12.0 | 7 | 47.8 |"
+    assert "| 8 | 4 | 2048 | 16384 | HostOffloadedCache | cudagraphs | 400 | 10.00 | 1.05 | 4.25 | 1.11 |" in "\n".join(
+        lines
+    )
+
+
 @pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "layerwise_parts", "ple_latency"])
 def test_every_script_writes_and_plots_through_report(script):
     # Directly or through common.save: no script has a CSV writer or a figure of its own.
