@@ -101,6 +101,20 @@ class HostOffloadedLayer(StaticLayer):
     def reset(self) -> None:
         self.cumulative_length.zero_()
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # A layer's rows live in a slot other layers share and in a host copy: only the cache
+        # reorders them, all at once (HostOffloadedCache.reorder_cache).
+        raise NotImplementedError("HostOffloadedCache: reorder the whole cache (cache.reorder_cache), not one layer")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "HostOffloadedCache: the batch is fixed when the slots are allocated, so it cannot be repeated; "
+            "expand the inputs before the prefill (as generate() does for beam search)"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("HostOffloadedCache: the batch is fixed when the slots are allocated")
+
 
 class HostOffloadedCache(Cache):
     """A ``transformers.Cache`` for ``model.generate(..., past_key_values=cache)`` that keeps the
@@ -109,7 +123,8 @@ class HostOffloadedCache(Cache):
     Made like ``StaticCache``: ``HostOffloadedCache(config=model.config, max_cache_len=N)``.
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
-    :meth:`reset` before reusing it for another prompt, as with ``StaticCache``.
+    :meth:`reset` before reusing it for another prompt, as with ``StaticCache``. Beam search
+    works (:meth:`reorder_cache`); a batch that changes size after allocation does not.
 
     ``max_gpu_bytes`` is the GPU memory the full-attention layers may hold (sliding-window
     layers stay on the GPU besides): as many layers as it holds stay resident, the rest are
@@ -239,6 +254,19 @@ class HostOffloadedCache(Cache):
         super().reset()
         self.loads.reset()
         self._seen = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the sequences for beam search (``generate(num_beams=...)``): sequence i takes
+        sequence ``beam_idx[i]``'s keys and values. The full-attention layers are reordered in
+        place, slots and host copies keeping their addresses (so a captured step still reads
+        them), which waits for the GPU's loads (a sync); the other layers as transformers does."""
+        kept = set(self.offloaded)
+        for i, layer in enumerate(self.layers):
+            # A placeholder layer keeps nothing to reorder.
+            if i not in kept and not (DummyLayer is not None and isinstance(layer, DummyLayer)):
+                layer.reorder_cache(beam_idx)
+        if self.layers[self.offloaded[0]].get_seq_length() > 0:
+            self.loads.reorder(beam_idx)
 
     @property
     def max_cache_len(self) -> int:

@@ -187,6 +187,25 @@ class SlotLoads:
         if self.saved is not None:
             self.saved.zero_()
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Put row ``rows[i]`` of every layer's keys and values at row i, in place (beam search):
+        each slot once, for whichever layer holds it, then each streamed layer's positions on
+        the host. The slots are reordered on the current stream, after the step's reads, which
+        waited for every load; the host copies on the host, once the GPU is done with them."""
+        rows = rows.to(self.saved.device)
+        for pair in self.slots:
+            for t in pair:
+                t.copy_(t.index_select(0, rows))
+        # A step waits for every load it issues, so the loads and write-backs into the host
+        # copies are done once the current stream is: the only sync, and only for beam search.
+        # Every written position of a host copy is reordered: an evicted layer's newest ones were
+        # written back past its saved count; a slot's layer's stale ones there are harmless.
+        written = torch.stack(self.lengths).tolist()
+        rows = rows.cpu()
+        for k, pair in self.host.items():
+            for t in pair:
+                t[:, :, : written[k]] = t[:, :, : written[k]].index_select(0, rows)
+
     # --- the two steps of a load, on a CUDA device --------------------------------------------
 
     def issue(self, k: int, tensors: tuple | None = None, replay: bool = True) -> None:

@@ -141,6 +141,58 @@ def test_compiled_generate_is_bitwise_the_static_caches(backend):
     assert cache.loads.moved > 0  # the compiled steps ran the loads
 
 
+def beams(n: int, compile_config=None) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=NEW, min_new_tokens=NEW, num_beams=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True, output_scores=True, compile_config=compile_config,
+        disable_compile=compile_config is None,
+    )  # fmt: skip
+
+
+def same_beams(a, b) -> bool:
+    return same(a, b) and torch.equal(a.sequences_scores, b.sequences_scores)
+
+
+def addresses(cache) -> list[int]:
+    loads = cache.loads
+    return [t.data_ptr() for pair in loads.slots + list(loads.host.values()) for t in pair]
+
+
+@pytest.mark.parametrize(("name", "cfg", "cls"), list(models())[:2], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("n", [2, 3])
+def test_beam_search_is_bitwise_the_static_caches_and_keeps_every_address(name, cfg, cls, n):
+    # generate() reorders the cache after every step: each beam takes the rows of the beam it
+    # continues, in the slots and in the streamed layers' host copies alike.
+    model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), beams(n))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    with torch.no_grad():  # allocate at the beams' batch, to see that no address moves after
+        model(prompt(cfg.vocab_size, batch=ids.shape[0] * n), past_key_values=cache, use_cache=True)
+    cache.reset()
+    before = addresses(cache)
+    got = generate(model, ids, cache, beams(n))
+    assert same_beams(got, want)
+    # The control: some beam continued another beam's sequence, so the reorder moved rows.
+    paths = got.beam_indices[:, : NEW - 1]
+    assert (paths[:, 1:] != paths[:, :-1]).any()
+    assert addresses(cache) == before
+
+
+def test_reordering_one_layer_or_resizing_the_batch_is_refused():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    layer = cache.layers[cache.offloaded[1]]
+    with pytest.raises(NotImplementedError, match="reorder the whole cache"):
+        layer.reorder_cache(torch.tensor([1, 0]))
+    with pytest.raises(NotImplementedError, match="cannot be repeated"):
+        cache.batch_repeat_interleave(2)
+    with pytest.raises(NotImplementedError, match="the batch is fixed"):
+        cache.batch_select_indices(torch.tensor([0]))
+
+
 def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
     # Count what the loads really copy (the CPU path counts every byte) over the decode steps, at
     # 1x and 8x the sequence: the same bytes, and exactly the positions in use.
@@ -366,6 +418,20 @@ def test_on_a_gpu_a_budget_gives_the_static_caches_tokens(held, resident):
     got, want, cache = cuda_run(cfg, LlamaForCausalLM, max_gpu_bytes=held * layer)
     assert same(got, want)
     assert len(cache.resident()) == resident and cache.gpu_bytes() == held * layer
+
+
+@gpu
+def test_on_a_gpu_beam_search_is_bitwise_the_static_caches():
+    # The slots are reordered on the GPU, the host copies on the host once the step's loads are done.
+    cfg = llama(layers=8)
+    model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
+    ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
+    length = 4 * (ids.shape[1] + NEW)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), beams(3))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    got = generate(model, ids, cache, beams(3))
+    assert same_beams(got, want)
+    assert len(cache.loads.plan.streamed) == 7
 
 
 @gpu
