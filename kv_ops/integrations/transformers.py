@@ -144,7 +144,8 @@ class HostOffloadedCache(Cache):
         attention. At the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
         two layers (the message names the minimum), or host memory the machine lacks.
-        Eagerly, a step past ``max_cache_len``.
+        Eagerly, a step past ``max_cache_len``, or keys of another batch or dtype than the
+        slots were allocated for (a reset cache reused for another prompt).
     """
 
     def __init__(
@@ -243,12 +244,27 @@ class HostOffloadedCache(Cache):
         if self.max_batch_size_ is not None and batch > self.max_batch_size_:
             raise ValueError(f"HostOffloadedCache: a batch of {batch} is over max_batch_size {self.max_batch_size_}")
         if layer_idx == self.offloaded[0]:
+            self._check_slots(key_states)
             if self._seen + new > self.max_cache_len_:
                 raise ValueError(
                     f"HostOffloadedCache: {self._seen} tokens cached and {new} more would pass max_cache_len "
                     f"{self.max_cache_len_}"
                 )
             self._seen += new
+
+    def _check_slots(self, key_states: torch.Tensor) -> None:
+        """Keys that the slots, allocated at the first prefill, cannot hold: a clear error where
+        the copy into the slot would fail with torch's (a reset cache reused at another batch)."""
+        if self.loads.plan is None:
+            return
+        keys = self.loads.slots[0][0]
+        got = (*key_states.shape[:2], key_states.shape[-1], key_states.dtype)
+        if got != (*keys.shape[:2], keys.shape[-1], keys.dtype):
+            raise ValueError(
+                f"HostOffloadedCache: the slots were allocated for keys of batch {keys.shape[0]}, "
+                f"{keys.shape[1]} heads, head dim {keys.shape[-1]} and {keys.dtype}, but got keys "
+                f"{tuple(key_states.shape)} of {key_states.dtype}: make a new cache for another batch or dtype"
+            )
 
     def reset(self) -> None:
         super().reset()

@@ -350,6 +350,22 @@ def test_a_prompt_or_a_step_past_max_cache_len_is_refused():
         generate(model, ids, cache, gen())
 
 
+@pytest.mark.parametrize(("batch", "dtype"), [(3, torch.float32), (1, torch.float32), (2, torch.float64)])
+def test_a_reset_cache_reused_at_another_batch_or_dtype_is_refused_before_it_writes(batch, dtype):
+    cfg = llama()
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=2), cache, gen())
+    cache.reset()
+    slots = [t.clone() for pair in cache.loads.slots for t in pair]
+    model = model_of(cfg, LlamaForCausalLM, dtype=dtype)
+    with pytest.raises(
+        ValueError, match=rf"allocated for keys of batch 2, .* but got keys \({batch}, 2, 9, 16\) of {dtype}"
+    ):
+        generate(model, prompt(cfg.vocab_size, batch=batch), cache, gen())
+    assert all(torch.equal(a, b) for a, b in zip(slots, (t for pair in cache.loads.slots for t in pair)))
+    assert all(int(cache.layers[i].cumulative_length) == 0 for i in cache.offloaded)
+
+
 def test_keys_on_another_device_than_the_caches_are_refused():
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
