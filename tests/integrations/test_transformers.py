@@ -179,6 +179,18 @@ def test_beam_search_is_bitwise_the_static_caches_and_keeps_every_address(name, 
     assert addresses(cache) == before
 
 
+@pytest.mark.parametrize(("held", "resident"), [(2, 1), (4, 2)])  # one shared slot; two
+def test_beam_search_under_a_budget_is_bitwise_the_static_caches(held, resident):
+    cfg = llama(layers=8)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    layer = 2 * ids.shape[0] * 3 * cfg.num_key_value_heads * cfg.head_dim * 4 * length  # K and V, 3 beams, float32
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), beams(3))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=held * layer)
+    assert same_beams(generate(model, ids, cache, beams(3)), want)
+    assert len(cache.resident()) == resident and len(cache.loads.slots) == held
+
+
 def test_reordering_one_layer_or_resizing_the_batch_is_refused():
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
