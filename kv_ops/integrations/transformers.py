@@ -32,6 +32,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 from ..cuda import arguments
 from ..cuda.capture import capturing
 from ..cuda.torch_internals import mark_static_address
+from ..transfer import in_step
 from ..transfer.slot_loads import SlotLoads, plan_slots, slot_bytes
 
 try:  # transformers >= 5.24: layers that keep no cache (Gemma 4's KV-shared ones) are "dummy"
@@ -144,8 +145,8 @@ class HostOffloadedCache(Cache):
         attention. At the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
         two layers (the message names the minimum), or host memory the machine lacks.
-        Eagerly, a step past ``max_cache_len``, or keys of another batch or dtype than the
-        slots were allocated for (a reset cache reused for another prompt).
+        Eagerly, a step past ``max_cache_len``, keys of another batch or dtype than the slots
+        were allocated for (a reset cache reused for another prompt), or a closed cache.
     """
 
     def __init__(
@@ -236,6 +237,8 @@ class HostOffloadedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        if layer_idx == 0 and not in_step.is_live(self.loads):  # once a step, before any layer writes
+            raise ValueError(f"HostOffloadedCache: {self.name!r} was closed (close()); make a new cache")
         if self.device is not None and key_states.device != self.device:
             raise ValueError(
                 f"HostOffloadedCache: the model's keys are on {key_states.device}, but the cache was made for {self.device}"
@@ -313,7 +316,8 @@ class HostOffloadedCache(Cache):
         return sum(t.numel() * t.element_size() for pair in self.loads.slots for t in pair)
 
     def close(self) -> None:
-        """Drop the cache's name (the model must not run on it afterwards)."""
+        """Drop the cache's name; a step on it afterwards raises ``ValueError``. Closing twice is
+        harmless."""
         self.loads.close()
 
 

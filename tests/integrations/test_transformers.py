@@ -378,6 +378,20 @@ def test_a_reset_cache_reused_at_another_batch_or_dtype_is_refused_before_it_wri
     assert all(int(cache.layers[i].cumulative_length) == 0 for i in cache.offloaded)
 
 
+def test_a_closed_cache_is_refused_before_any_layer_writes():
+    cfg, cls = gemma3(), Gemma3ForCausalLM  # a sliding-window layer first: it must not write either
+    model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    cache.reset()
+    cache.close()
+    cache.close()  # twice: harmless
+    keys = [layer.keys.clone() for layer in cache.layers]
+    with pytest.raises(ValueError, match=rf"HostOffloadedCache: '{cache.name}' was closed"):
+        generate(model, ids, cache, gen())
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, keys, strict=True))
+
+
 def test_keys_on_another_device_than_the_caches_are_refused():
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
