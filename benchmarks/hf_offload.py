@@ -110,55 +110,53 @@ def make(mode, new):
     return generation(new, None if mode == "eager" else mode)
 
 
-def update_host_us(model, ids, cache, reps: int = 20) -> float:
-    """Host microseconds per layer of ``cache.update`` with a decode token (p50 over ``reps``
-    steps of every layer, the GPU idle before each), after a prefill through the model."""
-    cache.reset()
-    with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-    cfg = model.config
-    shape = (ids.shape[0], cfg.num_key_value_heads, 1, cfg.head_dim)
-    k, v = (
-        torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-        torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-    )
+def host_p50_us(piece, reps: int) -> float:
+    """Host microseconds of ``piece()``, p50 over ``reps`` calls, the GPU idle before each."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for layer in range(cfg.num_hidden_layers):
-            cache.update(k, v, layer)
-        times.append((time.perf_counter() - t) / cfg.num_hidden_layers)
+        piece()
+        times.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     return statistics.median(times) * 1e6
 
 
-def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> dict[str, float]:
-    """Host microseconds per call of each piece of ``cache``'s eager layer update (p50 over
-    ``reps``, the GPU idle before each), after a prefill through the model."""
+def decode_token(model, ids, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode token's keys and values for ``cache``, after a prefill of ``ids`` through the model."""
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
     cfg = model.config
     shape = (ids.shape[0], cfg.num_key_value_heads, 1, cfg.head_dim)
-    k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return torch.randn(shape, device="cuda", dtype=torch.bfloat16), torch.randn(
+        shape, device="cuda", dtype=torch.bfloat16
+    )
+
+
+def update_host_us(model, ids, cache, reps: int = 20) -> float:
+    """Host microseconds per layer of ``cache.update`` with a decode token (p50 over ``reps``
+    steps of every layer), after a prefill through the model."""
+    k, v = decode_token(model, ids, cache)
+    layers = model.config.num_hidden_layers
+
+    def step():
+        for layer in range(layers):
+            cache.update(k, v, layer)
+
+    return host_p50_us(step, reps) / layers
+
+
+def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> dict[str, float]:
+    """Host microseconds per call of each piece of ``cache``'s eager layer update (p50 over
+    ``reps``), after a prefill through the model."""
+    k, v = decode_token(model, ids, cache)
     loads, layer = cache.loads, cache.layers[cache.offloaded[0]]
     streamed = loads.plan.streamed[0]
-
-    def p50(piece) -> float:
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            piece()
-            times.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
-        return statistics.median(times) * 1e6
-
     return {
-        "layer": p50(lambda: StaticLayer.update(layer, k, v)),  # what StaticCache's update does
-        "check": p50(lambda: capturing(k.device)),
-        "wait": p50(lambda: loads.wait(streamed)),
-        "issue": p50(lambda: loads.issue(streamed)),
+        "layer": host_p50_us(lambda: StaticLayer.update(layer, k, v), reps),  # what StaticCache's update does
+        "check": host_p50_us(lambda: capturing(k.device), reps),
+        "wait": host_p50_us(lambda: loads.wait(streamed), reps),
+        "issue": host_p50_us(lambda: loads.issue(streamed), reps),
     }
 
 
