@@ -17,6 +17,7 @@ earlier layer's finite values, which the mask zeroes exactly.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
@@ -107,6 +108,9 @@ class HostOffloadedLayer(StaticLayer):
         # reorders them, all at once (HostOffloadedCache.reorder_cache).
         raise NotImplementedError("HostOffloadedCache: reorder the whole cache (cache.reorder_cache), not one layer")
 
+    def __deepcopy__(self, memo: dict):
+        raise NotImplementedError("HostOffloadedCache: copy the whole cache (copy.deepcopy(cache)), not one layer")
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(
             "HostOffloadedCache: the batch is fixed when the slots are allocated, so it cannot be repeated; "
@@ -125,7 +129,8 @@ class HostOffloadedCache(Cache):
     Allocation happens at the first ``update`` (the prefill), from the keys' batch, heads, dtype
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
     :meth:`reset` before reusing it for another prompt, as with ``StaticCache``. Beam search
-    works (:meth:`reorder_cache`); a batch that changes size after allocation does not.
+    (:meth:`reorder_cache`), assisted generation (a crop) and ``copy.deepcopy`` (prefix caching)
+    work; a batch that changes size after allocation does not.
 
     ``max_gpu_bytes`` is the GPU memory the full-attention layers may hold (sliding-window
     layers stay on the GPU besides): as many layers as it holds stay resident, the rest are
@@ -286,6 +291,32 @@ class HostOffloadedCache(Cache):
                 layer.reorder_cache(beam_idx)
         if self.layers[self.offloaded[0]].get_seq_length() > 0:
             self.loads.reorder(beam_idx)
+
+    def __deepcopy__(self, memo: dict) -> HostOffloadedCache:
+        """A cache of its own (a new name, slots and host copies) holding what this one holds, as
+        transformers' prefix caching uses it: fill a cache with a shared prompt once, then
+        ``copy.deepcopy`` it for each request. Waits for the GPU's loads (a sync), as
+        :meth:`reorder_cache` does."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.name = f"hf-cache-{next(_names)}"
+        new.loads = SlotLoads(new.name)
+        index = {layer: k for k, layer in enumerate(self.offloaded)}
+        new.layers = [
+            HostOffloadedLayer(self.max_cache_len_, new, index[i]) if i in index else copy.deepcopy(layer, memo)
+            for i, layer in enumerate(self.layers)
+        ]
+        if self.loads.plan is not None:
+            # Allocated alike: the same keys' shape gives the same plan, and every count is still
+            # zero while the loads are bound; then the contents.
+            keys, values = (t[:, :, :0] for t in self.loads.slots[0])
+            for i in self.offloaded:
+                if self.layers[i].is_initialized:
+                    new.layers[i].lazy_initialization(keys, values)
+            for i in self.offloaded:
+                new.layers[i].cumulative_length.copy_(self.layers[i].cumulative_length)
+            new.loads.copy_from(self.loads)
+        return new
 
     @property
     def max_cache_len(self) -> int:

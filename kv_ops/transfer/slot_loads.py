@@ -196,15 +196,34 @@ class SlotLoads:
         for pair in self.slots:
             for t in pair:
                 t.copy_(t.index_select(0, rows))
-        # A step waits for every load it issues, so the loads and write-backs into the host
-        # copies are done once the current stream is: the only sync, and only for beam search.
-        # Every written position of a host copy is reordered: an evicted layer's newest ones were
-        # written back past its saved count; a slot's layer's stale ones there are harmless.
-        written = torch.stack(self.lengths).tolist()
+        written = self.written()
         rows = rows.cpu()
         for k, pair in self.host.items():
             for t in pair:
                 t[:, :, : written[k]] = t[:, :, : written[k]].index_select(0, rows)
+
+    def copy_from(self, other: SlotLoads) -> None:
+        """Take ``other``'s keys and values, ``self`` allocated by the same plan and shapes: the
+        slots and saved counts on the current stream, then each streamed layer's written
+        positions on the host (the owner copies the lengths)."""
+        for mine, theirs in zip(self.slots, other.slots, strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                a.copy_(b)
+        self.saved.copy_(other.saved)
+        written = other.written()
+        for k, pair in self.host.items():
+            for a, b in zip(pair, other.host[k], strict=True):
+                a[:, :, : written[k]] = b[:, :, : written[k]]
+
+    def written(self) -> list[int]:
+        """Each layer's count of written positions, read from the device: the positions of a
+        host copy that can hold data (an evicted layer's newest ones were written back past its
+        saved count; a slot's layer's stale ones there are harmless).
+
+        A sync of the current stream, after which the host copies may be read on the host: a
+        step waits for every load it issues, so the loads and write-backs into them are done
+        once the current stream is. Only beam search and copying a cache pay it."""
+        return torch.stack(self.lengths).tolist()
 
     # --- the two steps of a load, on a CUDA device --------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -203,6 +205,77 @@ def test_reordering_one_layer_or_resizing_the_batch_is_refused():
         cache.batch_repeat_interleave(2)
     with pytest.raises(NotImplementedError, match="the batch is fixed"):
         cache.batch_select_indices(torch.tensor([0]))
+
+
+def prefix_cached(model, cfg, cache, device="cpu"):
+    """transformers' prefix caching: fill ``cache`` with a shared prompt, then answer each of two
+    requests (the prompt and a tail of its own) from a ``copy.deepcopy`` of it, then the prompt
+    cache itself with a third tail: the copies must leave it as it was."""
+    shared = prompt(cfg.vocab_size, device=device)
+    with torch.no_grad():
+        model(shared, past_key_values=cache, use_cache=True)
+    outs, copies = [], []
+    for length in (3, 4, 5):
+        tail = torch.randint(
+            1, cfg.vocab_size, (shared.shape[0], length), generator=torch.Generator().manual_seed(length)
+        )
+        request = copy.deepcopy(cache) if length < 5 else cache
+        outs.append(generate(model, torch.cat([shared, tail.to(device)], 1), request, gen()))
+        copies.append(request)
+    return outs, copies
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg", "cls", "budget"),
+    [("llama", llama(), LlamaForCausalLM, None), ("gemma3", gemma3(), Gemma3ForCausalLM, None),
+     ("llama-one-shared-slot", llama(), LlamaForCausalLM, 2)],
+    ids=lambda v: v if isinstance(v, str) else "",
+)  # fmt: skip
+def test_prefix_caching_by_deepcopy_is_bitwise_the_static_caches(name, cfg, cls, budget):
+    model, length = model_of(cfg, cls), 4 * (9 + 5 + NEW)
+    want, _ = prefix_cached(model, cfg, StaticCache(config=cfg, max_cache_len=length))
+    layer = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * length  # K and V, batch 2, float32
+    budget = None if budget is None else budget * layer
+    got, caches = prefix_cached(model, cfg, HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=budget))
+    assert all(same(a, b) for a, b in zip(got, want, strict=True))
+    # Each copy has its own name, slots and host copies, and streams layers as the original does.
+    assert len({c.name for c in caches}) == 3
+    assert len({p for c in caches for p in addresses(c)}) == 3 * len(addresses(caches[0]))
+    assert all(c.loads.plan == caches[2].loads.plan and c.loads.moved > 0 for c in caches)
+
+
+def test_copying_one_layer_is_refused():
+    cfg = llama()
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    with pytest.raises(NotImplementedError, match=r"copy the whole cache \(copy.deepcopy\(cache\)\)"):
+        copy.deepcopy(cache.layers[1])
+
+
+def test_assisted_generation_is_bitwise_the_static_caches(monkeypatch):
+    # The assistant's rejected tokens are cropped from the cache (its lengths go back), and the
+    # next step writes over them: in a streamed layer's slot, and on its host copy when evicted.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=1)
+    torch.manual_seed(1)
+    assistant = LlamaForCausalLM(llama(layers=2)).eval()
+    config = gen()
+    config.num_assistant_tokens = 3
+    length = 4 * (ids.shape[1] + NEW)
+    crops = []
+    crop = HostOffloadedCache.crop
+    monkeypatch.setattr(HostOffloadedCache, "crop", lambda self, n: (crops.append(n), crop(self, n)))
+    with torch.no_grad():
+        try:
+            want = model.generate(ids, past_key_values=StaticCache(config=cfg, max_cache_len=length),
+                                  generation_config=config, assistant_model=assistant)  # fmt: skip
+        except ValueError as error:  # transformers < 5.24 has no crop for a static cache
+            if "not supported with Static cache" not in str(error):
+                raise
+            pytest.skip(f"transformers {transformers.__version__} refuses assisted generation with StaticCache")
+        got = model.generate(ids, past_key_values=HostOffloadedCache(config=cfg, max_cache_len=length),
+                             generation_config=config, assistant_model=assistant)  # fmt: skip
+    assert same(got, want)
+    assert crops  # the control: some of the assistant's tokens were rejected and cropped
 
 
 def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
@@ -474,6 +547,17 @@ def test_on_a_gpu_beam_search_is_bitwise_the_static_caches():
     got = generate(model, ids, cache, beams(3))
     assert same_beams(got, want)
     assert len(cache.loads.plan.streamed) == 7
+
+
+@gpu
+def test_on_a_gpu_prefix_caching_by_deepcopy_is_bitwise_the_static_caches():
+    # The copy's slots are filled on the GPU, its host copies on the host once the loads are done.
+    cfg = llama(layers=8)
+    model, length = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16), 4 * (9 + 5 + NEW)
+    want, _ = prefix_cached(model, cfg, StaticCache(config=cfg, max_cache_len=length), "cuda")
+    got, caches = prefix_cached(model, cfg, HostOffloadedCache(config=cfg, max_cache_len=length), "cuda")
+    assert all(same(a, b) for a, b in zip(got, want, strict=True))
+    assert all(len(c.loads.plan.streamed) == 7 and k.is_pinned() for c in caches for k, _ in c.loads.host.values())
 
 
 @gpu
