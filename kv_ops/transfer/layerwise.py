@@ -72,11 +72,6 @@ _US_PER_2D_COPY = 4.0
 WAIT_TIMEOUT_S = 10.0
 
 
-def lookup(name: str) -> LayerwiseLoads:
-    """The live :class:`LayerwiseLoads` called ``name`` in this process."""
-    return in_step.lookup(name, "kv_ops.wait_layer", LayerwiseLoads, in_step.MADE_BEFORE_STEP)
-
-
 def _layer_groups(engine, layers) -> list[list[str]]:
     """Region names per layer: given, or one layer per cache tensor of the engine."""
     regions = engine.regions
@@ -485,4 +480,4 @@ class _LayerKernels:
         self.exec = self.graph.raw_cuda_graph_exec()
 
 
-__all__ = ["LayerwiseLoads", "wait_layer", "lookup", "pick_copies"]
+__all__ = ["LayerwiseLoads", "wait_layer", "pick_copies"]

@@ -244,6 +244,20 @@ def test_prefix_caching_by_deepcopy_is_bitwise_the_static_caches(name, cfg, cls,
     assert all(c.loads.plan == caches[2].loads.plan and c.loads.moved > 0 for c in caches)
 
 
+def test_early_initialization_and_a_second_turn_are_bitwise_the_static_caches():
+    # Allocated ahead (transformers' export recipes), then a chat's second turn continues the cache.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    outs = {}
+    for cls in (StaticCache, HostOffloadedCache):
+        cache = cls(config=cfg, max_cache_len=4 * (ids.shape[1] + 3 + 2 * NEW))
+        cache.early_initialization(ids.shape[0], cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+        first = generate(model, ids, cache, gen())
+        reply = torch.cat([first.sequences, prompt(cfg.vocab_size, length=3)], 1)
+        outs[cls] = first, generate(model, reply, cache, gen())
+    assert all(same(a, b) for a, b in zip(outs[HostOffloadedCache], outs[StaticCache], strict=True))
+
+
 def test_copying_one_layer_is_refused():
     cfg = llama()
     cache = HostOffloadedCache(config=cfg, max_cache_len=32)
