@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda.arguments import positive_int
+from .cuda.arguments import byte_regions, positive_int
 from .cuda.host_memory import bytes_at
 
 
@@ -195,7 +195,8 @@ def resolve_regions(
     ------
     ValueError
         ``kv_caches`` is not a non-empty mapping of str to Tensor (:func:`check_kv_caches`),
-        ``num_blocks`` is not a positive integer, a spec names no tensor in ``kv_caches``, its
+        ``num_blocks`` is not a positive integer, ``specs`` is not a non-empty sequence of
+        :class:`KVCacheTensorSpec`, a spec names no tensor in ``kv_caches``, its
         layers' tensors do not share one storage, it does not fit its storage, it does not divide
         into whole regions, or two regions overlap.
 
@@ -215,12 +216,20 @@ def regions_of(owner: str, kv_caches, num_blocks, specs=None) -> dict[str, torch
     """:func:`resolve_regions` with ``specs``, else :func:`infer_regions`, for an entry point that
     takes the caches itself: every error names ``owner``, the function the user called, as the
     argument checks of :mod:`kv_ops.cuda.arguments` do."""
-    return _resolve(owner, kv_caches, specs, num_blocks) if specs else _infer(owner, kv_caches, num_blocks)
+    # None, not any falsy value, means "infer": an empty specs is a mistake _resolve refuses.
+    return _infer(owner, kv_caches, num_blocks) if specs is None else _resolve(owner, kv_caches, specs, num_blocks)
 
 
 def _resolve(owner: str, kv_caches, specs, num_blocks) -> dict[str, torch.Tensor]:
     check_kv_caches(owner, kv_caches)
     num_blocks = positive_int(owner, "num_blocks", num_blocks)
+    if isinstance(specs, KVCacheTensorSpec) or not isinstance(specs, Sequence) or isinstance(specs, str):
+        raise ValueError(f"{owner}: specs must be a list of KVCacheTensorSpec objects, got {specs!r}")
+    if not specs:
+        # Nothing to cut: every region would be missing, and a copy over them would move nothing.
+        raise ValueError(
+            f"{owner}: specs is empty; pass one KVCacheTensorSpec per allocation, or no specs to infer the layout"
+        )
     found: list[_Placement] = []
     for spec in specs:
         if not isinstance(spec, KVCacheTensorSpec):
@@ -317,8 +326,9 @@ def infer_regions(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dic
     Raises
     ------
     ValueError
-        ``kv_caches`` or ``num_blocks`` is malformed (as :func:`resolve_regions` says), or a
-        tensor's layout is none of the above; the message says which tensor and why.
+        ``kv_caches`` or ``num_blocks`` is malformed (as :func:`resolve_regions` says), a
+        tensor's blocks have no bytes (a dimension of size 0), or a tensor's layout is none of the
+        above; the message says which tensor and why.
 
     Examples
     --------
@@ -348,6 +358,12 @@ def _infer(owner: str, kv_caches, num_blocks) -> dict[str, torch.Tensor]:
             )
         groups = [(name, t)] if blocks_first else [(f"{name}.{g}", t[g]) for g in range(2)]
         for group_name, g in groups:
+            if g[0].numel() == 0:
+                # A region of empty blocks has no bytes to alias, and no block to move.
+                raise ValueError(
+                    f"{owner}: kv_caches[{name!r}] of shape {shape}: its blocks have no bytes (a block is "
+                    f"{tuple(g.shape[1:])}, with no elements)"
+                )
             width = _dense_bytes(g[0])
             if width is None:
                 raise ValueError(
@@ -382,9 +398,22 @@ def _infer(owner: str, kv_caches, num_blocks) -> dict[str, torch.Tensor]:
 
 
 def block_bytes(regions: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> int:
-    """Total bytes of one block across ``regions``: the row width of a packed gather buffer."""
-    values = regions.values() if isinstance(regions, Mapping) else regions
-    return sum(r.shape[1] for r in values)
+    """Total bytes of one block across ``regions``: the row width of a packed gather buffer.
+
+    Parameters
+    ----------
+    regions : sequence of Tensor, or mapping of str to Tensor
+        uint8 regions ``[num_blocks, block_bytes]``, as :func:`resolve_regions` and
+        :func:`infer_regions` return them; at least one.
+
+    Raises
+    ------
+    ValueError
+        ``regions`` is not a non-empty list, tuple or mapping of 2-D uint8 tensors: the cache
+        tensors themselves, a single tensor, ``None``. The message names the argument, or the
+        entry, and what it got.
+    """
+    return sum(r.shape[1] for r in byte_regions("kv_ops.block_bytes", "regions", regions))
 
 
 __all__ = [

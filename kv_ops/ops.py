@@ -82,6 +82,19 @@ def _refuse_types(op: str, **sides) -> None:
                 raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}") from None
 
 
+def _refuse_mixed(op: str, src, dst) -> None:
+    """A ``ValueError`` when one side is a mapping of regions and the other a list or tuple: a
+    list has no names to pair by, and by position a mapping built in another order would pair
+    the wrong regions, unnoticed where their block sizes agree. (Any other side is left to
+    :func:`_refuse_types`.)"""
+    for named, listed, other in (("src", "dst", dst), ("dst", "src", src)):
+        if isinstance(other, (list, tuple)):
+            raise ValueError(
+                f"{op}: {named} is a mapping of regions but {listed} is a {type(other).__name__}, which has no "
+                "names to pair them by; pass two mappings (paired by name) or two lists (paired by position)"
+            )
+
+
 class _RegionSet:
     """One checked pair of sides and its bound kernel copy."""
 
@@ -253,8 +266,9 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     src, dst : sequence of Tensor, or mapping of str to Tensor
         uint8 regions ``[num_blocks, block_bytes]`` (from :func:`kv_ops.resolve_regions`);
         ``src[r]`` and ``dst[r]`` have equal ``block_bytes`` but may differ in ``num_blocks``.
-        Two mappings are paired by key and must have the same keys. Checked when first seen;
-        keep using the same tensors (the op finds them again by identity).
+        Two mappings are paired by key and must have the same keys; two lists by position. A
+        mapping and a list are refused: a list has no names to pair by. Checked when first
+        seen; keep using the same tensors (the op finds them again by identity).
     src_ids, dst_ids : Tensor
         1-D int32/int64 of equal length ``n``, on the kernel's device (the GPU, if any region is
         on the GPU).
@@ -262,7 +276,8 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     Raises
     ------
     ValueError
-        In eager mode, before any byte moves: an id outside ``[0, num_blocks)``, a repeated
+        Before any byte moves: one of ``src`` and ``dst`` a mapping, the other a list; in
+        eager mode, an id outside ``[0, num_blocks)``, a repeated
         destination id, mismatched block sizes, a wrong dtype or device, ids that are not
         tensors (a list: pass ``torch.tensor(ids, device=...)``), a meta tensor (it holds no
         values: the call would move nothing). Id checks can be turned off
@@ -278,7 +293,12 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
     >>> host = {k: kv_ops.pinned_empty((num_host_blocks, r.shape[1])) for k, r in gpu.items()}
     >>> kv_ops.copy_blocks(gpu, host, gpu_ids, host_ids)      # store: GPU -> host
     """
-    if type(src) not in (list, tuple) and isinstance(src, Mapping) and isinstance(dst, Mapping):
+    # The type tests first: a list skips the Mapping ABC's isinstance (see _region_list).
+    src_named = type(src) not in (list, tuple) and isinstance(src, Mapping)
+    dst_named = type(dst) not in (list, tuple) and isinstance(dst, Mapping)
+    if src_named != dst_named:
+        _refuse_mixed("kv_ops.copy_blocks", src, dst)
+    if src_named:
         if set(src) != set(dst):
             raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {sorted(src)} vs {sorted(dst)}")
         dst = {name: dst[name] for name in src}  # paired by name, whatever order each was built in

@@ -79,7 +79,15 @@ def error_counter(device: torch.device | str | int | None = None) -> torch.Tenso
     counter = _counters.get(device)  # a device seen before, as the ops pass it on every call
     if counter is not None:
         return counter
-    device = arguments.device("kv_ops.error_counter", device)
+    return _counter("kv_ops.error_counter", device)
+
+
+def _counter(owner: str, device) -> torch.Tensor:
+    """:func:`error_counter` past its fast path, with errors that name ``owner``, the call made."""
+    device = arguments.device(owner, device)
+    if device.type not in ("cuda", "cpu"):
+        # The kernels run on GPUs and the CPU only; a meta counter would hold no count to read.
+        raise ValueError(f"{owner}: device {device} has no error counter; pass a CUDA device or the CPU")
     counter = _counters.get(device)
     if counter is None:
         refuse_capture(
@@ -94,13 +102,19 @@ def error_counter(device: torch.device | str | int | None = None) -> torch.Tenso
 
 
 def error_count(device: torch.device | str | int | None = None) -> int:
-    """Pairs skipped so far on ``device`` because an id was out of range (syncs the device)."""
-    return int(error_counter(device).item())
+    """Pairs skipped so far on ``device`` because an id was out of range (syncs the device).
+
+    Raises
+    ------
+    ValueError
+        ``device`` is no device, a CUDA device this machine lacks, or neither CUDA nor the CPU.
+    """
+    return int(_counter("kv_ops.error_count", device).item())
 
 
 def reset_error_count(device: torch.device | str | int | None = None) -> None:
     """Set the counter of ``device`` to zero (stream-ordered on CUDA)."""
-    error_counter(device).zero_()
+    _counter("kv_ops.reset_error_count", device).zero_()
 
 
 # --- metadata checks (always on) -----------------------------------------------------------------

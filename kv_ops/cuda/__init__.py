@@ -4,7 +4,7 @@ kv_ops's ops and engine and all of ple_ops import from here; nothing here import
 it. Bottom first, each module may import only the ones before it:
 
 * :mod:`.torch_internals`: every reach into torch's private names, each with why and what breaks it;
-* :mod:`.arguments`: the count and device rules of every public entry point;
+* :mod:`.arguments`: the count, index, name, shape, dtype, seconds and device rules of every public entry point;
 * :mod:`.registration`: the one way an operator is registered (schema, fake, CPU, CUDA);
 * :mod:`.driver`: every CUDA driver call, through lazily imported bindings, checked;
 * :mod:`.capture`: whether a CUDA-graph capture is under way, and the one refusal;

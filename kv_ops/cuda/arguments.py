@@ -1,8 +1,10 @@
-"""The plain arguments every public entry point of kv_ops and ple_ops shares: counts and devices, one rule each."""
+"""The plain arguments every public entry point of kv_ops and ple_ops shares (counts, indices, names, shapes, dtypes, seconds, regions, devices): one rule each."""
 
 from __future__ import annotations
 
 import numbers
+import os
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -16,6 +18,30 @@ def positive_int(owner: str, what: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{owner}: {what} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def index(owner: str, what: str, value) -> int:
+    """``value`` as an ``int`` when it is an integer >= 0 (a layer, a position), else a
+    ``ValueError`` naming all three; ``bool`` and floats are refused as in :func:`positive_int`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{owner}: {what} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def text(owner: str, what: str, value) -> str:
+    """``value`` when it is a non-empty ``str`` (a name an op carries), else a ``ValueError``."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{owner}: {what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def tensor_list(owner: str, what: str, value) -> list[torch.Tensor]:
+    """``value`` as a list when it is a list or tuple of tensors, else a ``ValueError``: a single
+    tensor is refused, which ``list()`` would split into its rows."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(f"{owner}: {what} must be a list of tensors, got {shown}")
+    return list(value)
 
 
 def device(owner: str, value, what: str = "device") -> torch.device:
@@ -34,6 +60,8 @@ def device(owner: str, value, what: str = "device") -> torch.device:
         found = torch.device("cuda", int(value)) if isinstance(value, numbers.Integral) else torch.device(value)
     except (RuntimeError, ValueError) as error:
         raise ValueError(f"{owner}: {what} {value!r} is not a device ({error})") from None
+    if found.type == "cpu":
+        return torch.device("cpu")  # one CPU: "cpu:0" is the device a CPU tensor reports as "cpu"
     if found.type != "cuda":
         return found
     if not torch.cuda.is_available():
@@ -62,4 +90,87 @@ def cuda_device(owner: str, value, what: str = "device") -> torch.device:
     return found
 
 
-__all__ = ["positive_int", "device", "cuda_device"]
+def shape(owner: str, what: str, value) -> tuple[int, ...]:
+    """``value`` as a shape tuple when it is an integer or a sequence of integers, else a
+    ``ValueError`` naming all three. ``bool`` is refused as in :func:`positive_int`; a string is
+    refused rather than read as a sequence of characters."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        dims = (value,)
+    elif isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
+        dims = None
+    else:
+        dims = tuple(value)
+    if dims is None or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in dims):
+        raise ValueError(f"{owner}: {what} must be an integer or a sequence of integers, got {value!r}")
+    dims = tuple(int(d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{owner}: negative dimension in {what} {dims}")
+    return dims
+
+
+def dtype(owner: str, what: str, value) -> torch.dtype:
+    """``value`` when it is a ``torch.dtype``, else a ``ValueError``: torch takes no dtype names
+    such as ``"float32"``, and ``None`` would reach torch as "the default", not as a mistake."""
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{owner}: {what} must be a torch.dtype (e.g. torch.uint8), got {value!r}")
+    return value
+
+
+def file_name_part(owner: str, what: str, value) -> str:
+    """``value`` when it is a non-empty ``str`` that can stand inside one file name, else a
+    ``ValueError``: a separator would put the file in another directory, and a NUL byte ends the
+    name the kernel sees."""
+    text(owner, what, value)
+    for bad in ("/", os.sep, os.altsep, "\0"):
+        if bad and bad in value:
+            raise ValueError(f"{owner}: {what} goes into a file name and must not contain {bad!r}, got {value!r}")
+    return value
+
+
+def byte_regions(owner: str, what: str, value) -> list[torch.Tensor]:
+    """The tensors of ``value``, in order, when it is a non-empty list or tuple, or mapping of
+    names, of 2-D uint8 regions ``[num_blocks, block_bytes]``; else a ``ValueError`` naming the
+    argument, or the entry, and what it is. Cache tensors themselves are not regions: their shape
+    would be read as one."""
+    if isinstance(value, Mapping):
+        entries = [(f"{what}[{key!r}]", t) for key, t in value.items()]
+    elif isinstance(value, (list, tuple)):
+        entries = [(f"{what}[{i}]", t) for i, t in enumerate(value)]
+    else:
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(f"{owner}: {what} must be a list or mapping of uint8 regions, got {shown}")
+    if not entries:
+        raise ValueError(f"{owner}: {what} must hold at least one region, got {value!r}")
+    for name, t in entries:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{owner}: {name} must be a 2-D uint8 region tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.dtype != torch.uint8:
+            raise ValueError(
+                f"{owner}: {name} must be a 2-D uint8 region [num_blocks, block_bytes], got {t.dtype} "
+                f"{tuple(t.shape)} (kv_ops.infer_regions or resolve_regions makes regions of cache tensors)"
+            )
+    return [t for _, t in entries]
+
+
+def seconds(owner: str, what: str, value) -> float:
+    """``value`` as a ``float`` when it is a finite number of seconds > 0, else a ``ValueError``
+    naming all three. ``bool`` is refused: ``True`` where a timeout belongs is a slip, never a
+    duration (and it would pass as one second)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
+        raise ValueError(f"{owner}: {what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+__all__ = [
+    "positive_int",
+    "index",
+    "text",
+    "tensor_list",
+    "device",
+    "cuda_device",
+    "shape",
+    "dtype",
+    "file_name_part",
+    "byte_regions",
+    "seconds",
+]

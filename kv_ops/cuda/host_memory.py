@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import arguments
 from .arguments import cuda_device
 from .driver import check_driver, device_pointer, driver, driver_context
 
@@ -210,7 +211,8 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     Raises
     ------
     ValueError
-        A negative dimension, or more bytes than the machine can page-lock: refused before
+        A size that is not an integer or a sequence of integers (``bool`` included), a negative
+        dimension, a dtype that is not a ``torch.dtype``, or more bytes than the machine can page-lock: refused before
         anything is mapped (:func:`check_host_bytes`), or when the mapping or the pinning itself
         runs out of memory.
 
@@ -219,9 +221,8 @@ def pinned_empty(size: int | Sequence[int], dtype: torch.dtype = torch.uint8) ->
     >>> mirror = kv_ops.pinned_empty((num_host_blocks, block_bytes))
     """
     global warned_no_cuda
-    shape = (size,) if isinstance(size, int) else tuple(size)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"pinned_empty: negative dimension in size {shape}")
+    shape = arguments.shape("pinned_empty", "size", size)
+    dtype = arguments.dtype("pinned_empty", "dtype", dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from .arguments import text
+
 # One library per namespace, kept for the life of the process: dropping a Library unregisters its ops.
 _libraries: dict[str, torch.library.Library] = {}
 # As custom_op gives them: the compiler may trust the schema.
@@ -44,8 +46,7 @@ def find_named(registry: dict, name: str, op: str, kind: str, hint: str = ""):
 
 def check_new_name(registry: dict, owner: str, name) -> None:
     """A ``ValueError`` from ``owner`` unless ``name`` is a non-empty string no live instance has."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{owner}: name must be a non-empty string, got {name!r}")
+    text(owner, "name", name)
     if name in registry:
         raise ValueError(f"{owner}: the name {name!r} is taken; close() that instance or pick another")
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cuda.arguments import positive_int
+from ..cuda.arguments import file_name_part, positive_int
 from ..validation import check_ids_meta, check_ids_values
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
@@ -122,7 +122,8 @@ class BlockFile:
         The file system the file goes on.
     tag : str
         Names this rank's or device's file in error messages (``"rank0"``, ``"cuda1"``, ...) and
-        in the short-lived name of the create-then-unlink fallback.
+        in the short-lived name of the create-then-unlink fallback: a non-empty string with no
+        ``/`` and no NUL, else a ``ValueError``.
     slot_bytes : int
         Bytes of one block (all regions); rounded up to 4 KiB.
     num_slots : int
@@ -140,6 +141,7 @@ class BlockFile:
     def __init__(self, directory: str, tag: str, slot_bytes: int, num_slots: int, page_cache: bool = False):
         slot_bytes = positive_int("BlockFile", "slot_bytes", slot_bytes)
         num_slots = positive_int("BlockFile", "num_slots", num_slots)
+        file_name_part("BlockFile", "tag", tag)  # the fallback's short-lived name holds it
         self.fd: int | None = None
         self.directory = directory
         # What error messages call the file; it has no name on disk.

@@ -48,7 +48,7 @@ from .closed import ClosedError, EngineClosedError
 from .completion import Completed, Lane, collect, order_after, pending_event
 from .disk import DiskTier
 from .engine_arguments import PATHS as PATHS  # kv_ops.transfer.engine.PATHS, as before
-from .engine_arguments import check_counts, check_files_and_device, host_blocks
+from .engine_arguments import check_counts, check_files_and_device, disk_fits, host_blocks
 from .groups import engine_groups
 from .ordering import Ordering
 from .paths import PATH_NAMES
@@ -126,11 +126,14 @@ class OffloadEngine:
         Before anything is allocated: ``kv_caches`` not a non-empty mapping of names to CUDA or
         CPU tensors (meta tensors hold no bytes), ``num_blocks``, ``capacity_bytes``,
         ``ring_bytes``, ``staging_slots`` or ``staging_blocks`` not a positive integer, ``specs``
-        that are not :class:`KVCacheTensorSpec`, an unknown ``path``, caches on several
+        that are not :class:`KVCacheTensorSpec` or are empty, an unknown ``path``, caches on several
         devices, a capacity that holds no block, or page-locked memory (the mirror, or the
         disk tier's staging buffers) beyond what this machine has available; ``groups`` that
         is not a non-empty mapping of non-empty lists of regions, or given with ``disk_dir``; a
-        ``host_buffer`` that is not a contiguous CPU uint8 tensor large enough for the mirror.
+        ``host_buffer`` that is not a contiguous CPU uint8 tensor large enough for the mirror; a
+        ``disk_dir`` that is empty, missing or not a directory, a ``disk_tag`` that is not a
+        non-empty string fit for a file name (no ``/``, no NUL), or a ``capacity_bytes`` whose
+        file the disk cannot hold (out of space, too large a file, over quota).
     TypeError
         ``disk_dir`` or ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.
 
@@ -177,7 +180,7 @@ class OffloadEngine:
         num_blocks = check_counts(
             kv_caches, num_blocks, path, capacity_bytes, ring_bytes, staging_slots, staging_blocks
         )
-        self.device = check_files_and_device(kv_caches, disk_dir, crossover_file, page_cache)
+        self.device = check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_cache)
         self._layout(kv_caches, num_blocks, specs, groups, disk_dir)
         self.num_host_blocks = host_blocks(
             capacity_bytes, self.block_bytes, disk_dir, host_buffer, staging_slots, staging_blocks
@@ -186,7 +189,8 @@ class OffloadEngine:
         if disk_dir is None:
             self._mirror(host_buffer, path, ring_bytes, crossover_file)
         else:
-            self._disk(disk_dir, disk_tag, page_cache, staging_slots, staging_blocks)
+            with disk_fits(capacity_bytes, disk_dir):
+                self._disk(disk_dir, disk_tag, page_cache, staging_slots, staging_blocks)
         # Transfers per path, for whoever tunes this: every mirror path (0 where it cannot be
         # picked), and the disk tier on a disk engine.
         self.path_counts = dict.fromkeys((*PATH_NAMES, *self.paths), 0)

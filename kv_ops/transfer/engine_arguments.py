@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 
 import numpy as np
 import torch
 
-from ..cuda.arguments import positive_int
+from ..cuda.arguments import file_name_part, positive_int
 from ..cuda.host_memory import check_host_bytes
 from ..geometry import check_kv_caches
 from .block_file import aligned
@@ -33,11 +35,16 @@ def check_counts(kv_caches, num_blocks, path, capacity_bytes, ring_bytes, stagin
     return num_blocks
 
 
-def check_files_and_device(kv_caches, disk_dir, crossover_file, page_cache) -> torch.device:
-    """The file arguments' types checked, then the one device the caches sit on, returned."""
+def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_cache) -> torch.device:
+    """The file arguments' types checked, ``disk_dir`` a directory that exists and ``disk_tag``
+    a piece of a file name, then the one device the caches sit on, returned."""
     for what, value in (("disk_dir", disk_dir), ("crossover_file", crossover_file)):
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"OffloadEngine: {what} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if disk_tag is not None:  # it names the file (the fallback's short-lived name holds it)
+        file_name_part("OffloadEngine", "disk_tag", disk_tag)
+    if disk_dir is not None:
+        check_disk_dir(disk_dir)
     if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
         raise TypeError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
     devices = {t.device for t in kv_caches.values()}
@@ -45,6 +52,38 @@ def check_files_and_device(kv_caches, disk_dir, crossover_file, page_cache) -> t
         raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
     (device,) = devices
     return device
+
+
+def check_disk_dir(disk_dir) -> None:
+    """A ``ValueError`` naming ``disk_dir`` unless it names a directory that exists: the disk
+    tier's file is made in it, and the OS error would name neither the argument nor the engine."""
+    path = os.fspath(disk_dir)
+    if not path:
+        raise ValueError(f"OffloadEngine: disk_dir must name a directory, got {disk_dir!r}")
+    if not os.path.exists(path):
+        raise ValueError(f"OffloadEngine: disk_dir {disk_dir!r} does not exist; create the directory first")
+    if not os.path.isdir(path):
+        raise ValueError(f"OffloadEngine: disk_dir {disk_dir!r} is not a directory")
+
+
+# What a file system answers when the disk tier's file does not fit: out of space, past the
+# largest file it takes, or past a quota.
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def disk_fits(capacity_bytes, disk_dir):
+    """Around the disk tier's creation: a file that does not fit its file system becomes a
+    ``ValueError`` naming ``capacity_bytes`` and ``disk_dir`` (the file, unnamed, is gone by then)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in DISK_FULL:
+            raise
+        raise ValueError(
+            f"OffloadEngine: capacity_bytes {capacity_bytes} does not fit on the file system of disk_dir "
+            f"{disk_dir!r} ({os.strerror(error.errno)}); pass a smaller capacity_bytes or another disk_dir"
+        ) from None
 
 
 def host_blocks(capacity_bytes, block_bytes: int, disk_dir, host_buffer, staging_slots, staging_blocks) -> int:
@@ -88,4 +127,13 @@ def check_host_buffer(buffer, nbytes: int, disk_dir) -> None:
         )
 
 
-__all__ = ["PATHS", "check_counts", "check_files_and_device", "host_blocks", "check_host_buffer"]
+__all__ = [
+    "PATHS",
+    "check_counts",
+    "check_files_and_device",
+    "check_disk_dir",
+    "DISK_FULL",
+    "disk_fits",
+    "host_blocks",
+    "check_host_buffer",
+]

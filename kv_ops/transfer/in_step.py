@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cuda import arguments
 from ..cuda.registration import check_new_name, find_named, register_op
 from ..validation import check_fake_values
 
@@ -179,11 +180,17 @@ def wait_layer(dep: torch.Tensor, name: str, layer: int, caches: Sequence[torch.
     Raises
     ------
     ValueError
-        No object of that name, a layer out of range, no caches or caches on another device.
+        No object of that name, a name that is not a string, a layer that is not an integer >= 0
+        or is out of range, ``caches`` that is not a list of tensors (a single tensor), no caches
+        or caches on another device.
         Passing tensors other than the layer's caches is not detected, and leaves the layer's
         readers free to be placed above the wait.
     """
-    torch.ops.kv_ops.wait_layer(list(caches), dep, name, layer)
+    op = "kv_ops.wait_layer"
+    if not isinstance(dep, torch.Tensor):
+        raise ValueError(f"{op}: dep must be a tensor (the layer's input), got {dep!r}")
+    caches = arguments.tensor_list(op, "caches", caches)
+    torch.ops.kv_ops.wait_layer(caches, dep, arguments.text(op, "name", name), arguments.index(op, "layer", layer))
     return dep
 
 

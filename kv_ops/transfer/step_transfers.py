@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels, reference
-from ..cuda import capture
+from ..cuda import arguments, capture
 from ..cuda.arguments import positive_int
 from ..cuda.host_memory import lasting_copy, pinned_empty
 from ..cuda.registration import register_op
@@ -277,17 +277,24 @@ class StepTransfers:
         # a copy of the caches, which a backend that functionalizes without re-inplacing
         # (aot_eager) hands a mutating op and copies back after it, would undo the loads.
         # (kv_ops.wait_layer only waits, so it takes copies; this op cannot.)
-        if len(caches) != self._num_caches or any(c.data_ptr() not in self._starts for c in caches):
-            raise ValueError(
-                f"kv_ops.step_transfers: {self.name!r} needs the {self._num_caches} cache tensors its engine was "
-                f"made over, themselves, got {len(caches)} tensors"
-                + (
-                    ""
-                    if len(caches) != self._num_caches
-                    else " of which some are not (copies: compile the step with Inductor, the default backend, "
-                    "or run it eagerly; aot_eager hands the op copies and would undo its loads)"
-                )
+        # Each exactly once: a cache left out (another passed twice) is not declared mutated, so
+        # the compiler may read it before the loads.
+        given = [c.data_ptr() for c in caches]
+        if len(given) == self._num_caches == len(set(given)) and self._starts.issuperset(given):
+            return
+        if len(given) != self._num_caches:
+            why = ""
+        elif len(set(given)) < len(given):
+            why = " of which one is passed twice (each cache once)"
+        else:
+            why = (
+                " of which some are not (copies: compile the step with Inductor, the default backend, "
+                "or run it eagerly; aot_eager hands the op copies and would undo its loads)"
             )
+        raise ValueError(
+            f"kv_ops.step_transfers: {self.name!r} needs the {self._num_caches} cache tensors its engine was "
+            f"made over, themselves, got {len(caches)} tensors{why}"
+        )
 
 
 # --- step_transfers ------------------------------------------------------------------------------
@@ -330,12 +337,13 @@ def step_transfers(name: str, caches: Sequence[torch.Tensor]) -> None:
     are the cache tensors the engine was made over (every layer's): the op declares them
     mutated, so that the compiler keeps every reader and writer of the cache after it. On a
     GPU it enqueues on the current stream, and a CUDA graph captures it as nodes that read the
-    ids staged before each replay. Raises ``ValueError`` with no caches or an unknown ``name``.
+    ids staged before each replay. Raises ``ValueError`` with no caches, ``caches`` not a list of
+    tensors, or a ``name`` that is not a live StepTransfers'.
     """
-    caches = list(caches)
+    caches = arguments.tensor_list("kv_ops.step_transfers", "caches", caches)
     if not _condition(caches):  # the dispatcher cannot route an op with no tensor
         raise ValueError(_message(caches))
-    torch.ops.kv_ops.step_transfers(caches, name)
+    torch.ops.kv_ops.step_transfers(caches, arguments.text("kv_ops.step_transfers", "name", name))
 
 
 __all__ = ["StepTransfers", "step_transfers", "lookup", "STAGE_TIMEOUT_S"]

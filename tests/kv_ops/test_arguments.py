@@ -86,3 +86,105 @@ def test_error_counter_takes_its_device_through_the_shared_rule():
             kv_ops.error_counter("cuda")
     with pytest.raises(ValueError, match=r"^kv_ops.error_counter: device 'tpu:x' is not a device"):
         kv_ops.error_counter("tpu:x")
+
+
+# --- shapes, dtypes, file name parts and regions ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(4, (4,)), (np.int64(3), (3,)), ((2, 5), (2, 5)), ([0, 7], (0, 7)), (torch.Size([6]), (6,))],
+    ids=["int", "numpy-int", "tuple", "list", "size"],
+)
+def test_shape_takes_an_integer_or_a_sequence_of_integers(value, expected):
+    got = arguments.shape("pinned_empty", "size", value)
+    assert got == expected and all(type(d) is int for d in got)
+
+
+@pytest.mark.parametrize("value", [(True, 4), True, "abc", None, ((2, 3),), 2.0, (2, 3.0), torch.tensor(3)])
+def test_shape_refuses_what_is_not_a_shape_naming_owner_argument_and_value(value):
+    with pytest.raises(ValueError) as info:
+        arguments.shape("pinned_empty", "size", value)
+    assert str(info.value) == f"pinned_empty: size must be an integer or a sequence of integers, got {value!r}"
+
+
+def test_shape_refuses_a_negative_dimension():
+    with pytest.raises(ValueError, match=r"^op: negative dimension in size \(4, -1\)$"):
+        arguments.shape("op", "size", (4, -1))
+
+
+@pytest.mark.parametrize("value", ["float32", None, np.float32, 4])
+def test_dtype_refuses_what_is_not_a_torch_dtype(value):
+    assert arguments.dtype("pinned_empty", "dtype", torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ValueError) as info:
+        arguments.dtype("pinned_empty", "dtype", value)
+    assert str(info.value) == f"pinned_empty: dtype must be a torch.dtype (e.g. torch.uint8), got {value!r}"
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (5, "disk_tag must be a non-empty string, got 5"),
+        ("", "disk_tag must be a non-empty string, got ''"),
+        ("a\0b", r"disk_tag goes into a file name and must not contain '\\x00', got 'a\\x00b'"),
+        ("sub/dir", "disk_tag goes into a file name and must not contain '/', got 'sub/dir'"),
+        ("../../up", "disk_tag goes into a file name and must not contain '/', got '../../up'"),
+    ],
+    ids=["int", "empty", "nul", "slash", "escape"],
+)
+def test_file_name_part_refuses_what_cannot_stand_inside_one_file_name(value, message):
+    assert arguments.file_name_part("OffloadEngine", "disk_tag", "rank0.cuda1") == "rank0.cuda1"
+    with pytest.raises(ValueError, match=f"^OffloadEngine: {message}$"):
+        arguments.file_name_part("OffloadEngine", "disk_tag", value)
+
+
+def test_byte_regions_takes_a_list_or_a_mapping_of_uint8_regions_in_order():
+    gen = torch.Generator().manual_seed(11)
+    a, b = (torch.randint(0, 256, (4, w), dtype=torch.uint8, generator=gen) for w in (48, 16))
+    assert arguments.byte_regions("op", "regions", {"b": b, "a": a}) == [b, a]
+    got = arguments.byte_regions("op", "regions", (a, b))
+    assert len(got) == 2 and got[0] is a and got[1] is b
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            {"l0": torch.randn(2, 8, 4, 2, 8)},
+            r"regions\['l0'\] must be a 2-D uint8 region .*got torch.float32 \(2, 8, 4, 2, 8\)",
+        ),
+        (
+            [torch.randint(0, 256, (4,), dtype=torch.uint8)],
+            r"regions\[0\] must be a 2-D uint8 region .*got torch.uint8 \(4,\)",
+        ),
+        ({"a": torch.randn(3, 4)}, r"regions\['a'\] must be a 2-D uint8 region .*got torch.float32 \(3, 4\)"),
+        (
+            [torch.randint(0, 256, (4, 8), dtype=torch.uint8), "x"],
+            r"regions\[1\] must be a 2-D uint8 region tensor, got str",
+        ),
+        ([], r"regions must hold at least one region, got \[\]"),
+        (None, "regions must be a list or mapping of uint8 regions, got None"),
+        ("x", "regions must be a list or mapping of uint8 regions, got 'x'"),
+        (
+            torch.randint(0, 256, (8, 256), dtype=torch.uint8),
+            r"regions must be a list or mapping of uint8 regions, got a tensor of shape \(8, 256\)",
+        ),
+    ],
+    ids=["caches", "1-d", "float-2d", "not-a-tensor", "empty", "none", "string", "one-tensor"],
+)
+def test_byte_regions_refuses_what_is_not_regions_naming_the_entry(value, message):
+    with pytest.raises(ValueError, match=f"^kv_ops.block_bytes: {message}"):
+        arguments.byte_regions("kv_ops.block_bytes", "regions", value)
+
+
+@pytest.mark.parametrize("value", [torch.device("meta"), "meta"])
+def test_error_count_refuses_a_device_without_a_counter_naming_it(value):
+    import kv_ops
+
+    for call in (kv_ops.error_count, kv_ops.error_counter, kv_ops.reset_error_count):
+        owner = f"kv_ops.{call.__name__}"
+        with pytest.raises(
+            ValueError, match=f"^{owner}: device meta has no error counter; pass a CUDA device or the CPU"
+        ):
+            call(value)
+    assert kv_ops.error_count("cpu") >= 0  # the CPU's counter still reads

@@ -20,9 +20,9 @@ OP_FLOOR = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
 TRANSFER = sorted(p.stem for p in (PACKAGE / "transfer").glob("*.py") if p.stem != "__init__")
 CUDA = PACKAGE / "cuda"
 # The CUDA floor, bottom first: each may import only the ones before it (and torch, triton, the
-# standard library). The first three import no kv_ops module at all.
+# standard library). The first two import no kv_ops module at all.
 SHARED = ("torch_internals", "arguments", "registration", "driver", "capture", "host_memory", "launch")
-BOTTOM = ("torch_internals", "arguments", "registration")
+BOTTOM = ("torch_internals", "arguments")
 ABOVE = {
     "cuda": ("kv_ops.transfer", "kv_ops.tools", "kv_ops.integrations", *(f"kv_ops.{m}" for m in OP_FLOOR)),
     "op": ("kv_ops.transfer", "kv_ops.tools", "kv_ops.integrations"),

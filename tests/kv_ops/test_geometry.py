@@ -356,3 +356,62 @@ def test_a_numpy_num_blocks_is_a_count():
     regions = infer_regions(kv, np.int64(4))
     assert tuple(regions["l0"].shape) == (4, 32)
     assert torch.equal(regions["l0"], as_bytes(kv["l0"]).view(4, 32))
+
+
+# --- block_bytes takes regions only; specs, when given, are not empty; blocks hold bytes ---------------
+
+
+def test_block_bytes_sums_the_block_of_every_region_in_a_list_or_a_mapping():
+    kv = {"l0": torch.randn(2, 8, 4, 2, 8), "l1": torch.randn(8, 3, 5).half()}
+    regions = infer_regions(kv, 8)
+    assert kv_ops.block_bytes(regions) == 2 * 4 * 2 * 8 * 4 + 3 * 5 * 2
+    assert kv_ops.block_bytes(list(regions.values())) == kv_ops.block_bytes(regions)
+
+
+@pytest.mark.parametrize(
+    "regions, message",
+    [
+        ({"l0": torch.randn(2, 8, 4, 2, 8)}, r"regions\['l0'\] must be a 2-D uint8 region \[num_blocks, block_bytes\]"),
+        ({"a": torch.randn(3, 4)}, r"regions\['a'\] must be a 2-D uint8 region .*got torch.float32 \(3, 4\)"),
+        ([], r"regions must hold at least one region, got \[\]"),
+        (None, "regions must be a list or mapping of uint8 regions, got None"),
+        ("x", "regions must be a list or mapping of uint8 regions, got 'x'"),
+        (
+            torch.randint(0, 256, (8, 256), dtype=torch.uint8),
+            r"regions must be a list or mapping of uint8 regions, got a tensor of shape \(8, 256\)",
+        ),
+        ([torch.randint(0, 256, (4,), dtype=torch.uint8)], r"regions\[0\] must be a 2-D uint8 region .*\(4,\)"),
+    ],
+    ids=["raw-caches", "float-2d", "empty", "none", "string", "one-tensor", "1-d"],
+)
+def test_block_bytes_refuses_what_is_not_regions_naming_it(regions, message):
+    # Each of these used to give a wrong count (the caches' second dimension, 0) or an unrelated error.
+    with pytest.raises(ValueError, match=f"^kv_ops.block_bytes: {message}"):
+        kv_ops.block_bytes(regions)
+
+
+def test_empty_specs_are_refused_rather_than_read_as_no_regions():
+    kv = {"l0": torch.randn(2, 8, 4, 2, 8)}
+    with pytest.raises(
+        ValueError, match=r"^resolve_regions: specs is empty; pass one KVCacheTensorSpec per allocation"
+    ):
+        resolve_regions(kv, [], 8)
+    spec = KVCacheTensorSpec(["l0"], block_stride=256, layer_stride=0)
+    with pytest.raises(ValueError, match=r"^resolve_regions: specs must be a list of KVCacheTensorSpec objects"):
+        resolve_regions(kv, spec, 8)
+
+
+@pytest.mark.parametrize(
+    "kv, name",
+    [
+        ({"l0": torch.randn(2, 8, 0, 2, 8)}, "l0"),
+        ({"l0": torch.randn(2, 8, 4, 2, 8), "l1": torch.randn(8, 0)}, "l1"),
+    ],
+    ids=["kv-first", "blocks-first"],
+)
+def test_infer_refuses_blocks_with_no_bytes_naming_the_cache(kv, name):
+    shape = re.escape(str(tuple(kv[name].shape)))
+    with pytest.raises(
+        ValueError, match=rf"^infer_regions: kv_caches\['{name}'\] of shape {shape}: its blocks have no bytes"
+    ):
+        infer_regions(kv, 8)

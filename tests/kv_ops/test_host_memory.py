@@ -35,6 +35,25 @@ def test_pinned_empty_rejects_negative_sizes():
         kv_ops.pinned_empty((4, -1))
 
 
+@pytest.mark.parametrize(
+    "size, dtype, message",
+    [
+        ((True, 4), torch.uint8, r"size must be an integer or a sequence of integers, got \(True, 4\)"),
+        ("abc", torch.uint8, "size must be an integer or a sequence of integers, got 'abc'"),
+        (None, torch.uint8, "size must be an integer or a sequence of integers, got None"),
+        (((2, 3),), torch.uint8, r"size must be an integer or a sequence of integers, got \(\(2, 3\),\)"),
+        ((2, 3), "float32", r"dtype must be a torch.dtype \(e.g. torch.uint8\), got 'float32'"),
+        ((2, 3), None, r"dtype must be a torch.dtype \(e.g. torch.uint8\), got None"),
+    ],
+    ids=["bool-dim", "string", "none", "nested", "dtype-name", "dtype-none"],
+)
+def test_pinned_empty_refuses_a_bad_size_or_dtype_naming_the_argument(size, dtype, message, monkeypatch):
+    # Refused before anything is mapped: no mmap may be made.
+    monkeypatch.setattr(host_memory.mmap, "mmap", lambda *a, **k: pytest.fail("mapped memory for a refused call"))
+    with pytest.raises(ValueError, match=f"^pinned_empty: {message}$"):
+        kv_ops.pinned_empty(size, dtype)
+
+
 GIB = 1 << 30
 
 

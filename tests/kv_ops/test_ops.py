@@ -100,6 +100,23 @@ def test_mappings_pair_by_name():
         kv_ops.copy_blocks(src, {"w": dst["v"], "k": dst["k"]}, torch.tensor([1]), torch.tensor([2]))
 
 
+@pytest.mark.parametrize("mapped", ["src", "dst"])
+def test_a_mapping_and_a_list_are_refused_as_they_cannot_pair_by_name(mapped):
+    gen = torch.Generator().manual_seed(4)
+    src = dict(zip(["k", "v"], make_regions([64, 64], 8, generator=gen)))
+    dst = dict(zip(["k", "v"], make_regions([64, 64], 8, generator=gen)))
+    # The mapping in the other order: by position the list's k would land in the mapping's v.
+    dst = {"v": dst["v"], "k": dst["k"]}
+    before = {name: r.clone() for name, r in dst.items()}
+    listed = "dst" if mapped == "src" else "src"
+    args = (src, list(dst.values())) if mapped == "src" else (list(src.values()), dst)
+    with pytest.raises(
+        ValueError, match=rf"^kv_ops.copy_blocks: {mapped} is a mapping of regions but {listed} is a list, which has no"
+    ):
+        kv_ops.copy_blocks(*args, torch.tensor([5]), torch.tensor([0]))
+    assert all(torch.equal(dst[n], before[n]) for n in dst)  # refused before any byte moved
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 

@@ -122,6 +122,14 @@ def test_unwritable_path_is_a_clear_error(tmp_path):
         BlockFile(str(tmp_path / "missing"), "rank0", 4096, 4, page_cache=True)
 
 
+@pytest.mark.parametrize("tag", [5, "", "a\0b", "sub/dir", "../up"], ids=["int", "empty", "nul", "slash", "escape"])
+def test_a_tag_that_cannot_stand_in_a_file_name_is_refused_before_any_file_is_made(tag, tmp_path, monkeypatch):
+    monkeypatch.setattr(block_file, "open_tmpfile", lambda directory: None)  # the tag would go into the name
+    with pytest.raises(ValueError, match=r"^BlockFile: tag (must be a non-empty string|goes into a file name)"):
+        BlockFile(str(tmp_path), tag, 4096, 4, page_cache=True)
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_slots_and_buffers_are_rejected_before_any_io(tmp_path):
     with BlockFile(str(tmp_path), "rank0", 4096, 8, page_cache=True) as f:
         with pytest.raises(ValueError, match=r"slots\[1\] = 8 is outside \[0, 8\)"):

@@ -6,6 +6,7 @@ and must come out right every time. The staged path gets a ring of 3 rows per sl
 transfer of 4 or more blocks crosses chunk boundaries and its slots are reused across calls.
 """
 
+import errno
 import os
 import re
 import stat
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv_ops
+from kv_ops.transfer import block_file
 from kv_ops.transfer import crossover as crossover_mod
 from kv_ops.transfer.crossover import Cell, Crossover
 from kv_ops.transfer.disk import DiskPath
@@ -379,6 +381,82 @@ def test_disk_staging_larger_than_the_machine_is_refused_before_the_file_is_made
             kv, 32, capacity_bytes=1 << 20, disk_dir=str(tmp_path), page_cache=True, staging_blocks=1024
         )
     assert made == []  # neither the file nor its staging buffers were made
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        (lambda tmp: str(tmp / "missing"), r"disk_dir '.*/missing' does not exist; create the directory first"),
+        (lambda tmp: str(tmp / "file"), r"disk_dir '.*/file' is not a directory"),
+        (lambda tmp: "", r"disk_dir must name a directory, got ''"),
+    ],
+    ids=["missing", "file", "empty"],
+)
+def test_a_disk_dir_that_is_no_directory_is_refused_naming_it(where, message, tmp_path, monkeypatch):
+    (tmp_path / "file").write_bytes(os.urandom(16))
+    made = []
+    monkeypatch.setattr("kv_ops.transfer.routes.DiskPath", lambda *a: made.append(a))
+    kv = {"l": torch.randn(32, 352).half()}
+    with pytest.raises(ValueError, match=f"^OffloadEngine: {message}"):
+        kv_ops.OffloadEngine(kv, 32, capacity_bytes=1 << 16, disk_dir=where(tmp_path), page_cache=True)
+    assert made == [] and sorted(os.listdir(tmp_path)) == ["file"]  # nothing made, nothing left
+
+
+@pytest.mark.parametrize(
+    "tag, message",
+    [
+        (5, "disk_tag must be a non-empty string, got 5"),
+        ("", "disk_tag must be a non-empty string, got ''"),
+        ("a\0b", r"disk_tag goes into a file name and must not contain '\\x00'"),
+        ("sub/dir", "disk_tag goes into a file name and must not contain '/', got 'sub/dir'"),
+        ("../../escape", "disk_tag goes into a file name and must not contain '/', got '../../escape'"),
+    ],
+    ids=["int", "empty", "nul", "slash", "escape"],
+)
+def test_a_disk_tag_that_cannot_name_a_file_is_refused_before_any_file_is_made(tag, message, tmp_path, monkeypatch):
+    # Without O_TMPFILE the tag goes into the file's short-lived name, so it must stay one name in disk_dir.
+    monkeypatch.setattr(block_file, "open_tmpfile", lambda directory: None)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(path) or real_open(path, *a, **k))
+    kv = {"l": torch.randn(32, 352).half()}
+    with pytest.raises(ValueError, match=f"^OffloadEngine: {message}"):
+        kv_ops.OffloadEngine(kv, 32, capacity_bytes=1 << 16, disk_dir=str(tmp_path), disk_tag=tag, page_cache=True)
+    assert [p for p in opened if "kv_offload" in str(p)] == [] and os.listdir(tmp_path) == []
+    # A good tag goes into the name, and the file is gone as soon as it is open.
+    with kv_ops.OffloadEngine(kv, 32, 1 << 16, disk_dir=str(tmp_path), disk_tag="rank3", page_cache=True):
+        assert any("kv_offload.rank3." in str(p) for p in opened) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EDQUOT], ids=["ENOSPC", "EFBIG", "EDQUOT"])
+@pytest.mark.parametrize("tmpfile", [True, False], ids=["o_tmpfile", "create-then-unlink"])
+def test_a_capacity_the_disk_cannot_hold_is_refused_naming_capacity_bytes_and_disk_dir(
+    code, tmpfile, tmp_path, monkeypatch
+):
+    # What the file system answers for a file too large for it (a real 1 << 50 gives EFBIG or ENOSPC).
+    def refuse(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    if not tmpfile:
+        monkeypatch.setattr(block_file, "open_tmpfile", lambda directory: None)
+    kv = {"l": torch.randn(32, 352).half()}
+    capacity = 1 << 50
+    with pytest.raises(
+        ValueError,
+        match=rf"^OffloadEngine: capacity_bytes {capacity} does not fit on the file system of disk_dir "
+        rf"'{re.escape(str(tmp_path))}' \({re.escape(os.strerror(code))}\)",
+    ):
+        kv_ops.OffloadEngine(kv, 32, capacity_bytes=capacity, disk_dir=str(tmp_path), page_cache=True)
+    assert os.listdir(tmp_path) == []  # the file, unnamed from the start, went with its descriptor
+
+
+def test_empty_specs_are_refused_rather_than_inferring_the_layout():
+    kv = {"l0": torch.randn(2, 8, 4, 2, 8)}
+    with pytest.raises(ValueError, match=r"^OffloadEngine: specs is empty; pass one KVCacheTensorSpec per allocation"):
+        kv_ops.OffloadEngine(kv, 8, capacity_bytes=1 << 16, specs=[])
+    with kv_ops.OffloadEngine(kv, 8, capacity_bytes=1 << 16, specs=None) as engine:  # None infers it
+        assert list(engine.regions) == ["l0.0", "l0.1"]
 
 
 def test_ids_may_be_lists_int32_or_int64_tensors_or_numpy_arrays():

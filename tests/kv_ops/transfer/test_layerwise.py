@@ -110,8 +110,19 @@ def test_a_wait_needs_a_live_name_a_layer_in_range_and_a_cache(cpu_setup):
         kv_ops.wait_layer(h, "other", 0, [caches[0]])
     with pytest.raises(ValueError, match=r"layer 3 is not a layer of 'lw' \(0\.\.2\)"):
         kv_ops.wait_layer(h, "lw", 3, [caches[0]])
-    with pytest.raises(ValueError, match=r"layer >= 0, got 1 caches, layer -1"):
+    with pytest.raises(ValueError, match=r"kv_ops.wait_layer: layer must be an integer >= 0, got -1"):
         kv_ops.wait_layer(h, "lw", -1, [caches[0]])
+    # The wrong types a slip gives: each named, where the op's schema would raise its own error
+    # (or take True for layer 1, and a tensor for its rows).
+    for args, message in [
+        ((h, "lw", True, [caches[1]]), "layer must be an integer >= 0, got True"),
+        ((h, "lw", 1.0, [caches[1]]), "layer must be an integer >= 0, got 1.0"),
+        ((h, 5, 1, [caches[1]]), "name must be a non-empty string, got 5"),
+        ((1.0, "lw", 1, [caches[1]]), r"dep must be a tensor \(the layer's input\), got 1.0"),
+        ((h, "lw", 1, caches[1]), r"caches must be a list of tensors, got a tensor of shape \("),
+    ]:
+        with pytest.raises(ValueError, match=f"kv_ops.wait_layer: {message}"):
+            kv_ops.wait_layer(*args)
     with pytest.raises(ValueError, match=r"at least one cache tensor"):
         kv_ops.wait_layer(h, "lw", 0, [])
     assert kv_ops.wait_layer(h, "lw", 1, [caches[1]]) is h

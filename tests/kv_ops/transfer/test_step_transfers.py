@@ -210,7 +210,7 @@ def test_a_taken_name_a_disk_engine_an_engine_with_groups_and_a_closed_engine_ar
             step_mod.lookup(name)
 
 
-def test_the_op_refuses_no_caches_some_caches_copies_and_an_unknown_name():
+def test_the_op_refuses_no_caches_some_caches_copies_one_twice_and_an_unknown_name():
     with setup("cpu", "op-args") as (engine, transfers, caches):
         transfers.stage(store=([1], [1]))
         with pytest.raises(ValueError, match=r"needs the cache tensors the transfers write, got 0"):
@@ -219,8 +219,15 @@ def test_the_op_refuses_no_caches_some_caches_copies_and_an_unknown_name():
             kv_ops.step_transfers("op-args", caches[:2])
         with pytest.raises(ValueError, match=r"some are not \(copies: compile the step with Inductor"):
             kv_ops.step_transfers("op-args", [c.clone() for c in caches])
+        # One left out for another twice: the one left out would not be declared mutated.
+        with pytest.raises(ValueError, match=r"got 3 tensors of which one is passed twice \(each cache once\)"):
+            kv_ops.step_transfers("op-args", [caches[0], caches[0], caches[2]])
         with pytest.raises(ValueError, match=r"no StepTransfers named 'nobody' in this process \(live: 'op-args'\)"):
             kv_ops.step_transfers("nobody", caches)
+        with pytest.raises(ValueError, match=r"kv_ops.step_transfers: name must be a non-empty string, got 5"):
+            kv_ops.step_transfers(5, caches)
+        with pytest.raises(ValueError, match=r"kv_ops.step_transfers: caches must be a list of tensors, got a tensor"):
+            kv_ops.step_transfers("op-args", caches[0])
         before = State(engine, caches)
         run_step(transfers, caches)  # the refusals read nothing: the stage is still there
         assert torch.equal(State(engine, caches).host_block(1), before.gpu_block(1))
