@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import reprlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -111,14 +112,27 @@ class PleOffloadLayer(nn.Module, ABC):
 
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ple_name is not None:
+            self._check_ids(input_ids)
             return ops.wait_copy(self.ple_out, hidden_states, input_ids.shape[0], self.ple_name)
         if self.ple_gathers:
+            self._check_ids(input_ids)
             # One kernel reads the rows over PCIe (zero-copy) into a graph-owned buffer: no flag,
             # no other process, nothing to wait for.
             return gather_rows(self.ple_host_table, input_ids, self.ple_dtype)
         if self.ple_placeholder:
             raise RuntimeError("a placeholder PleOffloadLayer was called before an offload runtime armed it")
         return self.forward_impl(input_ids)
+
+    def _check_ids(self, input_ids) -> None:
+        """Either transport serves one row per id of a 1-D tensor: a 0-d tensor or a list would
+        fail inside the op with an ``IndexError`` or ``AttributeError`` that names neither."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            shown = (
+                f"a tensor of shape {tuple(input_ids.shape)}"
+                if isinstance(input_ids, torch.Tensor)
+                else f"{type(input_ids).__name__} {reprlib.repr(input_ids)}"
+            )
+            raise ValueError(f"{type(self).__name__}: input_ids must be a 1-D tensor of token ids, got {shown}")
 
     def release_offloaded(self) -> None:
         """Enqueue the reset of this layer's flag (after every reader of its rows)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import numbers
 import threading
 from collections.abc import Iterator
 
@@ -36,7 +37,7 @@ from kv_ops.cuda.registration import register_op
 from kv_ops.ops import gather_blocks
 
 from . import kernels, registry
-from .semaphore import DONE, IDLE, RESET, WAITING, bound_driver
+from .semaphore import DONE, IDLE, RESET, WAITING, ProducerFailed, bound_driver
 
 _observation = threading.local()
 
@@ -93,7 +94,13 @@ def _host_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
     if layer.guard is not None:
         layer.guard.host_wait(layer.name, num_tokens)
         return
-    layer.flag.host_wait(DONE, layer.check)
+    try:
+        layer.flag.host_wait(DONE, layer.check, timeout=layer.timeout)
+    except TimeoutError:
+        raise ProducerFailed(
+            f"layer {layer.name!r}: its flag was not raised within its timeout of {layer.timeout} s "
+            "(ArmedLayer.timeout): nothing signalled it"
+        ) from None
     layer.check()  # a failed producer's flags are raised over poisoned rows: report, don't return them
 
 
@@ -155,7 +162,7 @@ def _device_out(layer: registry.ArmedLayer, out: torch.Tensor):
 
 
 def _wait_cpu(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
-    layer = registry.lookup(name)
+    layer = registry.lookup(name, "ple_ops.wait")
     _check_out("ple_ops.wait", layer, out)
     _host_wait(layer, None)
 
@@ -169,7 +176,7 @@ def wait_cuda(out, dep, name):
 
     Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
     """
-    layer = registry.lookup(name)
+    layer = registry.lookup(name, "ple_ops.wait")
     _check_out("ple_ops.wait", layer, out)
     _enqueue_wait(layer, None, bound_driver().current_stream())
 
@@ -202,7 +209,7 @@ def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
 
 
 def _wait_copy_cpu(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) -> None:
-    layer = registry.lookup(name)
+    layer = registry.lookup(name, "ple_ops.wait_copy")
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
     _record(name, num_tokens, layer.row_bytes)
     _host_wait(layer, num_tokens)
@@ -224,7 +231,7 @@ def wait_copy_cuda(out, dep, num_tokens, name):
 
     Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
     """
-    layer = registry.lookup(name)
+    layer = registry.lookup(name, "ple_ops.wait_copy")
     _check_out("ple_ops.wait_copy", layer, out, num_tokens)
     _enqueue_wait(layer, num_tokens, bound_driver().current_stream(), out)
     _record(name, num_tokens, layer.row_bytes)
@@ -266,6 +273,9 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
     Tensor
         ``out[:num_tokens]``.
     """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (numbers.Integral, torch.SymInt)):
+        # The op would take True as 1 row, and refuse a float with torch's own RuntimeError.
+        raise ValueError(f"ple_ops.wait_copy: num_tokens must be an integer, got {num_tokens!r}")
     torch.ops.ple_ops.wait_copy(out, dep, num_tokens, name)
     return out[:num_tokens]
 
@@ -274,7 +284,7 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
 
 
 def _release_cpu(out: torch.Tensor, name: str) -> None:
-    layer = registry.lookup(name)
+    layer = registry.lookup(name, "ple_ops.release")
     if layer.guard is not None:
         layer.guard.host_release(name)
     else:
@@ -290,7 +300,7 @@ def release_cuda(out, name):
 
     Public so that tests drive it on CPU tensors with a fake driver; everything else calls the op.
     """
-    layer = registry.lookup(name)
+    layer = registry.lookup(name, "ple_ops.release")
     captured = capturing()
     if layer.guard is not None and not layer.guard.before_stream_release(name, captured):
         return  # this step already released the layer (eagerly): a second reset would clear the next step

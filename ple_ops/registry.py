@@ -18,7 +18,14 @@ from typing import Protocol
 
 import torch
 
+from kv_ops.cuda.arguments import seconds
+from kv_ops.cuda.registration import find_named
+
 from .semaphore import CpuGpuSemaphore
+
+# The OffloadRuntime's default step_timeout, and the bound of a host wait on a layer armed by
+# hand: no runtime's watchdog frees that wait, so it gives up by itself (ArmedLayer.timeout).
+STEP_TIMEOUT_S = 30.0
 
 
 class StepGuard(Protocol):
@@ -65,6 +72,10 @@ class ArmedLayer:
         then resets the flag.
     guard : StepGuard or None
         The runtime's step checks; ``None`` for a layer armed by hand.
+    timeout : float
+        Seconds a host wait on a layer armed by hand waits for the flag before it raises
+        ``ProducerFailed`` (default :data:`STEP_TIMEOUT_S`); a guarded layer's waits are bounded
+        by its guard (the runtime's ``step_timeout``).
     """
 
     name: str
@@ -74,6 +85,7 @@ class ArmedLayer:
     out: torch.Tensor | None = None
     waiting: CpuGpuSemaphore | None = None
     guard: StepGuard | None = None
+    timeout: float = STEP_TIMEOUT_S
     # Bound once from the slot, which stays the same tensor while the layer is armed: every op
     # call reads them.
     max_tokens: int = field(init=False, repr=False, compare=False)
@@ -96,11 +108,21 @@ _gone: dict[str, Callable[[], BaseException]] = {}
 
 
 def arm(layer: ArmedLayer) -> None:
-    """Register ``layer`` under its name; a name is armed once until disarmed."""
+    """Register ``layer`` under its name; a name is armed once until disarmed.
+
+    Its slot must be a contiguous uint8 ``[max_tokens, row_bytes]`` tensor: the ops copy its first
+    rows as one run of bytes from its address, which a strided slot's rows are not.
+    """
     if layer.name in _armed:
         raise ValueError(f"ple_ops: layer {layer.name!r} is already armed in this process")
     if layer.slot.dtype != torch.uint8 or layer.slot.dim() != 2:
         raise ValueError(f"ple_ops: slot of {layer.name!r} must be uint8 [max_tokens, row_bytes]")
+    if not layer.slot.is_contiguous():
+        raise ValueError(
+            f"ple_ops.arm: layer.slot of {layer.name!r} must be contiguous, got shape {tuple(layer.slot.shape)} "
+            f"with strides {layer.slot.stride()}"
+        )
+    seconds("ple_ops.arm", f"layer.timeout of {layer.name!r}", layer.timeout)
     _gone.pop(layer.name, None)
     _armed[layer.name] = layer
 
@@ -112,14 +134,15 @@ def disarm(name: str, error: Callable[[], BaseException] | None = None) -> None:
         _gone[name] = error
 
 
-def lookup(name: str) -> ArmedLayer:
-    """The armed layer called ``name``; an unknown name raises and lists the armed ones."""
+def lookup(name: str, op: str = "ple_ops.lookup") -> ArmedLayer:
+    """The armed layer called ``name``; an unknown name is a ``ValueError`` from ``op`` that lists
+    the armed ones (a name disarmed with a reason raises that reason)."""
     layer = _armed.get(name)
     if layer is None:
         gone = _gone.get(name)
         if gone is not None:
             raise gone()
-        raise RuntimeError(f"ple_ops: no layer named {name!r} is armed in this process (armed: {sorted(_armed)})")
+        return find_named(_armed, name, op, "armed layer")
     return layer
 
 
@@ -127,4 +150,4 @@ def armed_names() -> list[str]:
     return sorted(_armed)
 
 
-__all__ = ["ArmedLayer", "StepGuard", "arm", "disarm", "lookup", "armed_names"]
+__all__ = ["ArmedLayer", "StepGuard", "arm", "disarm", "lookup", "armed_names", "STEP_TIMEOUT_S"]

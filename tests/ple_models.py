@@ -146,6 +146,29 @@ def make_slow_model():
     return model
 
 
+WIDE = 1 << 16  # floats per row of WidePle: rows so wide that few of them fill /dev/shm
+
+
+class WidePle(ple_ops.PleOffloadLayer):
+    """Wide rows computed from the ids, no table: a slot of many rows costs the worker nothing."""
+
+    def forward_impl(self, input_ids):
+        return input_ids.to(torch.float32)[:, None].expand(-1, WIDE).contiguous()
+
+
+class WideModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ple = WidePle()
+
+    def forward(self, hidden, input_ids):
+        return hidden + self.ple(hidden, input_ids)
+
+
+def make_wide_model():
+    return WideModel()
+
+
 def signal_over_ipc(inbox, outbox):
     """Child of the CUDA-IPC test: receive a device flag, raise it from this process's stream."""
     flag = inbox.get()

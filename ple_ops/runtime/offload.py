@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 from kv_ops.cuda import arguments
 from kv_ops.cuda.arguments import positive_int
 
+from ..registry import STEP_TIMEOUT_S
 from .control import ControlBlock, Word
 from .process import OffloadError, WorkerProcess
 from .transaction import StepTransaction
@@ -62,7 +62,8 @@ class OffloadRuntime:
         Where the model runs in this process: ``"cuda"`` (default when available) or ``"cpu"``
         (the ops then wait on the host flags and memcpy).
     step_timeout : float
-        Seconds (> 0) a prepared step may take to be served before the runtime fails.
+        Seconds (> 0) a prepared step may take to be served before the runtime fails
+        (default :data:`ple_ops.registry.STEP_TIMEOUT_S`).
     start_timeout : float
         Seconds (> 0) the offload process may take to build the model and attach.
     worker_threads : int
@@ -73,8 +74,9 @@ class OffloadRuntime:
     Raises
     ------
     ValueError
-        Before anything starts: a bad ``max_tokens``, ``worker_threads``, timeout or ``device``
-        (a CUDA device where torch has no CUDA, or neither CUDA nor CPU).
+        Before anything starts: a bad ``max_tokens``, ``worker_threads``, timeout (``bool``
+        included) or ``device`` (a CUDA device where torch has no CUDA, or neither CUDA nor CPU).
+        At start-up, before any row moves: a ``max_tokens`` whose slots ``/dev/shm`` cannot hold.
     TypeError
         ``model_factory`` is not a picklable callable.
     OffloadError
@@ -95,7 +97,7 @@ class OffloadRuntime:
         model_factory: Callable[[], nn.Module],
         max_tokens: int,
         device: str | torch.device | None = None,
-        step_timeout: float = 30.0,
+        step_timeout: float = STEP_TIMEOUT_S,
         start_timeout: float = 300.0,
         worker_threads: int = 1,
     ):
@@ -106,9 +108,8 @@ class OffloadRuntime:
             )
         max_tokens = positive_int("OffloadRuntime", "max_tokens", max_tokens)
         worker_threads = positive_int("OffloadRuntime", "worker_threads", worker_threads)
-        for what, value in (("step_timeout", step_timeout), ("start_timeout", start_timeout)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"OffloadRuntime: {what} must be a finite number of seconds > 0, got {value!r}")
+        step_timeout = arguments.seconds("OffloadRuntime", "step_timeout", step_timeout)
+        start_timeout = arguments.seconds("OffloadRuntime", "start_timeout", start_timeout)
         self.device = arguments.device("OffloadRuntime", device)
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"OffloadRuntime: device must be 'cuda' or 'cpu', got {device!r}")

@@ -57,6 +57,16 @@ class RuntimeLayer:
         self.flag = self.armed.flag  # read on every wait and release
 
 
+@contextlib.contextmanager
+def _sized_by(max_tokens: int, what: str):
+    """Name ``max_tokens`` in the ``ValueError`` of a shared buffer it made too large for ``/dev/shm``:
+    the caller chose that argument, not the buffer's byte count."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"OffloadRuntime: max_tokens {max_tokens} is too large for {what}: {error}") from None
+
+
 class WorkerProcess:
     """The spawned offload process, its pipe and the shared memory made for it, seen from the GPU process.
 
@@ -182,21 +192,33 @@ class WorkerProcess:
                 f"{[s.name for s in report.layers]}",
                 fatal=True,
             )
-        self.control = control = ControlBlock.create(max_tokens, len(modules), map_for_gpu=on_gpu)
+        with _sized_by(max_tokens, "the control block"):
+            self.control = control = ControlBlock.create(max_tokens, len(modules), map_for_gpu=on_gpu)
         shared.append(control.buffer)
         for i, ((name, module), spec) in enumerate(zip(modules, report.layers)):
-            slot_buffer = SharedHostBuffer(max_tokens * spec.row_bytes, register=on_gpu)
+            with _sized_by(max_tokens, f"the slot of layer {name!r} ({max_tokens} rows of {spec.row_bytes} bytes)"):
+                slot_buffer = SharedHostBuffer(max_tokens * spec.row_bytes, register=on_gpu)
             shared.append(slot_buffer)
             slot = slot_buffer.view(0, (max_tokens, spec.row_bytes), torch.uint8)
             reference.poison_rows(slot)  # rows no step wrote are poison, never zeros (worker.ServedLayer)
             out = torch.zeros(max_tokens, spec.dim, dtype=spec.dtype, device=device)
             armed = registry.ArmedLayer(
-                name, control.flags[i], slot, self.check_usable, out, waiting=control.waiting[i], guard=guard
+                name,
+                control.flags[i],
+                slot,
+                self.check_usable,
+                out,
+                waiting=control.waiting[i],
+                guard=guard,
+                timeout=self.step_timeout,
             )
             registry.arm(armed)
             self.layers.append(RuntimeLayer(i, name, module, slot_buffer, armed))
             module.attach_offload(name, out)
-        self._conn.send(Attach(control.handle, tuple(layer.slot_buffer.handle for layer in self.layers)))
+        try:
+            self._conn.send(Attach(control.handle, tuple(layer.slot_buffer.handle for layer in self.layers)))
+        except OSError:  # BrokenPipeError, ConnectionResetError: the process died after its report
+            raise self._start_failure(first=False) from None
         return model
 
     def _abort_start(self) -> None:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import errno
+import glob
 import mmap
 import os
 import secrets
 import tempfile
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from kv_ops.cuda.arguments import positive_int
 from kv_ops.cuda.host_memory import pin_mapping
+
+# Every file is named PREFIX.<creator pid>.<random hex>: the pid lets the offload process find
+# the files of a GPU process that died before it could remove them (remove_files_of).
+PREFIX = "offload-ops"
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,52 @@ class SharedHandle:
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _remove(path: str, creator: int) -> None:
+    """Remove ``path`` if this is the process that made it (a forked child inherits the finalizer
+    of a buffer it does not own, and must not take the name from its parent)."""
+    if os.getpid() == creator:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give the file ``nbytes`` of backing store now, or raise a ``ValueError`` if there is none.
+
+    A file only truncated to size gets its pages when they are first touched; on a full tmpfs that
+    touch is a SIGBUS that kills the process, long after the size was chosen. Reserving them here
+    turns it into ENOSPC, at the call that chose the size.
+    """
+    if not hasattr(os, "posix_fallocate"):  # not on macOS: sized only, as before
+        os.ftruncate(fd, nbytes)
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        stat = os.fstatvfs(fd)
+        raise ValueError(
+            f"SharedHostBuffer: nbytes {nbytes} does not fit in {_shm_dir()} ({stat.f_bavail * stat.f_frsize} "
+            f"bytes free: {os.strerror(error.errno)}); ask for fewer bytes or make {_shm_dir()} larger"
+        ) from None
+
+
+def remove_files_of(pid: int) -> list[str]:
+    """Remove every buffer file that process ``pid`` made and left (it died before it could);
+    returns their paths. Only for a process that knows ``pid`` is gone: the offload process, once
+    it was re-parented."""
+    removed = []
+    for path in glob.glob(os.path.join(_shm_dir(), f"{PREFIX}.{int(pid)}.*")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 class SharedHostBuffer:
@@ -40,6 +94,13 @@ class SharedHostBuffer:
     register : bool, optional
         Page-lock it for the GPU. Defaults to ``torch.cuda.is_available()``.
 
+    The file's bytes are reserved when it is made, so that a size ``/dev/shm`` cannot hold is a
+    ``ValueError`` here (and leaves no file) instead of a SIGBUS at the first touch. The creator
+    removes the name at :meth:`unlink`, when this object is collected, or when the process exits,
+    whichever comes first: keep the object alive until every other process has attached (the
+    mappings stay valid after the name is gone). A process killed outright leaves its files;
+    :func:`remove_files_of` removes them.
+
     Examples
     --------
     >>> buf = SharedHostBuffer(4096)                 # GPU process
@@ -47,13 +108,12 @@ class SharedHostBuffer:
     """
 
     def __init__(self, nbytes: int, register: bool | None = None):
-        if nbytes <= 0:
-            raise ValueError(f"SharedHostBuffer: nbytes must be > 0, got {nbytes}")
-        path = os.path.join(_shm_dir(), f"offload-ops.{os.getpid()}.{secrets.token_hex(8)}")
+        nbytes = positive_int("SharedHostBuffer", "nbytes", nbytes)
+        path = os.path.join(_shm_dir(), f"{PREFIX}.{os.getpid()}.{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                os.ftruncate(fd, nbytes)
+                _reserve(fd, nbytes)
                 mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             finally:
                 os.close(fd)
@@ -65,6 +125,7 @@ class SharedHostBuffer:
             raise
         self.handle = SharedHandle(path, nbytes)
         self.owner = True
+        self._finalizer = weakref.finalize(self, _remove, path, os.getpid())
 
     @classmethod
     def attach(cls, handle: SharedHandle) -> "SharedHostBuffer":
@@ -90,11 +151,8 @@ class SharedHostBuffer:
     def unlink(self) -> None:
         """Remove the file (the creator does, at shutdown); mappings stay valid until dropped."""
         if self.owner:
-            try:
-                os.unlink(self.handle.path)
-            except FileNotFoundError:
-                pass
+            self._finalizer()  # runs once: a later collection or exit does nothing
             self.owner = False
 
 
-__all__ = ["SharedHandle", "SharedHostBuffer"]
+__all__ = ["SharedHandle", "SharedHostBuffer", "remove_files_of", "PREFIX"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,16 @@ from torch import nn
 
 from .. import layer as layer_mod
 from .. import reference
-from ..semaphore import RESET, CpuGpuSemaphore, release_fence, spin_wait
+from ..semaphore import CHECK_EVERY_S, RESET, CpuGpuSemaphore, release_fence, spin_wait
 from .control import Attach, ControlBlock, LayerSpec, LayersReport, Phase, Ready, StepFailed, Word, WorkerFailed
-from .shared_memory import SharedHostBuffer
+from .shared_memory import SharedHostBuffer, remove_files_of
 
 # A decode step follows the last one closely and this process exists to answer fast: spin this
 # long on a flag or a request before backing off to sleeps.
 _SPIN = 5e-3
+# How long a broken pipe may come before the re-parenting that shows the GPU process died (the
+# kernel closes a dying process's files first): far longer than that gap ever is.
+_REPARENT_S = 1.0
 _TRACEBACK_CHARS = 16000  # a failed step's traceback on the pipe: its tail, where the error is
 
 
@@ -126,26 +130,45 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
     # A step's rows are small: too little work for a pool of intra-op threads, which may spin
     # between steps on the cores the GPU process's launching thread needs.
     torch.set_num_threads(threads)
+    gone = f"offload worker: the GPU process (pid {parent_pid}) died; exiting"
     try:
         control, layers = handshake(model_factory, conn)
 
         def orphaned() -> None:
             if os.getppid() != parent_pid:
-                raise ParentDied(f"offload worker: the GPU process (pid {parent_pid}) died; exiting")
+                raise ParentDied(gone)
 
         serve(control, layers, conn.send, orphaned)
     except StopServing:
         return
-    except ParentDied as gone:
-        # Nobody reads the pipe any more: a traceback there (or of the failed send) tells no one
-        # anything, so one line on stderr, then a non-zero exit.
-        print(gone, file=sys.stderr, flush=True)
-        sys.exit(1)
-    except BaseException:
+    except BaseException as error:
+        # A pipe that broke during the handshake is the GPU process's death as well.
+        broke = isinstance(error, (EOFError, BrokenPipeError, ConnectionResetError))
+        if isinstance(error, ParentDied) or parent_gone(parent_pid, broke):
+            # Nobody reads the pipe any more: a traceback there (or of the failed send) tells no
+            # one anything, so one line on stderr, then a non-zero exit.
+            print(gone, file=sys.stderr, flush=True)
+            sys.exit(1)
         try:
             conn.send(WorkerFailed(traceback.format_exc()))
         finally:
             raise
+    finally:
+        if parent_gone(parent_pid, False):
+            # Killed before start-up ended, the GPU process could not remove the files it made
+            # for this process: nobody else knows their names.
+            remove_files_of(parent_pid)
+
+
+def parent_gone(parent_pid: int, pipe_broke: bool) -> bool:
+    """Whether the GPU process is gone (this process was re-parented). A dying process closes its
+    pipes a moment before its children are re-parented: after a broken pipe, wait for that."""
+    deadline = time.monotonic() + (_REPARENT_S if pipe_broke else 0.0)
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(CHECK_EVERY_S)
+    return True
 
 
 def handshake(model_factory: Callable[[], nn.Module], conn) -> tuple[ControlBlock, list[ServedLayer]]:
@@ -225,4 +248,4 @@ def serve(
             control.set(Word.SERVED, step)
 
 
-__all__ = ["worker_main", "handshake", "serve", "ServedLayer", "StopServing", "ParentDied"]
+__all__ = ["worker_main", "handshake", "serve", "parent_gone", "ServedLayer", "StopServing", "ParentDied"]

@@ -58,3 +58,18 @@ def test_a_layer_that_is_not_a_pure_lookup_is_refused_before_any_table_moves():
         ple_ops.gather_from_host(model, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(before, tables(model)))
     assert not any(block.ple.ple_gathers for block in model.blocks)
+
+
+@pytest.mark.parametrize(
+    "ids, shown",
+    [
+        (lambda gen: torch.randint(0, VOCAB, (), generator=gen), r"a tensor of shape \(\)"),
+        (lambda gen: torch.randint(0, VOCAB, (3,), generator=gen).tolist(), r"list \["),
+    ],
+    ids=["0-d", "list"],
+)
+def test_ids_that_are_not_a_1d_tensor_are_a_value_error_naming_them(ids, shown):
+    model = ple_ops.gather_from_host(make_lookup_model(), "cpu")
+    gen = torch.Generator().manual_seed(43)
+    with pytest.raises(ValueError, match=rf"LookupPle: input_ids must be a 1-D tensor of token ids, got {shown}"):
+        model(torch.randn(3, DIM, generator=gen), ids(gen))

@@ -1,5 +1,6 @@
 """The PLE ops on the CPU path: the registry, bounds, the copy itself, release, observation."""
 
+import inspect
 import threading
 
 import pytest
@@ -40,9 +41,76 @@ def test_wait_copy_waits_for_the_flag_then_copies_exactly_num_tokens_rows(armed)
     assert armed.flag.host_value() == RESET
 
 
-def test_unknown_name_lists_the_armed_names(armed):
-    with pytest.raises(RuntimeError, match=r"no layer named 'nope' is armed in this process \(armed: \['test.ple'\]\)"):
-        ple_ops.wait_copy(poisoned(), torch.zeros(1), 1, "nope")
+@pytest.mark.parametrize(
+    "op, call",
+    [
+        ("ple_ops.wait_copy", lambda out: ple_ops.wait_copy(out, torch.zeros(1), 1, "nope")),
+        ("ple_ops.wait", lambda out: ple_ops.wait(out, torch.zeros(1), "nope")),
+        ("ple_ops.release", lambda out: ple_ops.release(out, "nope")),
+        ("ple_ops.lookup", lambda out: ple_ops.lookup("nope")),
+    ],
+    ids=["wait_copy", "wait", "release", "lookup"],
+)
+def test_unknown_name_is_a_value_error_listing_the_armed_names(armed, op, call):
+    armed.flag.host_signal()
+    out = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    before = out.clone()
+    with pytest.raises(ValueError, match=rf"{op}: no armed layer named 'nope' in this process \(live: 'test.ple'\)"):
+        call(out)
+    assert torch.equal(out, before) and armed.flag.host_value() == DONE
+
+
+def test_a_hand_armed_wait_whose_flag_is_never_raised_ends_in_an_error_after_its_timeout(armed):
+    # No runtime watches a layer armed by hand: its own timeout is all that ends the wait.
+    assert armed.timeout == ple_ops.registry.STEP_TIMEOUT_S  # the default, the runtime's step_timeout's
+    assert inspect.signature(ple_ops.OffloadRuntime).parameters["step_timeout"].default == armed.timeout
+    armed.timeout = 0.2
+    out = torch.randn(16, 32, generator=torch.Generator().manual_seed(4))
+    before, ended = out.clone(), []
+
+    def pull():
+        try:
+            ple_ops.wait_copy(out, torch.zeros(1), 3, "test.ple")
+        except BaseException as error:  # handed to the test's thread
+            ended.append(error)
+
+    puller = threading.Thread(target=pull, daemon=True)
+    puller.start()
+    puller.join(armed.timeout + 120)  # a wait that never ends fails here instead of hanging the suite
+    assert not puller.is_alive(), "the wait did not end"
+    assert len(ended) == 1 and isinstance(ended[0], ple_ops.ProducerFailed), ended
+    assert "'test.ple': its flag was not raised within its timeout of 0.2 s" in str(ended[0])
+    assert torch.equal(out, before)  # nothing copied
+
+
+def test_arm_refuses_a_strided_slot_whose_rows_are_not_one_run_of_bytes():
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 256, (16, 8), dtype=torch.uint8, generator=gen)
+    flag = ple_ops.CpuGpuSemaphore.in_host_memory(torch.zeros(1, dtype=torch.int32), map_for_gpu=False)
+    with pytest.raises(
+        ValueError, match=r"ple_ops.arm: layer.slot of 'strided' must be contiguous, got shape \(8, 8\)"
+    ):
+        ple_ops.arm(ple_ops.ArmedLayer("strided", flag, base[::2]))
+    assert "strided" not in ple_ops.armed_names()
+
+
+@pytest.mark.parametrize("timeout", [True, 0, -1.0, float("nan"), float("inf"), "1"])
+def test_arm_refuses_a_timeout_that_is_not_seconds(timeout):
+    flag = ple_ops.CpuGpuSemaphore.in_host_memory(torch.zeros(1, dtype=torch.int32), map_for_gpu=False)
+    slot = torch.randint(0, 256, (4, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    with pytest.raises(ValueError, match=r"ple_ops.arm: layer.timeout of 'timed' must be a finite number of seconds"):
+        ple_ops.arm(ple_ops.ArmedLayer("timed", flag, slot, timeout=timeout))
+    assert "timed" not in ple_ops.armed_names()
+
+
+@pytest.mark.parametrize("num_tokens", [True, 2.5, "3", None])
+def test_a_token_count_that_is_not_an_integer_is_a_value_error_before_any_copy(armed, num_tokens):
+    armed.flag.host_signal()
+    out = torch.randn(16, 32, generator=torch.Generator().manual_seed(7))
+    before = out.clone()
+    with pytest.raises(ValueError, match=rf"ple_ops.wait_copy: num_tokens must be an integer, got {num_tokens!r}"):
+        ple_ops.wait_copy(out, torch.zeros(1), num_tokens, "test.ple")
+    assert torch.equal(out, before)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +222,7 @@ def test_a_name_disarmed_with_a_reason_raises_it_until_armed_again(armed):
     armed.flag.host_signal()
     ple_ops.wait_copy(poisoned(), torch.zeros(1), 1, "test.ple")
     ple_ops.disarm("test.ple")
-    with pytest.raises(RuntimeError, match="no layer named 'test.ple' is armed"):
+    with pytest.raises(ValueError, match="ple_ops.lookup: no armed layer named 'test.ple'"):
         ple_ops.lookup("test.ple")
     ple_ops.arm(armed)  # for the fixture's teardown
 

@@ -20,6 +20,7 @@ from ple_models import (
     DIM,
     LAYERS,
     VOCAB,
+    WIDE,
     make_bf16_lookup_model,
     make_failing_model,
     make_lookup_model,
@@ -27,6 +28,7 @@ from ple_models import (
     make_sleepy_model,
     make_slow_model,
     make_unbuildable_model,
+    make_wide_model,
 )
 
 import ple_ops
@@ -370,6 +372,17 @@ def test_bad_ids_are_refused_and_nothing_is_prepared(runtime, local, ids, error,
     served_step(runtime, local, *random_step(torch.Generator().manual_seed(6), 2))
 
 
+def test_a_forward_with_ids_that_are_not_a_1d_tensor_is_a_value_error_and_the_runtime_serves_on(runtime, local):
+    gen = torch.Generator().manual_seed(15)
+    ids, hidden = random_step(gen, 5)
+    runtime.prepare(ids)
+    for bad, shown in ((ids[0], r"a tensor of shape \(\)"), (ids.tolist(), r"list \[")):
+        with pytest.raises(ValueError, match=rf"TablePle: input_ids must be a 1-D tensor of token ids, got {shown}"):
+            runtime.model(hidden, bad)
+    runtime.release()
+    served_step(runtime, local, *random_step(gen, 4))
+
+
 def test_integer_ids_of_any_width_are_served(runtime, local):
     gen = torch.Generator().manual_seed(7)
     for dtype in (torch.int32, torch.int16, torch.uint8):
@@ -493,6 +506,9 @@ def start_up():
         (dict(step_timeout=-1.0), ValueError, "step_timeout must be"),
         (dict(step_timeout=float("nan")), ValueError, "step_timeout must be"),
         (dict(start_timeout=float("inf")), ValueError, "start_timeout must be"),
+        (dict(step_timeout=True), ValueError, "OffloadRuntime: step_timeout must be a finite number .*got True"),
+        (dict(start_timeout=True), ValueError, "OffloadRuntime: start_timeout must be a finite number .*got True"),
+        (dict(step_timeout="30"), ValueError, "OffloadRuntime: step_timeout must be a finite number .*got '30'"),
         (dict(worker_threads=0), ValueError, "worker_threads must be a positive integer, got 0"),
         (dict(worker_threads=2.0), ValueError, r"worker_threads must be a positive integer, got 2\.0"),
         (
@@ -512,6 +528,9 @@ def start_up():
         "timeout-neg",
         "timeout-nan",
         "start-inf",
+        "timeout-bool",
+        "start-bool",
+        "timeout-str",
         "threads-0",
         "threads-float-integral",
         "module",
@@ -572,6 +591,54 @@ def test_a_start_that_fails_after_its_shared_files_were_made_removes_them(runtim
         ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu")
     assert set(os.listdir(SHM)) == before and ple_ops.armed_names() == NAMES
     served_step(runtime, local, *random_step(torch.Generator().manual_seed(12), 6))  # the first one serves on
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm here")
+def test_a_max_tokens_whose_slot_does_not_fit_in_shm_is_a_value_error_naming_it_and_leaves_nothing():
+    # A slot one row past the whole of /dev/shm: tmpfs refuses the reservation at once. Sized
+    # only, the slot's poisoning would touch its pages and die of SIGBUS past the free space.
+    stat = os.statvfs(SHM)
+    if stat.f_blocks == 0:
+        pytest.skip("/dev/shm has no size limit here")
+    row_bytes = WIDE * 4
+    gen = torch.Generator().manual_seed(13)
+    max_tokens = stat.f_blocks * stat.f_frsize // row_bytes + int(torch.randint(1, 100, (1,), generator=gen))
+    before = set(os.listdir(SHM))
+    children = set(multiprocessing.active_children())
+    message = (
+        rf"OffloadRuntime: max_tokens {max_tokens} is too large for the slot of layer 'ple' \({max_tokens} rows "
+        rf"of {row_bytes} bytes\): SharedHostBuffer: nbytes {max_tokens * row_bytes} does not fit in {SHM}"
+    )
+    with pytest.raises(ValueError, match=message):
+        ple_ops.OffloadRuntime(make_wide_model, max_tokens=max_tokens, device="cpu")
+    assert set(os.listdir(SHM)) == before
+    assert set(multiprocessing.active_children()) == children and ple_ops.armed_names() == []
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm here")
+def test_a_worker_dead_before_the_attach_is_sent_is_the_documented_error_and_leaves_nothing(monkeypatch):
+    # The worker dies after its report, while this process makes the shared files: the Attach
+    # then meets a closed pipe, which must read as a failed start, not as a BrokenPipeError.
+    from ple_ops.runtime import process as process_mod
+
+    real_attach = process_mod.Attach
+
+    def attach_after_the_worker_died(*args):
+        for child in multiprocessing.active_children():
+            if child not in children:
+                child.kill()
+                child.join(60)
+        return real_attach(*args)
+
+    monkeypatch.setattr(process_mod, "Attach", attach_after_the_worker_died)
+    before = set(os.listdir(SHM))
+    children = set(multiprocessing.active_children())
+    gen = torch.Generator().manual_seed(14)
+    with pytest.raises(ple_ops.OffloadError, match=r"the offload process exited \(exit code -9\) during start-up") as e:
+        ple_ops.OffloadRuntime(make_model, max_tokens=int(torch.randint(1, 64, (1,), generator=gen)), device="cpu")
+    assert e.value.fatal
+    assert set(os.listdir(SHM)) == before
+    assert set(multiprocessing.active_children()) == children and ple_ops.armed_names() == []
 
 
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):

@@ -2,8 +2,14 @@
 it computes a layer's rows before it waits for the previous step's release (item A), a failed
 forward_impl poisons that step only, and rows past a step's count are poison, never stale."""
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +188,53 @@ def test_only_a_layer_the_worker_can_gather_as_a_pure_lookup_is_gathered():
     strided = LookupPle(0)
     strided.lookup_table = lambda: strided.table.t().contiguous().t()
     assert lookup_rows(strided, spec) is None  # not contiguous rows
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# The GPU process kills itself once it made the control block and the slots, before the worker
+# attached: only the worker is left to know that the files exist.
+KILLED_IN_START_UP = """
+import multiprocessing, os, signal, sys
+import ple_ops
+from ple_ops.runtime import process
+from ple_models import make_model
+
+
+def attach_then_die(*args):
+    (worker,) = multiprocessing.active_children()
+    print(worker.pid, flush=True)
+    os.kill(os.getpid(), int(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    process.Attach = attach_then_die
+    ple_ops.OffloadRuntime(make_model, max_tokens=int(sys.argv[2]), device="cpu", start_timeout=120)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_gpu_process_killed_in_start_up_leaves_no_file_the_worker_removes_them(tmp_path, how):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(KILLED_IN_START_UP))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    max_tokens = int(torch.randint(1, 256, (1,), generator=torch.Generator().manual_seed(int(how))))
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(int(how)), str(max_tokens)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker_pid = int(parent.stdout.readline())
+        _, stderr = parent.communicate(timeout=120)  # the worker's stderr is the parent's: read to its end
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode == -how, stderr[-3000:]
+    status = Path(f"/proc/{worker_pid}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the worker outlived its parent"
+    left = [name for name in os.listdir("/dev/shm") if name.startswith(f"offload-ops.{parent.pid}.")]
+    assert left == [], stderr[-3000:]
+    assert stderr.splitlines()[-1] == f"offload worker: the GPU process (pid {parent.pid}) died; exiting", stderr
