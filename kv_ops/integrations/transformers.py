@@ -54,8 +54,45 @@ class HostOffloadedLayer(StaticLayer):
     """One full-attention layer: its K and V in a GPU slot, its own or one it shares with others."""
 
     def __init__(self, max_cache_len: int, cache: HostOffloadedCache, index: int, **kwargs):
-        super().__init__(max_cache_len=max_cache_len)
         self.cache, self.index = cache, index  # index: among the full-attention layers
+        super().__init__(max_cache_len=max_cache_len)
+
+    # A streamed layer's keys and values are its slot's only while the slot holds that layer:
+    # from its load until the next layer's load into the slot. Inside its own update they are;
+    # read at another time (an encoder-decoder's cross-attention reading them a step later, code
+    # that inspects a layer) they may be another layer's, so such a read is refused. Compiled,
+    # only the update reads them.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._held(self._keys)
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = tensor
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._held(self._values)
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
+
+    def _held(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        loads = self.cache.loads
+        if tensor is None or torch.compiler.is_compiling() or loads.plan is None:
+            return tensor
+        holder = loads.holder[loads.plan.slot[self.index]]
+        if holder == self.index:
+            return tensor
+        offloaded = self.cache.offloaded
+        raise RuntimeError(
+            f"HostOffloadedCache: layer {offloaded[self.index]}'s keys and values are streamed from host "
+            "memory, and its GPU slot now holds "
+            + (f"layer {offloaded[holder]}'s" if holder >= 0 else "no layer's")
+            + ": they are read only inside the layer's own update (a decoder's self-attention). Use "
+            "StaticCache to read a layer's keys elsewhere, or as an encoder-decoder's cross-attention cache"
+        )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         loads = self.cache.loads
@@ -130,7 +167,9 @@ class HostOffloadedCache(Cache):
     and device; ``max_batch_size`` and ``device``, when given, are checked there. Call
     :meth:`reset` before reusing it for another prompt, as with ``StaticCache``. Beam search
     (:meth:`reorder_cache`), assisted generation (a crop) and ``copy.deepcopy`` (prefix caching)
-    work; a batch that changes size after allocation does not.
+    work; a batch that changes size after allocation does not. It serves a decoder's
+    self-attention: a streamed layer's ``keys`` and ``values`` are readable only where its slot
+    holds it (inside its update), so it is no encoder-decoder's cross-attention cache.
 
     ``max_gpu_bytes`` is the GPU memory the full-attention layers may hold (sliding-window
     layers stay on the GPU besides): as many layers as it holds stay resident, the rest are
@@ -151,7 +190,12 @@ class HostOffloadedCache(Cache):
         ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
         two layers (the message names the minimum), or host memory the machine lacks.
         Eagerly, a step past ``max_cache_len``, keys of another batch or dtype than the slots
-        were allocated for (a reset cache reused for another prompt), or a closed cache.
+        were allocated for (a reset cache reused for another prompt), or a closed cache. At
+        construction, a keyword argument it does not take (a misspelt ``max_gpu_bytes``).
+    RuntimeError
+        A streamed layer's ``keys`` or ``values`` read while its slot holds another layer.
+    TypeError
+        Pickling (``torch.save``): the slots and host copies live in this process.
     """
 
     def __init__(
@@ -163,6 +207,7 @@ class HostOffloadedCache(Cache):
         max_gpu_bytes: int | None = None,
         **kwargs,
     ):
+        _check_static_cache_arguments(kwargs)
         if not isinstance(config, PreTrainedConfig):
             hint = "; pass model.config" if isinstance(getattr(config, "config", None), PreTrainedConfig) else ""
             raise TypeError(
@@ -279,6 +324,13 @@ class HostOffloadedCache(Cache):
         self.loads.reset()
         self._seen = 0
 
+    def crop(self, max_length: int) -> None:
+        """As ``StaticCache.crop``: ``-n`` forgets the last n tokens (assisted generation's
+        rejected ones); they no longer count against ``max_cache_len``."""
+        super().crop(max_length)
+        if max_length < 0:
+            self._seen = max(0, self._seen + max_length)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the sequences for beam search (``generate(num_beams=...)``): sequence i takes
         sequence ``beam_idx[i]``'s keys and values. The full-attention layers are reordered in
@@ -297,7 +349,7 @@ class HostOffloadedCache(Cache):
         transformers' prefix caching uses it: fill a cache with a shared prompt once, then
         ``copy.deepcopy`` it for each request. Waits for the GPU's loads (a sync), as
         :meth:`reorder_cache` does."""
-        new = copy.copy(self)
+        new = self.__copy__()
         memo[id(self)] = new
         new.name = f"hf-cache-{next(_names)}"
         new.loads = SlotLoads(new.name)
@@ -322,9 +374,24 @@ class HostOffloadedCache(Cache):
     def max_cache_len(self) -> int:
         return self.max_cache_len_
 
+    def __copy__(self) -> HostOffloadedCache:
+        """The same cache under a second reference (its name, slots and loads), as a shallow copy
+        of ``StaticCache`` shares its tensors."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "HostOffloadedCache cannot be pickled (torch.save included): its slots, page-locked host copies "
+            "and loads live in this process. Copy it here with copy.deepcopy, or keep the prompt and prefill "
+            "a new cache"
+        )
+
     @property
     def max_batch_size(self) -> int:
-        return self.max_batch_size_ if self.max_batch_size_ is not None else super().max_batch_size
+        """The ``max_batch_size`` given, else the batch the slots were allocated for (-1 before)."""
+        return self.max_batch_size_ if self.max_batch_size_ is not None else self.batch_size
 
     def resident(self) -> list[int]:
         """Model indices of the full-attention layers that keep a GPU slot of their own (once allocated)."""
@@ -350,6 +417,24 @@ class HostOffloadedCache(Cache):
         """Drop the cache's name; a step on it afterwards raises ``ValueError``. Closing twice is
         harmless."""
         self.loads.close()
+
+
+def _check_static_cache_arguments(kwargs: dict) -> None:
+    """A ``ValueError`` for a keyword argument ``HostOffloadedCache`` would drop: a misspelt
+    ``max_gpu_bytes`` must not leave the budget unset unnoticed. StaticCache's ``dtype`` (the
+    keys' dtype decides, in both) and ``offload_only_non_sliding`` (this cache offloads only
+    full-attention layers) pass; ``offloading`` only as False."""
+    if kwargs.get("offloading", False):
+        raise ValueError(
+            "HostOffloadedCache: offloading=True is StaticCache's own offloading; this cache offloads by "
+            "itself (max_gpu_bytes sets what stays on the GPU)"
+        )
+    unknown = sorted(set(kwargs) - {"dtype", "offloading", "offload_only_non_sliding"})
+    if unknown:
+        raise ValueError(
+            f"HostOffloadedCache: unknown keyword argument(s) {unknown}; it takes config, max_cache_len, "
+            "max_batch_size, device and max_gpu_bytes"
+        )
 
 
 __all__ = ["HostOffloadedCache", "HostOffloadedLayer"]

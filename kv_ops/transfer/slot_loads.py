@@ -118,6 +118,9 @@ class SlotLoads:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
         self.execs: dict[int, int] = {}  # and their executable graphs' handles
         self.moved = 0  # bytes the CPU loads and write-backs have moved (what tests count)
+        # Per slot, the layer whose load was queued into it last (-1: none yet), as the host
+        # queued them: whose keys a read between the loads finds there.
+        self.holder: list[int] = []
         self.stream: torch.cuda.Stream | None = None
         self.free: dict[int, torch.cuda.Event] = {}  # recorded where a load's slot may be overwritten
         self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
@@ -155,6 +158,10 @@ class SlotLoads:
                 self.host[k] = (torch.empty(k_shape, dtype=keys.dtype), torch.empty(v_shape, dtype=values.dtype))
         self.saved = torch.zeros(plan.layers, dtype=torch.int64, device=device)
         self.lengths = lengths
+        self.holder = [-1] * plan.slots
+        for k in range(plan.layers):
+            if k not in plan.evicts:  # resident: the slot is its own
+                self.holder[plan.slot[k]] = k
         if device.type != "cuda":
             return
         # Low priority: a load must never delay the layer that computes beside it.
@@ -210,6 +217,7 @@ class SlotLoads:
             for a, b in zip(mine, theirs, strict=True):
                 a.copy_(b)
         self.saved.copy_(other.saved)
+        self.holder = list(other.holder)
         written = other.written()
         for k, pair in self.host.items():
             for a, b in zip(pair, other.host[k], strict=True):
@@ -233,6 +241,7 @@ class SlotLoads:
         ``tensors``: what a compiled step hands over (:meth:`PrefixCopy.__call__`). ``replay``
         launches the load's own graph, the cheapest call; a capture in progress needs the kernel
         launched instead (a graph launch is not a node a capture records)."""
+        self.holder[self.plan.slot[k]] = k
         compute = driver.current_stream_handle(self.saved.device.index)
         load = self.stream.cuda_stream
         driver.record_event(self.free[k], compute)
@@ -265,6 +274,7 @@ class SlotLoads:
     def load_now(self, k: int, slot_k: torch.Tensor, slot_v: torch.Tensor, length: int, out_length: int) -> None:
         """What layer k's load does, done now by :func:`kv_ops.reference.prefix_copy`: the CPU path."""
         e = self.plan.evicts[k]
+        self.holder[self.plan.slot[k]] = k
         self.moved += reference.prefix_copy(
             (slot_k, slot_v), self.host[k], length, self.host[e], out_length, int(self.saved[e])
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -406,6 +408,108 @@ def test_a_max_gpu_bytes_that_is_not_a_positive_integer_is_refused(value):
         HostOffloadedCache(config=llama(), max_cache_len=32, max_gpu_bytes=value)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_gpu_byte": 1 << 20}, r"unknown keyword argument\(s\) \['max_gpu_byte'\]; it takes config, max_cache_len"),
+     ({"offloading": True}, "offloading=True is StaticCache's own offloading")],
+)  # fmt: skip
+def test_a_misspelt_or_foreign_keyword_argument_is_refused(kwargs, message):
+    # A misspelt budget would otherwise leave the default in place, unnoticed.
+    with pytest.raises(ValueError, match=f"HostOffloadedCache: {message}"):
+        HostOffloadedCache(config=llama(), max_cache_len=32, **kwargs)
+    # StaticCache's own arguments that mean nothing different here pass.
+    HostOffloadedCache(config=llama(), max_cache_len=32, dtype=torch.float32, offloading=False)
+
+
+def test_a_cpu_device_by_index_is_the_cpu():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=32), gen())
+    for device in ("cpu:0", torch.device("cpu", 0)):
+        assert same(generate(model, ids, HostOffloadedCache(config=cfg, max_cache_len=32, device=device), gen()), want)
+
+
+def test_max_batch_size_is_the_cap_given_else_the_allocated_batch():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    capped, uncapped = (HostOffloadedCache(config=cfg, max_cache_len=32, max_batch_size=b) for b in (8, None))
+    assert (capped.max_batch_size, uncapped.max_batch_size) == (8, -1)
+    for cache in (capped, uncapped):
+        generate(model, ids, cache, gen())
+    assert (capped.max_batch_size, uncapped.max_batch_size, capped.batch_size) == (8, 3, 3)
+
+
+def test_pickling_is_refused_and_a_shallow_copy_is_the_same_cache():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    # A pickled copy would carry the name of this process's loads (and none of their memory).
+    for save in (pickle.dumps, lambda c: torch.save(c, io.BytesIO())):
+        with pytest.raises(TypeError, match="HostOffloadedCache cannot be pickled .* copy.deepcopy"):
+            save(cache)
+    shallow = copy.copy(cache)
+    assert shallow.loads is cache.loads and shallow.layers is cache.layers
+
+
+def test_a_streamed_layers_keys_are_refused_where_its_slot_holds_another_layer():
+    # Between steps a shared slot holds the last layer loaded into it; the layers before it in
+    # that slot have their keys on the host only.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache, static = HostOffloadedCache(config=cfg, max_cache_len=32), StaticCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    generate(model, ids, static, gen())
+    plan, full = cache.loads.plan, cache.offloaded
+    last = {plan.slot[k]: k for k in plan.streamed}  # per shared slot, the last streamed layer in it
+    n = ids.shape[1] + NEW - 1
+    for k, i in enumerate(full):
+        layer = cache.layers[i]
+        if k not in plan.evicts or last[plan.slot[k]] == k:  # resident, or its slot holds it
+            assert torch.equal(layer.keys[:, :, :n], static.layers[i].keys[:, :, :n])
+        else:
+            with pytest.raises(RuntimeError, match=rf"layer {i}'s keys and values are streamed .* holds layer "):
+                _ = layer.values
+
+
+def test_as_an_encoder_decoders_cross_attention_cache_it_is_refused():
+    # Bart reads the cross-attention keys straight from the layers after the first step, which a
+    # streamed layer's slot no longer holds; as the decoder's self-attention cache it serves.
+    from transformers import BartConfig, BartForConditionalGeneration, EncoderDecoderCache
+
+    cfg = BartConfig(
+        vocab_size=256, d_model=64, encoder_layers=5, decoder_layers=5, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+    )  # fmt: skip
+    model, ids = model_of(cfg, BartForConditionalGeneration), prompt(cfg.vocab_size)
+    length = ids.shape[1]
+
+    def run(self_cls, cross_cls):
+        caches = [cls(config=cfg, max_cache_len=n) for cls, n in ((self_cls, 32), (cross_cls, length))]
+        return generate(model, ids, EncoderDecoderCache(*caches), gen())
+
+    assert same(run(HostOffloadedCache, StaticCache), run(StaticCache, StaticCache))
+    with pytest.raises(RuntimeError, match="keys and values are streamed .* cross-attention cache"):
+        run(StaticCache, HostOffloadedCache)
+
+
+def test_a_crop_gives_back_its_tokens_to_max_cache_len():
+    # Assisted generation crops its rejected tokens: a cache sized for the tokens kept must hold.
+    if not hasattr(transformers.cache_utils.StaticLayer, "crop"):
+        pytest.skip(f"transformers {transformers.__version__}'s static layers cannot be cropped")
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    logits = {}
+    for cls in (StaticCache, HostOffloadedCache):
+        cache = cls(config=cfg, max_cache_len=ids.shape[1] + 3)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            cache.crop(-3)
+            logits[cls] = model(ids[:, :6], past_key_values=cache, use_cache=True).logits
+    assert torch.equal(logits[HostOffloadedCache], logits[StaticCache])
+
+
 def test_a_model_where_the_config_goes_is_refused_with_a_hint():
     model = model_of(llama(), LlamaForCausalLM)
     with pytest.raises(
@@ -473,10 +577,15 @@ def test_a_closed_cache_is_refused_before_any_layer_writes():
     cache.reset()
     cache.close()
     cache.close()  # twice: harmless
-    keys = [layer.keys.clone() for layer in cache.layers]
+
+    def held():  # the slots, and the sliding-window layers' keys
+        windowed = [layer.keys for i, layer in enumerate(cache.layers) if i not in cache.offloaded]
+        return [t.clone() for pair in cache.loads.slots for t in pair] + [k.clone() for k in windowed]
+
+    before = held()
     with pytest.raises(ValueError, match=rf"HostOffloadedCache: '{cache.name}' was closed"):
         generate(model, ids, cache, gen())
-    assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, keys, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(held(), before, strict=True))
 
 
 def test_keys_on_another_device_than_the_caches_are_refused():
