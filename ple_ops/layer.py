@@ -113,6 +113,8 @@ class PleOffloadLayer(nn.Module, ABC):
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ple_name is not None:
             self._check_ids(input_ids)
+            # A view of the layer's buffer: a captured step reads and writes fixed addresses, so
+            # the next step overwrites these rows (a caller that keeps them clones them).
             return ops.wait_copy(self.ple_out, hidden_states, input_ids.shape[0], self.ple_name)
         if self.ple_gathers:
             self._check_ids(input_ids)

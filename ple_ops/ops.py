@@ -89,6 +89,15 @@ def _check_out(op: str, layer: registry.ArmedLayer, out: torch.Tensor, num_token
         )
 
 
+def _refuse_unserved_out(op: str, out) -> None:
+    """``out`` is a tensor on the CPU or a CUDA device, else a ``ValueError`` naming it: the ops
+    have kernels for those two only, and a meta ``out`` dispatches to the fake, which checks its
+    shape and returns without waiting, copying or releasing anything."""
+    if not isinstance(out, torch.Tensor) or out.device.type not in ("cpu", "cuda"):
+        shown = f"a tensor on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown}")
+
+
 def _host_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
     """CPU path: until the layer's rows are in its slot; raises if they never will be."""
     if layer.guard is not None:
@@ -202,6 +211,7 @@ def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     name : str
         An armed layer name (:mod:`ple_ops.registry`).
     """
+    _refuse_unserved_out("ple_ops.wait", out)
     torch.ops.ple_ops.wait(out, dep, name)
 
 
@@ -260,7 +270,9 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
     Parameters
     ----------
     out : Tensor
-        ``[max_tokens, dim]`` contiguous; ``dim * itemsize`` must equal the layer's row bytes.
+        ``[max_tokens, dim]`` contiguous, on the CPU or a CUDA device (a meta ``out`` is a
+        ``ValueError``: it would wait for and copy nothing); ``dim * itemsize`` must equal the
+        layer's row bytes.
     dep : Tensor
         Any tensor the wait must come after.
     num_tokens : int
@@ -276,6 +288,7 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, (numbers.Integral, torch.SymInt)):
         # The op would take True as 1 row, and refuse a float with torch's own RuntimeError.
         raise ValueError(f"ple_ops.wait_copy: num_tokens must be an integer, got {num_tokens!r}")
+    _refuse_unserved_out("ple_ops.wait_copy", out)
     torch.ops.ple_ops.wait_copy(out, dep, num_tokens, name)
     return out[:num_tokens]
 
@@ -337,6 +350,7 @@ def release(out: torch.Tensor, name: str) -> None:
     raise even with no forward before it) and clears the layer's waiting word; the CPU path waits
     on the host likewise, and a second release in the same step does nothing.
     """
+    _refuse_unserved_out("ple_ops.release", out)
     torch.ops.ple_ops.release(out, name)
 
 

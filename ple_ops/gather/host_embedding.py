@@ -8,7 +8,7 @@ from torch import nn
 from kv_ops.cuda.torch_internals import has_forward_hooks
 
 from ..ops import gather_rows
-from .host_rows import pin_rows
+from .host_rows import check_pinnable, pin_rows
 
 # Subclasses of nn.Embedding whose forward is known: (module, qualified name). Gemma 3n's and
 # Gemma 4's forwards are both ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)``
@@ -137,7 +137,8 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
     Raises
     ------
     ValueError
-        For anything whose forward is not proven to be a (scaled) row lookup, naming the class.
+        For anything whose forward is not proven to be a (scaled) row lookup, naming the class,
+        and for a weight with no rows or no columns (nothing to gather).
 
     Examples
     --------
@@ -155,6 +156,7 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
     weight = module.weight
     if weight.dim() != 2:
         raise ValueError(f"host_embedding: {name}'s weight must be [num_embeddings, dim], got {tuple(weight.shape)}")
+    check_pinnable("host_embedding", f"{name}'s weight", weight)
     device = weight.device
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"host_embedding: {name}'s weight is on {device}; only CUDA and CPU are supported")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import reprlib
+
 import torch
 from torch import nn
 
 from kv_ops.cuda import arguments
 
-from ..layer import PleOffloadLayer
-from .host_rows import pin_rows
+from ..layer import PleOffloadLayer, ple_layers
+from .host_rows import check_pinnable, pin_rows
 
 
 def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -36,42 +38,59 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
     nn.Module
         ``model``, moved to ``device``, with the tables off the GPU.
 
+    Raises
+    ------
+    ValueError
+        Before any table moves, so that the model is left as it was: ``model`` is not a module,
+        ``device`` is bad, or a PLE layer is not a pure lookup, has a table that is not contiguous
+        ``[vocab, dim]`` with at least one row and one column, or was converted already.
+
     Examples
     --------
     >>> model = ple_ops.gather_from_host(make_model(), "cuda")
     >>> step = torch.compile(model, fullgraph=True)      # no runtime, no prepare/release
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"gather_from_host: model must be an nn.Module built with its tables, got {reprlib.repr(model)}"
+        )
     device = arguments.device("gather_from_host", device)
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"gather_from_host: device must be a CUDA device or 'cpu', got {device!r}")
     # Every layer is checked before the first table moves: a refusal leaves the model as it was.
-    tables = []
-    for name, layer in model.named_modules():
-        if not isinstance(layer, PleOffloadLayer):
-            continue
-        table = layer.lookup_table()
-        if table is None:
-            raise ValueError(
-                f"gather_from_host: PLE layer {name!r} ({type(layer).__name__}) is not a pure lookup "
-                "(lookup_table() returned None); serve it with ple_ops.OffloadRuntime"
-            )
-        if table.dim() != 2 or not table.is_contiguous():
-            raise ValueError(
-                f"gather_from_host: {name!r}'s table must be contiguous [vocab, dim], got {tuple(table.shape)}"
-            )
-        owners = [
-            n for n, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)) if t is table
-        ]
-        if not owners:
-            raise ValueError(
-                f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers"
-            )
-        tables.append((layer, table, owners[0]))
+    tables = [_checked_table(name, layer) for name, layer in ple_layers(model)]
     for layer, table, owner in tables:
         rows = pin_rows(table, device)
         delattr(layer, owner)  # the only copy left is the page-locked one
         layer.attach_host_table(rows, table.dtype)
     return model.to(device)
+
+
+def _checked_table(name: str, layer: PleOffloadLayer) -> tuple[PleOffloadLayer, torch.Tensor, str]:
+    """``layer``, its lookup table and the name of the parameter or buffer that holds it, or a
+    ``ValueError`` naming the layer: nothing is moved here."""
+    if layer.ple_gathers or layer.ple_name is not None or layer.ple_placeholder:
+        # Its table is gone (gathered already, or never built in this process): lookup_table()
+        # would fail with an AttributeError that says neither.
+        state = "already gathers from host memory" if layer.ple_gathers else "is an offload runtime's placeholder"
+        raise ValueError(
+            f"gather_from_host: PLE layer {name!r} ({type(layer).__name__}) {state}: pass a model "
+            "built normally, with its tables, and convert it once"
+        )
+    table = layer.lookup_table()
+    if table is None:
+        raise ValueError(
+            f"gather_from_host: PLE layer {name!r} ({type(layer).__name__}) is not a pure lookup "
+            "(lookup_table() returned None); serve it with ple_ops.OffloadRuntime"
+        )
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or not table.is_contiguous():
+        shown = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"gather_from_host: {name!r}'s table must be contiguous [vocab, dim], got {shown}")
+    check_pinnable("gather_from_host", f"the table of layer {name!r}", table)
+    owners = [n for n, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)) if t is table]
+    if not owners:
+        raise ValueError(f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers")
+    return layer, table, owners[0]
 
 
 __all__ = ["gather_from_host"]

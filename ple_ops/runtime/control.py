@@ -196,11 +196,15 @@ class ControlBlock:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One PLE layer as the worker built it: its name and the rows its forward_impl returns."""
+    """One PLE layer as the worker built it: its name, the rows its forward_impl returns, and
+    ``rows``, its table's row count where the worker gathers the layer's rows from its table (a
+    pure lookup: an id outside ``[0, rows)`` fails the step there, so the runtime's ``prepare``
+    refuses it first), else None (computed rows: the worker cannot tell which ids are valid)."""
 
     name: str
     dim: int
     dtype: torch.dtype
+    rows: int | None = None
 
     @property
     def row_bytes(self) -> int:

@@ -172,7 +172,9 @@ class OffloadRuntime:
         Raises
         ------
         TypeError, ValueError
-            Ids of a floating (or bool) dtype, or of a bad shape: nothing is prepared.
+            Ids of a floating (or bool) dtype, or of a bad shape; or, where the offload process
+            gathers a layer's rows from its table (``lookup_table``), an id outside that table
+            (the smallest one): nothing is prepared.
         OffloadError
             The previous step is not released; prepare was called during a CUDA-graph capture;
             an earlier step failed and its error was not raised yet; or the runtime is dead.

@@ -52,6 +52,8 @@ class RuntimeLayer:
     # prepare() needs no per-layer reset: a new step number clears both.
     waited_step: int = 0
     released_step: int = 0
+    # The layer's table rows where the offload process gathers from its table (LayerSpec.rows).
+    rows: int | None = None
 
     def __post_init__(self) -> None:
         self.flag = self.armed.flag  # read on every wait and release
@@ -213,7 +215,7 @@ class WorkerProcess:
                 timeout=self.step_timeout,
             )
             registry.arm(armed)
-            self.layers.append(RuntimeLayer(i, name, module, slot_buffer, armed))
+            self.layers.append(RuntimeLayer(i, name, module, slot_buffer, armed, rows=spec.rows))
             module.attach_offload(name, out)
         try:
             self._conn.send(Attach(control.handle, tuple(layer.slot_buffer.handle for layer in self.layers)))

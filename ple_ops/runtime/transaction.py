@@ -75,6 +75,10 @@ class StepTransaction:
         self._ids_address = self._control.ids.data_ptr()
         self._layers: list[RuntimeLayer] = self._process.layers
         self._by_name = {layer.name: layer for layer in self._layers}
+        # The smallest table the offload process gathers from, and its layer: an id outside it
+        # would fail the step there, so prepare() refuses it first. None: no layer reported one.
+        tables = [(layer.rows, layer.name) for layer in self._layers if layer.rows is not None]
+        self._vocab: tuple[int, str] | None = min(tables) if tables else None
 
     def abandon(self) -> None:
         """Close the open step without releasing it (the runtime is closing)."""
@@ -155,8 +159,28 @@ class StepTransaction:
                 f"prepare: input_ids must be 1-D with 1..{self.max_tokens} ids, got shape {tuple(input_ids.shape)}"
             )
         if dtype is torch.int64 and input_ids.is_cpu:
-            return input_ids
-        return input_ids.detach().to("cpu", torch.int64)
+            ids = input_ids
+        elif input_ids.is_meta:
+            raise ValueError("prepare: input_ids are on the meta device, which holds no values: pass the step's ids")
+        else:
+            # GPU ids are copied to the host here, which already waits for them: the range check
+            # below reads that copy and adds no device sync of its own.
+            ids = input_ids.detach().to("cpu", torch.int64)
+        if self._vocab is not None:
+            self._check_vocab(ids, *self._vocab)
+        return ids
+
+    @staticmethod
+    def _check_vocab(ids: torch.Tensor, rows: int, name: str) -> None:
+        """Refuse an id outside ``[0, rows)``: one vectorised min/max on the host ids per step; the
+        offending id is looked for only once the step is refused."""
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= rows:
+            bad = int(ids[(ids < 0) | (ids >= rows)][0])
+            raise ValueError(
+                f"prepare: input_ids holds id {bad}, outside the vocabulary of {rows} rows (the table of "
+                f"layer {name!r}): ids must lie in [0, {rows}); nothing was prepared"
+            )
 
     def release(self, enqueue: bool = True) -> None:
         """The step's end (:meth:`ple_ops.OffloadRuntime.release` documents it, and is this method)."""

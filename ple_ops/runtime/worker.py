@@ -176,20 +176,25 @@ def handshake(model_factory: Callable[[], nn.Module], conn) -> tuple[ControlBloc
     layer_mod.mark_offload_worker()
     model = model_factory().eval()
     modules = layer_mod.ple_layers(model)
-    specs = []
+    specs, lookups = [], []
     with torch.no_grad():
         for name, module in modules:
             probe = module.forward_impl(torch.zeros(1, dtype=torch.long))
-            specs.append(LayerSpec(name, probe.shape[-1], probe.dtype))
+            lookup = lookup_rows(module, LayerSpec(name, probe.shape[-1], probe.dtype))
+            lookups.append(lookup)
+            # A gathered layer's table size goes in the report: the runtime then refuses an id
+            # outside it in prepare(), before the step is sent, instead of this process failing it.
+            rows = None if lookup is None else lookup.shape[0]
+            specs.append(LayerSpec(name, probe.shape[-1], probe.dtype, rows))
     conn.send(LayersReport(tuple(specs)))
     attach = conn.recv()
     if not isinstance(attach, Attach):
         raise RuntimeError(f"offload worker: expected Attach from the runtime, got {attach!r}")
     control = ControlBlock.attach(attach.control)
     layers = []
-    for i, ((_, module), spec, handle) in enumerate(zip(modules, specs, attach.slots)):
+    for i, ((_, module), spec, lookup, handle) in enumerate(zip(modules, specs, lookups, attach.slots)):
         slot = SharedHostBuffer.attach(handle).view(0, (control.max_tokens, spec.row_bytes), torch.uint8)
-        layers.append(ServedLayer(i, spec, module, control.flags[i], slot, lookup=lookup_rows(module, spec)))
+        layers.append(ServedLayer(i, spec, module, control.flags[i], slot, lookup=lookup))
     conn.send(Ready())
     return control, layers
 

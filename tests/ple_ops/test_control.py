@@ -101,9 +101,10 @@ def test_a_cuda_free_process_attaches_by_handle():
 
 def test_messages_pickle_with_their_fields(block):
     spec = LayerSpec("blocks.0.ple", 64, torch.bfloat16)
-    assert spec.row_bytes == 128
+    assert spec.row_bytes == 128 and spec.rows is None  # computed rows: no table size to check ids against
+    gathered = LayerSpec("blocks.1.ple", 32, torch.float32, rows=1000)
     for message in (
-        LayersReport((spec,)),
+        LayersReport((spec, gathered)),
         Attach(block.handle, (block.buffer.handle,)),
         WorkerFailed("Traceback ..."),
         StepFailed(3, "blocks.0.ple", "IndexError"),

@@ -3,6 +3,7 @@ embeddings, and whole tiny Gemma 4 models through their own per-layer accessors)
 the refusals, and on the GPU the table's memory given back."""
 
 import gc
+import re
 import sys
 
 import pytest
@@ -236,6 +237,20 @@ def test_hooks_and_patched_forwards_are_refused():
 def test_something_that_is_not_an_embedding_is_refused():
     with pytest.raises(ValueError, match="Linear"):
         ple_ops.host_embedding(nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("shape, what", [((0, 4), "row count"), ((10, 0), "row width")], ids=["no-rows", "no-columns"])
+def test_a_weight_with_no_rows_or_no_columns_is_a_value_error_naming_it(shape, what):
+    # Nothing to gather: refused by name, where pin_rows would fail with torch's RuntimeError.
+    torch.manual_seed(11)
+    emb = nn.Embedding(*shape)
+    before = emb.weight.detach().clone()
+    name = r"torch\.nn\.modules\.sparse\.Embedding's weight"
+    with pytest.raises(
+        ValueError, match=rf"^host_embedding: the {what} of {name} {re.escape(str(shape))} must be a positive integer"
+    ):
+        ple_ops.host_embedding(emb)
+    assert torch.equal(emb.weight, before)
 
 
 def test_gradient_only_options_are_accepted():

@@ -1,6 +1,8 @@
 """ple_ops.gather_from_host on the CPU: the gathered model equals the local one bitwise, and every
 refusal (a device this machine lacks, a layer that is not a pure lookup) leaves the model as it was."""
 
+import re
+
 import pytest
 import torch
 from ple_models import DIM, VOCAB, TinyModel, make_lookup_model, make_model
@@ -73,3 +75,42 @@ def test_ids_that_are_not_a_1d_tensor_are_a_value_error_naming_them(ids, shown):
     gen = torch.Generator().manual_seed(43)
     with pytest.raises(ValueError, match=rf"LookupPle: input_ids must be a 1-D tensor of token ids, got {shown}"):
         model(torch.randn(3, DIM, generator=gen), ids(gen))
+
+
+@pytest.mark.parametrize(
+    "shape, what", [((0, DIM), "row count"), ((VOCAB, 0), "row width")], ids=["no-rows", "no-columns"]
+)
+def test_a_table_with_no_rows_or_no_columns_is_refused_by_layer_before_any_table_moves(shape, what):
+    # The last layer's table is the bad one: the earlier layers must not have been converted.
+    model = make_lookup_model()
+    gen = torch.Generator().manual_seed(47)
+    model.blocks[2].ple.table = torch.nn.Parameter(torch.randn(*shape, generator=gen), requires_grad=False)
+    before = tables(model)
+    message = rf"^gather_from_host: the {what} of the table of layer 'blocks\.2\.ple' \({shape[0]}, {shape[1]}\)"
+    with pytest.raises(ValueError, match=message):
+        ple_ops.gather_from_host(model, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(before, tables(model)))
+    assert not any(block.ple.ple_gathers for block in model.blocks)
+
+
+@pytest.mark.parametrize("model", [None, "make_lookup_model", [1, 2]], ids=["none", "str", "list"])
+def test_a_model_that_is_not_a_module_is_a_value_error_naming_it(model):
+    with pytest.raises(
+        ValueError, match=rf"^gather_from_host: model must be an nn.Module .*, got {re.escape(repr(model))}$"
+    ):
+        ple_ops.gather_from_host(model, "cpu")
+
+
+def test_a_model_converted_already_or_built_as_placeholders_is_a_value_error_and_stays_served():
+    local, model = make_lookup_model(), ple_ops.gather_from_host(make_lookup_model(), "cpu")
+    with pytest.raises(
+        ValueError, match=r"^gather_from_host: PLE layer 'blocks\.0\.ple' \(LookupPle\) already gathers"
+    ):
+        ple_ops.gather_from_host(model, "cpu")
+    gen = torch.Generator().manual_seed(53)
+    ids, hidden = torch.randint(0, VOCAB, (9,), generator=gen), torch.randn(9, DIM, generator=gen)
+    assert torch.equal(local(hidden, ids).view(torch.uint8), model(hidden, ids).view(torch.uint8))
+    with ple_ops.layer.building_placeholders():
+        placeholders = make_lookup_model()
+    with pytest.raises(ValueError, match=r"'blocks\.0\.ple' \(LookupPle\) is an offload runtime's placeholder"):
+        ple_ops.gather_from_host(placeholders, "cpu")

@@ -136,6 +136,31 @@ def test_bad_pull_is_rejected_before_waiting_or_copying(armed, out, num_tokens, 
     assert torch.equal(out.view(torch.uint8), before.view(torch.uint8))
 
 
+@pytest.mark.parametrize(
+    "op, call",
+    [
+        ("ple_ops.wait_copy", lambda out: ple_ops.wait_copy(out, torch.zeros(1), 5, "test.ple")),
+        ("ple_ops.wait", lambda out: ple_ops.wait(out, torch.zeros(1), "test.ple")),
+        ("ple_ops.release", lambda out: ple_ops.release(out, "test.ple")),
+    ],
+    ids=["wait_copy", "wait", "release"],
+)
+@pytest.mark.parametrize(
+    "out, shown",
+    [(torch.empty(16, 32, device="meta"), "a tensor on meta"), (None, "NoneType"), ([1.5, 2.5], "list")],
+    ids=["meta", "none", "list"],
+)
+def test_an_out_that_is_no_cpu_or_cuda_tensor_is_a_value_error_and_the_flag_is_left_alone(armed, op, call, out, shown):
+    # A meta out would dispatch to the op's fake: no wait, no copy, no reset, and no error.
+    armed.flag.host_signal()
+    slot = armed.slot.clone()
+    with pytest.raises(
+        ValueError, match=rf"^{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown}"
+    ):
+        call(out)
+    assert armed.flag.host_value() == DONE and torch.equal(armed.slot, slot)
+
+
 def test_wait_returns_once_signalled_and_raises_when_the_producer_fails(armed):
     armed.flag.host_signal()
     ple_ops.wait(poisoned(), torch.zeros(1), "test.ple")

@@ -92,10 +92,10 @@ def test_steps_give_the_local_model_result(runtime, local):
 
 
 @pytest.mark.parametrize("factory", [make_lookup_model, make_bf16_lookup_model], ids=["float32", "bfloat16"])
-def test_a_pure_lookup_model_is_gathered_by_the_offload_process_bitwise_and_a_bad_id_fails_that_step_only(factory):
+def test_a_pure_lookup_model_is_gathered_by_the_offload_process_bitwise_and_prepare_refuses_an_id_outside_it(factory):
     # Layers whose lookup_table() returns their table are served by a numpy gather straight into
-    # the slot (no forward_impl in the offload process): the same rows, bit for bit, and an id
-    # outside the table fails that step as forward_impl's own IndexError would.
+    # the slot (no forward_impl in the offload process): the same rows, bit for bit. The worker
+    # reports their tables' sizes, so prepare() refuses an id outside them before sending the step.
     local = factory()
     gen = torch.Generator().manual_seed(31)
     with ple_ops.OffloadRuntime(factory, max_tokens=32, device="cpu", step_timeout=2.0) as rt:
@@ -103,13 +103,21 @@ def test_a_pure_lookup_model_is_gathered_by_the_offload_process_bitwise_and_a_ba
             ids = torch.randint(0, VOCAB, (n,), generator=gen)
             hidden = torch.randn(n, DIM, generator=gen).to(local.blocks[0].proj.weight.dtype)
             served_step(rt, local, ids, hidden)
-        ids[3] = VOCAB + 17
-        rt.prepare(ids)
-        match = r"(?s)failed in layer 'blocks\.0\.ple'.*keeps serving.*index 1017 is out of bounds"
-        with pytest.raises(ple_ops.OffloadError, match=match) as e:
-            rt.model(hidden, ids)
-        rt.release()
-        assert not e.value.fatal
+        wait_served(rt)
+        served = rt.served_steps()
+        past = VOCAB + int(torch.randint(0, 50, (), generator=gen))
+        below = -1 - int(torch.randint(0, 50, (), generator=gen))
+        for bad in (past, below, 2**40):
+            ids = torch.randint(0, VOCAB, (9,), generator=gen)
+            ids[int(torch.randint(0, 9, (), generator=gen))] = bad
+            # int64 ids are checked as given, narrower ones after their host copy: both refused.
+            for sent in [ids] + ([ids.to(torch.int32)] if abs(bad) < 2**31 else []):
+                match = rf"prepare: input_ids holds id {bad}, outside the vocabulary of {VOCAB} rows .*'blocks\.0\.ple'"
+                with pytest.raises(ValueError, match=match):
+                    rt.prepare(sent)
+        with pytest.raises(ple_ops.OffloadError, match="no step prepared"):
+            rt.model(hidden[:9], ids)  # nothing was prepared
+        assert rt.served_steps() == served  # and nothing was sent
         for n in (5, 32):
             ids = torch.randint(0, VOCAB, (n,), generator=gen)
             served_step(rt, local, ids, torch.randn(n, DIM, generator=gen).to(hidden.dtype))
@@ -363,8 +371,9 @@ def test_release_enqueue_false_after_an_eager_forward_is_that_steps_error(runtim
         (torch.arange(6).view(2, 3), ValueError, r"1-D with 1..32 ids, got shape \(2, 3\)"),
         (torch.zeros(0, dtype=torch.long), ValueError, r"got shape \(0,\)"),
         ([1, 2, 3], TypeError, "must be a tensor"),
+        (torch.tensor([5, 17, 3], device="meta"), ValueError, "on the meta device, which holds no values"),
     ],
-    ids=["float", "bool", "too-many", "2-d", "empty", "list"],
+    ids=["float", "bool", "too-many", "2-d", "empty", "list", "meta"],
 )
 def test_bad_ids_are_refused_and_nothing_is_prepared(runtime, local, ids, error, message):
     with pytest.raises(error, match=message):

@@ -15,9 +15,11 @@ import pytest
 import torch
 from ple_models import DIM, VOCAB, LookupPle, TablePle
 
+import ple_ops
 from ple_ops import reference
-from ple_ops.runtime.control import ControlBlock, LayerSpec, Phase, StepFailed, Word
-from ple_ops.runtime.worker import ServedLayer, StopServing, lookup_rows, serve
+from ple_ops.runtime.control import Attach, ControlBlock, LayerSpec, LayersReport, Phase, Ready, StepFailed, Word
+from ple_ops.runtime.shared_memory import SharedHostBuffer
+from ple_ops.runtime.worker import ServedLayer, StopServing, handshake, lookup_rows, serve
 from ple_ops.semaphore import DONE
 
 MAX_TOKENS = 8
@@ -188,6 +190,46 @@ def test_only_a_layer_the_worker_can_gather_as_a_pure_lookup_is_gathered():
     strided = LookupPle(0)
     strided.lookup_table = lambda: strided.table.t().contiguous().t()
     assert lookup_rows(strided, spec) is None  # not contiguous rows
+
+
+class HandshakePipe:
+    """The GPU process's end of the handshake: records what the worker sends, answers its report
+    with a control block and one slot per reported layer."""
+
+    def __init__(self):
+        self.sent = []
+        self.buffers = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def recv(self):
+        specs = self.sent[0].layers
+        control = ControlBlock.create(MAX_TOKENS, len(specs), map_for_gpu=False)
+        self.buffers = [control.buffer] + [SharedHostBuffer(MAX_TOKENS * s.row_bytes, register=False) for s in specs]
+        return Attach(control.handle, tuple(b.handle for b in self.buffers[1:]))
+
+
+class LookupAndComputed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gathered, self.computed = LookupPle(0), TablePle(1)
+
+
+def test_the_handshake_reports_the_table_rows_of_a_gathered_layer_and_none_for_computed_rows(monkeypatch):
+    # The runtime's prepare() refuses an id outside a reported table: only a layer the worker
+    # gathers from its table (where such an id fails the step) may report one.
+    monkeypatch.setattr(ple_ops.layer, "mark_offload_worker", lambda: None)  # this process stays local
+    pipe = HandshakePipe()
+    try:
+        _, layers = handshake(LookupAndComputed, pipe)
+        report = pipe.sent[0]
+        assert isinstance(report, LayersReport) and isinstance(pipe.sent[-1], Ready)
+        assert [(s.name, s.dim, s.rows) for s in report.layers] == [("gathered", DIM, VOCAB), ("computed", DIM, None)]
+        assert layers[0].lookup is not None and layers[1].lookup is None
+    finally:
+        for buffer in pipe.buffers:
+            buffer.unlink()
 
 
 ROOT = Path(__file__).resolve().parents[2]
