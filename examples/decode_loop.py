@@ -352,6 +352,15 @@ def reload_and_decode(args, cfg: Config, device: torch.device) -> int:
     return 0 if ok else 1
 
 
+def existing_dir(text: str) -> str:
+    """``--disk``'s type: a usage error at parse time, since the engine that refuses a bad
+    disk_dir is built only after every transport was compiled and captured."""
+    if not os.path.isdir(text):
+        what = "is not a directory" if os.path.exists(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what} (pass an existing directory for the disk tier)")
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), help="default: gemma on a GPU, small on the CPU")
@@ -363,7 +372,9 @@ def main(argv=None) -> int:
         "AOT checks. Default: process, then gather",
     )
     parser.add_argument(
-        "--disk", help="also preempt KV blocks to a file in this directory (resumed by load, flush, then step)"
+        "--disk",
+        type=existing_dir,
+        help="also preempt KV blocks to a file in this directory (resumed by load, flush, then step)",
     )
     parser.add_argument(
         "--resume",

@@ -161,6 +161,17 @@ def seconds(owner: str, what: str, value) -> float:
     return float(value)
 
 
+def path(owner: str, what: str, value) -> str:
+    """``value`` as a ``str`` when it is a non-empty ``str``, or an ``os.PathLike`` giving one, with
+    no NUL byte; else a ``ValueError`` naming all three. ``open()`` takes an int as a file
+    descriptor (``True`` is fd 1, and a ``with`` closes the caller's stdout; 0 reads stdin and
+    blocks), and ``None`` or bytes where a path belongs are slips."""
+    name = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise ValueError(f"{owner}: {what} must be a path (a non-empty str or os.PathLike), got {value!r}")
+    return name
+
+
 __all__ = [
     "positive_int",
     "index",
@@ -173,4 +184,5 @@ __all__ = [
     "file_name_part",
     "byte_regions",
     "seconds",
+    "path",
 ]

@@ -55,9 +55,9 @@ imports this module.
 
 from __future__ import annotations
 
-import math
-import numbers
+import reprlib
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -66,6 +66,7 @@ import kv_ops
 
 from ..cuda.arguments import positive_int
 from ..cuda.host_memory import shared_host_buffer
+from .vllm_config import cpu_bytes_to_use, engine_kwargs
 from .vllm_version import SUPPORTED_VLLM_VERSIONS, VLLM_VERSION, check_vllm_version, installed_vllm_version
 
 check_vllm_version(installed_vllm_version())
@@ -411,29 +412,15 @@ def _world_cpu_group():
         return get_world_group().cpu_group
 
 
-def _cpu_bytes_to_use(extra_config: dict) -> int:
-    """``cpu_bytes_to_use`` as vLLM's CPU spec reads it (``int(value)``: an integer, a float such
-    as ``--kv-offloading-size`` makes, or a string of digits), checked before that spec reads it:
-    vLLM would take -1 for a size and fail later on a negative count, and fail on ``"1GB"`` with
-    ``int()``'s message, neither naming the key."""
-    value = extra_config.get("cpu_bytes_to_use")
-    if value is None:  # in vLLM's words, which its own tests expect
-        raise ValueError(
-            "OffloadOpsSpec: cpu_bytes_to_use must be specified in kv_connector_extra_config: the bytes "
-            f"of host memory to offload into (e.g. {16 << 30} for 16 GiB)"
+def _check_config(config) -> None:
+    """A ``TypeError`` unless ``config`` is what vLLM builds a spec from: without this, a dict or
+    None fails on its first attribute read, naming neither the spec nor what it takes."""
+    if not isinstance(config, OffloadingConfig):
+        hint = "; kv_connector_extra_config's keys go in its extra_config" if isinstance(config, Mapping) else ""
+        raise TypeError(
+            "OffloadOpsSpec: config must be vLLM's OffloadingConfig (what OffloadingSpecFactory.create_spec "
+            f"passes a spec), got {reprlib.repr(config)} ({type(config).__name__}){hint}"
         )
-    where = 'OffloadOpsSpec: kv_connector_extra_config "cpu_bytes_to_use"'
-    number = None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        number = int(value)
-    elif isinstance(value, str) and value.strip().isdigit():
-        number = int(value)
-    if number is None or number < 1:
-        raise ValueError(
-            f"{where} must be a positive number of bytes (e.g. {16 << 30} for 16 GiB, which vllm serve's "
-            f"--kv-transfer-config also takes unquoted as 16G), got {value!r}"
-        )
-    return number
 
 
 class OffloadOpsSpec(CPUOffloadingSpec):
@@ -441,16 +428,19 @@ class OffloadOpsSpec(CPUOffloadingSpec):
 
     The manager is vLLM's CPU spec's own, sized from ``cpu_bytes_to_use`` the same way; extra
     keys ``kv_ops_path`` (``"auto"``, ``"kernel"``, ``"staged"``, ``"dma"``) and
-    ``kv_ops_crossover_file`` reach the engine.
+    ``kv_ops_crossover_file`` reach the engine, checked here (:mod:`kv_ops.integrations.vllm_config`),
+    and any other ``kv_ops_`` key is refused.
     """
 
     def __init__(self, config: OffloadingConfig):
+        _check_config(config)
         if config.canonical_layout:
             raise ValueError(
                 "OffloadOpsSpec: the canonical host layout (kv_connector_extra_config "
                 '"canonical_layout": true) is not supported; leave it off'
             )
-        cpu_bytes = _cpu_bytes_to_use(config.extra_config)
+        cpu_bytes = cpu_bytes_to_use(config.extra_config)
+        self._engine_kwargs = engine_kwargs(config.extra_config)
         # Sized as vLLM's CPU spec sizes itself, replicated layout included (one host copy for
         # every rank where the ranks share host memory: MLA with tensor parallelism).
         super().__init__(config)
@@ -471,11 +461,7 @@ class OffloadOpsSpec(CPUOffloadingSpec):
         group (``group``, a ``torch.distributed`` group, stands in for it), one slab per rank, or
         one slab for every rank with the replicated layout; each worker's engine adopts its
         slab."""
-        kwargs = {}
-        if "kv_ops_path" in self.extra_config:
-            kwargs["path"] = self.extra_config["kv_ops_path"]
-        if "kv_ops_crossover_file" in self.extra_config:
-            kwargs["crossover_file"] = self.extra_config["kv_ops_crossover_file"]
+        kwargs = dict(self._engine_kwargs)
         parallel = self.config.parallel
         if self._uses_shared_region() and self.num_chunks > 0 and (parallel.world_size > 1 or group is not None):
             slab = self.num_chunks * self.cpu_page_size_per_worker

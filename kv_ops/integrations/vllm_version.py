@@ -25,7 +25,13 @@ def installed_vllm_version() -> str | None:
 
 def check_vllm_version(found: str | None) -> None:
     """Raise ``ImportError`` unless ``found`` (an installed vLLM's version) is one of
-    :data:`SUPPORTED_VLLM_VERSIONS`; the message names them and how to install one."""
+    :data:`SUPPORTED_VLLM_VERSIONS`; the message names them and how to install one. ``found``
+    other than a string or None (what :func:`installed_vllm_version` returns) is a ``ValueError``:
+    a caller's slip, not an installed vLLM."""
+    if found is not None and not isinstance(found, str):
+        raise ValueError(
+            f"check_vllm_version: found must be a vLLM version string (e.g. '0.32.0') or None, got {found!r}"
+        )
     *older, newest = SUPPORTED_VLLM_VERSIONS
     supported = f"{', '.join(older)} and {newest}" if older else newest
     install = (

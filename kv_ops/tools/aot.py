@@ -20,13 +20,21 @@ The recipe, and why each part is there:
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..cuda.arguments import path as path_argument
 from ..cuda.torch_internals import enable_aot_compile
+
+# An artifact is a pickle (torch's AOTCompiledFunction.serialize): the protocol opcode, then a
+# protocol number. Reading them first tells a file that is no artifact from one that fails to
+# load for a reason of its own (an op package not imported), which must keep its own error.
+_PICKLE_PROTOCOLS = range(2, pickle.HIGHEST_PROTOCOL + 1)
 
 
 def compile_step(step: Callable[..., Any], model: nn.Module, *example_args: Any) -> Callable[..., Any]:
@@ -57,6 +65,8 @@ def compile_step(step: Callable[..., Any], model: nn.Module, *example_args: Any)
     ...     compiled = kv_ops.tools.aot.compile_step(decode_step, model, tokens, positions)
     >>> compiled.save_compiled_function("step.aot")
     """
+    if not callable(step):
+        raise ValueError(f"compile_step: step must be a function taking the model first, got {step!r}")
     if not isinstance(model, nn.Module):
         raise ValueError(f"compile_step: model must be an nn.Module, got {type(model).__name__}")
     enable_aot_compile()
@@ -69,6 +79,9 @@ def load_step(path: str) -> Callable[..., Any]:
     ``model`` is this process's own instance of the same class (same parameter and buffer
     shapes, same layer names). Import every op package the step uses first.
 
+    ``path`` must be a ``str`` or ``os.PathLike``: anything else (an int, ``True``, ``None``) is a
+    ``ValueError`` before anything is opened, as are a directory and a file that is no artifact.
+
     Examples
     --------
     >>> import kv_ops, ple_ops
@@ -76,9 +89,25 @@ def load_step(path: str) -> Callable[..., Any]:
     >>> with torch.no_grad():
     ...     logits = loaded(model, tokens, positions)
     """
+    name = path_argument("load_step", "path", path)
+    if os.path.isdir(name):
+        raise ValueError(f"load_step: path {name!r} is a directory, not an artifact saved by compile_step")
     enable_aot_compile()
-    with open(path, "rb") as f:
-        return torch.compiler.load_compiled_function(f)
+    with open(name, "rb") as f:
+        head = f.read(2)
+        if len(head) < 2 or head[0] != pickle.PROTO[0] or head[1] not in _PICKLE_PROTOCOLS:
+            raise _not_an_artifact(name, f"it starts with {head!r}")
+        f.seek(0)
+        try:
+            return torch.compiler.load_compiled_function(f)
+        except (pickle.UnpicklingError, EOFError) as error:  # a truncated or damaged pickle
+            raise _not_an_artifact(name, f"{type(error).__name__}: {error}") from error
+
+
+def _not_an_artifact(name: str, why: str) -> ValueError:
+    return ValueError(
+        f"load_step: path {name!r} is not an artifact saved by compile_step(...).save_compiled_function ({why})"
+    )
 
 
 __all__ = ["compile_step", "load_step"]

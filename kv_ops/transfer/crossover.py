@@ -30,6 +30,7 @@ The pick, in the nearest measured cell:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..cuda.arguments import path as path_argument
 from ..cuda.host_memory import pinned_empty
 from .blocks import Blocks, Direction, low_priority_streams
 from .paths import COPY_ENGINES, PATH_NAMES, make_paths
@@ -223,11 +225,18 @@ class Crossover:
         return "\n".join(lines)
 
     def save(self, path: str) -> None:
-        """Write the cells to ``path`` as JSON (atomically: a crash leaves the old file or none)."""
+        """Write the cells to ``path`` as JSON (atomically: a crash leaves the old file or none,
+        and a write or rename that fails leaves no temporary file behind)."""
+        path = path_argument("Crossover.save", "path", path)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"key": self.key, "cells": [asdict(c) for c in self.cells]}, f, indent=1)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"key": self.key, "cells": [asdict(c) for c in self.cells]}, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str, key: dict) -> "Crossover | None":
@@ -361,9 +370,27 @@ def measured_once(device: torch.device, widths: tuple[int, ...], ring_bytes: int
     return measure(device, list(widths), ring_bytes)
 
 
+def check_kept_file(owner: str, cache_file) -> str:
+    """``cache_file`` (``crossover_file`` to the engine) as a ``str`` when a file can be kept there:
+    a path that is not a directory, in a directory that exists; else a ``ValueError`` naming it.
+    Checked before the measurement, which is not free and whose result a failed write would lose."""
+    name = path_argument(owner, "crossover_file", cache_file)
+    if os.path.isdir(name):
+        raise ValueError(f"{owner}: crossover_file {cache_file!r} is a directory; name a JSON file (in it, say)")
+    parent = os.path.dirname(os.path.abspath(name))
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"{owner}: crossover_file {cache_file!r} is in {parent!r}, which is not a directory; create it first"
+        )
+    return name
+
+
 def crossover(device: torch.device, widths: list[int], ring_bytes: int, cache_file: str | None = None) -> Crossover:
     """The crossover of this shape on ``device``: measured once per process (engines of one shape
-    share it), or read from ``cache_file`` when it holds this shape's, and written there otherwise."""
+    share it), or read from ``cache_file`` when it holds this shape's, and written there otherwise.
+    A ``cache_file`` that no file can be written at is a ``ValueError`` before anything is measured."""
+    if cache_file is not None:
+        cache_file = check_kept_file("crossover", cache_file)
     key = shape_key(device, widths, ring_bytes)
     if cache_file is not None:
         kept = Crossover.load(cache_file, key)
@@ -375,4 +402,15 @@ def crossover(device: torch.device, widths: list[int], ring_bytes: int, cache_fi
     return found
 
 
-__all__ = ["Cell", "Crossover", "measure", "crossover", "shape_key", "COUNTS", "RUN", "TOLERANCE", "MEASUREMENT"]
+__all__ = [
+    "Cell",
+    "Crossover",
+    "measure",
+    "crossover",
+    "check_kept_file",
+    "shape_key",
+    "COUNTS",
+    "RUN",
+    "TOLERANCE",
+    "MEASUREMENT",
+]

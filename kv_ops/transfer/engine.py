@@ -132,7 +132,8 @@ class OffloadEngine:
         is not a non-empty mapping of non-empty lists of regions, or given with ``disk_dir``; a
         ``host_buffer`` that is not a contiguous CPU uint8 tensor large enough for the mirror; a
         ``disk_dir`` that is empty, missing or not a directory, a ``disk_tag`` that is not a
-        non-empty string fit for a file name (no ``/``, no NUL), or a ``capacity_bytes`` whose
+        non-empty string fit for a file name (no ``/``, no NUL), a ``crossover_file`` that is
+        a directory or in no directory that exists, or a ``capacity_bytes`` whose
         file the disk cannot hold (out of space, too large a file, over quota).
     TypeError
         ``disk_dir`` or ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.

@@ -13,6 +13,7 @@ from ..cuda.arguments import file_name_part, positive_int
 from ..cuda.host_memory import check_host_bytes
 from ..geometry import check_kv_caches
 from .block_file import aligned
+from .crossover import check_kept_file
 from .paths import PATH_NAMES
 
 PATHS = ("auto", *PATH_NAMES)
@@ -36,8 +37,9 @@ def check_counts(kv_caches, num_blocks, path, capacity_bytes, ring_bytes, stagin
 
 
 def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_cache) -> torch.device:
-    """The file arguments' types checked, ``disk_dir`` a directory that exists and ``disk_tag``
-    a piece of a file name, then the one device the caches sit on, returned."""
+    """The file arguments' types checked, ``disk_dir`` a directory that exists, ``disk_tag``
+    a piece of a file name and ``crossover_file`` a file in a directory that exists, then the one
+    device the caches sit on, returned."""
     for what, value in (("disk_dir", disk_dir), ("crossover_file", crossover_file)):
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"OffloadEngine: {what} must be a path (str or os.PathLike), got {type(value).__name__}")
@@ -45,6 +47,8 @@ def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_c
         file_name_part("OffloadEngine", "disk_tag", disk_tag)
     if disk_dir is not None:
         check_disk_dir(disk_dir)
+    if crossover_file is not None:  # before the host memory and auto's measurement, not after
+        check_kept_file("OffloadEngine", crossover_file)
     if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
         raise TypeError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
     devices = {t.device for t in kv_caches.values()}

@@ -114,3 +114,17 @@ def test_decode_loop_matches_with_preemption_and_aot_reload(tmp_path):
     assert steps["in the model"] == steps["offload process"] > 0 and steps["in the model"] % 3 == 0, out
     assert "MISMATCH" not in out, out
     assert list(tmp_path.iterdir()) == []  # the disk tier left nothing behind
+
+
+def test_a_disk_that_is_no_directory_is_a_usage_error_before_any_work(tmp_path):
+    # The engine that would refuse it is built only after every transport is compiled and captured.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(os.urandom(64))
+    for disk, why in [(tmp_path / "missing", "does not exist"), (a_file, "is not a directory")]:
+        cmd = [sys.executable, "examples/decode_loop.py", "--config", "small", "--disk", str(disk)]
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stdout == "" and "Traceback" not in result.stderr, result.stdout + result.stderr
+        assert f"error: argument --disk: {str(disk)!r} {why}" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

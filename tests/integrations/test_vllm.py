@@ -379,6 +379,13 @@ def test_version_mismatch_names_the_supported_and_how_to_install():
             kv_vllm.check_vllm_version(other)
     with pytest.raises(ImportError, match=rf"supported: 0\.32\.0 and 0\.33\.0\), and no vLLM is installed; {install}"):
         kv_vllm.check_vllm_version(None)
+    # What is not a version string (installed_vllm_version gives a str or None) is the caller's slip.
+    for slip in (32, 0.32, b"0.32.0"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^check_vllm_version: found must be a vLLM version string .*, got {re.escape(repr(slip))}$",
+        ):
+            kv_vllm.check_vllm_version(slip)
 
 
 def test_create_worker_builds_ours_and_get_worker_keeps_one():
@@ -410,14 +417,19 @@ def test_transfer_time_on_the_cpu_is_the_copy_call():
     worker.shutdown()
 
 
-@pytest.mark.parametrize("value", [-1, 0, "1GB", "16G", "-5", 0.5, float("nan"), True, [1 << 20]])
+@pytest.mark.parametrize(
+    "value",
+    [-1, 0, "1GB", "16G", "-5", 0.5, float("nan"), True, [1 << 20]]
+    # What int() would truncate, and digits str.isdigit() passes that are not ASCII ones.
+    + [1.5, 1048576.9, "²", "\uff11\uff12\uff13\uff14\uff15\uff16\uff17\uff18", np.bool_(True)],
+)
 def test_cpu_bytes_to_use_must_be_a_positive_number_of_bytes(value):
     """Through vLLM's own factory, as vLLM builds the spec: refused when the spec is built, before
     any worker or host memory, naming the key as the user wrote it and the value."""
     caches = make_caches("one", 1, np.random.default_rng(0))
     with pytest.raises(
         ValueError,
-        match=r'^OffloadOpsSpec: kv_connector_extra_config "cpu_bytes_to_use" must be a positive number of '
+        match=r'^OffloadOpsSpec: kv_connector_extra_config "cpu_bytes_to_use" must be a positive whole number of '
         rf"bytes \(e\.g\. 17179869184 for 16 GiB, .* unquoted as 16G\), got {re.escape(repr(value))}$",
     ):
         OffloadingSpecFactory.create_spec(make_config(caches, 1, value))
@@ -439,10 +451,68 @@ def test_cpu_bytes_to_use_missing_or_too_small_for_one_block():
 
 def test_cpu_bytes_to_use_as_vllm_reads_it():
     """What vLLM's CPU spec takes (int(value)) sizes ours the same: a string of digits, and the
-    float vLLM's --kv-offloading-size makes (GiB times 2**30)."""
+    float vLLM's --kv-offloading-size makes (GiB times 2**30), and a numpy integer."""
     caches = make_caches("one", 1, np.random.default_rng(0))
-    sizes = {v: kv_vllm.OffloadOpsSpec(make_config(caches, 1, v)).num_chunks for v in (1 << 20, "1048576", 2.0**20)}
+    values = (1 << 20, "1048576", 2.0**20, np.int64(1 << 20))
+    sizes = {repr(v): kv_vllm.OffloadOpsSpec(make_config(caches, 1, v)).num_chunks for v in values}
     assert set(sizes.values()) == {CPUOffloadingSpec(make_config(caches, 1, 1 << 20)).num_chunks}
+
+
+@pytest.mark.parametrize("key", ["kv_ops_pth", "kv_ops_crossover", "kv_ops_ring_bytes"])
+def test_unknown_kv_ops_key_refused(key):
+    """vLLM passes every extra key through: a misspelt kv_ops_ key is refused when the spec is
+    made, naming it and the keys there are, where it would otherwise be silently ignored."""
+    caches = make_caches("one", 1, np.random.default_rng(0))
+    with pytest.raises(
+        ValueError,
+        match=rf'^OffloadOpsSpec: kv_connector_extra_config "{key}" is not a kv_ops key.*; '
+        r'the kv_ops_ keys are "kv_ops_path", "kv_ops_crossover_file"$',
+    ):
+        OffloadingSpecFactory.create_spec(make_config(caches, 1, 1 << 20, **{key: "kernel"}))
+
+
+@pytest.mark.parametrize(
+    "key,value,rule",
+    [
+        ("kv_ops_path", value, r"must be one of 'auto', 'kernel', 'staged', 'dma'")
+        for value in ("fast", "KERNEL", 3, True, None)
+    ]
+    + [
+        ("kv_ops_crossover_file", value, r"must be a path \(a non-empty str or os\.PathLike\)")
+        for value in (5, False, "")
+    ],
+)
+def test_engine_keys_checked_when_the_spec_is_made(monkeypatch, key, value, rule):
+    """kv_ops_path and kv_ops_crossover_file are refused on the scheduler side, under the key the
+    user wrote, before any engine exists (the engine would see them only in the worker)."""
+    caches = make_caches("one", 1, np.random.default_rng(0))
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(kv_vllm.kv_ops, "OffloadEngine", no_engine)
+    with pytest.raises(
+        ValueError, match=rf'^OffloadOpsSpec: kv_connector_extra_config "{key}" {rule}, got {re.escape(repr(value))}$'
+    ):
+        OffloadingSpecFactory.create_spec(make_config(caches, 1, 1 << 20, **{key: value}))
+
+
+def test_engine_keys_reach_the_engine(tmp_path):
+    caches = make_caches("one", 1, np.random.default_rng(0))
+    config = make_config(caches, 1, 1 << 20, kv_ops_path="kernel", kv_ops_crossover_file=str(tmp_path / "x.json"))
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(caches)
+    assert worker.engine.path == "kernel"
+    worker.shutdown()
+
+
+@pytest.mark.parametrize("config", [None, {"cpu_bytes_to_use": 1 << 20}, "x"])
+def test_spec_refuses_what_is_not_an_offloading_config(config):
+    with pytest.raises(
+        TypeError,
+        match=rf"^OffloadOpsSpec: config must be vLLM's OffloadingConfig .*, got {re.escape(repr(config))} "
+        rf"\({type(config).__name__}\)",
+    ):
+        kv_vllm.OffloadOpsSpec(config)
 
 
 def test_submit_refuses_gpu_blocks_where_the_chunks_go():

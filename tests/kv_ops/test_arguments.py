@@ -188,3 +188,17 @@ def test_error_count_refuses_a_device_without_a_counter_naming_it(value):
         ):
             call(value)
     assert kv_ops.error_count("cpu") >= 0  # the CPU's counter still reads
+
+
+def test_path_takes_a_str_or_a_path_like_as_a_str(tmp_path):
+    assert arguments.path("op", "path", str(tmp_path)) == str(tmp_path)
+    got = arguments.path("op", "path", tmp_path / "x.aot")
+    assert type(got) is str and got == str(tmp_path / "x.aot")
+
+
+@pytest.mark.parametrize("value", [True, 0, 3, None, 1.5, b"x.aot", "", "a\0b"], ids=repr)
+def test_path_refuses_what_is_not_a_path_naming_owner_argument_and_value(value):
+    # An int would reach open() as a file descriptor: True is stdout.
+    with pytest.raises(ValueError) as info:
+        arguments.path("load_step", "path", value)
+    assert str(info.value) == f"load_step: path must be a path (a non-empty str or os.PathLike), got {value!r}"

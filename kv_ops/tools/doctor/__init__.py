@@ -8,11 +8,16 @@ in its kind's module and a line in ``REPORT``.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+from collections.abc import Iterable
+from fractions import Fraction
 
 import torch
 
+from ...cuda.arguments import cuda_device, index, path
+from ...cuda.arguments import seconds as seconds_argument
 from .common import CUDA_CHECKS, NO_CUDA, CheckResult, Options, ReportLine
 from .cuda import check_batched_copy, check_driver_version, check_host_register, check_stream_memory_ops
 from .link import LinkBandwidth, check_pcie_link, measure_link
@@ -56,19 +61,25 @@ def run_checks(
     Parameters
     ----------
     device : device, optional
-        The CUDA device to check; the current one by default.
+        The CUDA device to check; the current one by default (where torch sees no CUDA device,
+        the CUDA checks then report ``skip``). A device given must be a CUDA device of this machine.
     ple_bytes : int
         Bytes the PLE runtime will need in ``/dev/shm``; 0 only reports the free space.
     dirs : sequence of str
-        Candidate disk-tier directories, each checked for O_DIRECT.
+        Candidate disk-tier directories, each checked for O_DIRECT: a list, even of one.
     seconds : float
         Time for the link bandwidth measurement.
 
     Returns
     -------
     list of CheckResult
+
+    Raises
+    ------
+    ValueError
+        For an argument out of its rule, naming it and its value, before any check runs.
     """
-    options = Options(device, ple_bytes, tuple(dirs), seconds)
+    options = checked_options(device, ple_bytes, dirs, seconds)
     results = []
     for line in REPORT:
         if line.each_dir:
@@ -76,6 +87,18 @@ def run_checks(
         else:
             results.append(_guarded(line.name, line.run, options))
     return results
+
+
+def checked_options(device, ple_bytes, dirs, seconds) -> Options:
+    """:func:`run_checks`'s arguments, each checked by its rule (a ``ValueError`` naming it)."""
+    if device is not None:  # None keeps the report of a machine without CUDA: skip lines
+        device = cuda_device("run_checks", device)
+    ple_bytes = index("run_checks", "ple_bytes", ple_bytes)
+    # A string is iterable: its characters would each be checked as a directory ("/" among them).
+    if isinstance(dirs, (str, bytes, os.PathLike)) or not isinstance(dirs, Iterable):
+        raise ValueError(f"run_checks: dirs must be a list of directories, got {dirs!r} (one directory: [{dirs!r}])")
+    dirs = tuple(path("run_checks", f"dirs[{i}]", d) for i, d in enumerate(dirs))
+    return Options(device, ple_bytes, dirs, seconds_argument("run_checks", "seconds", seconds))
 
 
 def format_report(results: list[CheckResult]) -> str:
@@ -112,7 +135,30 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (a number of bytes, or with K, M, G or T)")
-    return int(float(m.group(1)) * (1 << _UNITS[m.group(2).lower()]))
+    # Exact arithmetic: a fraction of a byte is refused, not floored (0.5 would become 0, which
+    # means "no plan to check").
+    size = Fraction(m.group(1)) * (1 << _UNITS[m.group(2).lower()])
+    if size.denominator != 1:
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r} is {float(size):g} bytes")
+    return int(size)
+
+
+def parse_device(text: str) -> torch.device:
+    """A device as ``--device`` takes it: ``cuda``, ``cuda:N`` or an index ``N``, a CUDA device of
+    this machine. Raises ``argparse.ArgumentTypeError``."""
+    value = int(text) if re.fullmatch(r"[-+]?\d+", text) else text
+    try:
+        return cuda_device("--device", value, "value")
+    except ValueError as e:
+        hint = "" if torch.cuda.is_available() else "; leave --device out for the report of a machine without CUDA"
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device: ") + hint) from None
+
+
+def parse_dir(text: str) -> str:
+    """A directory as ``--dir`` takes it: any non-empty name (the check reports one that is missing)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty directory name (pass a directory, e.g. --dir /nvme/kv)")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         dest="dirs",
         action="extend",
         nargs="+",
+        type=parse_dir,
         default=[],
         metavar="DIR",
         help="disk-tier directory to check for O_DIRECT",
     )
-    parser.add_argument("--device", default=None, help="CUDA device to check (default: the current one)")
+    parser.add_argument(
+        "--device", type=parse_device, default=None, help="CUDA device to check, cuda:N or N (default: the current one)"
+    )
     args = parser.parse_args(argv)
     try:
         results = run_checks(args.device, args.ple_bytes, args.dirs)
@@ -173,6 +222,9 @@ __all__ = [
     "run_checks",
     "format_report",
     "parse_bytes",
+    "parse_device",
+    "parse_dir",
+    "checked_options",
     "REPORT",
     "ReportLine",
     "Options",

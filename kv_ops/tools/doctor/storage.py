@@ -9,6 +9,8 @@ import os
 import secrets
 import tempfile
 
+from ...cuda.arguments import index
+from ...cuda.arguments import path as path_argument
 from .common import ALIGN, CheckResult, fmt_bytes
 
 # --- check: /dev/shm -----------------------------------------------------------------------------
@@ -30,8 +32,7 @@ def check_shm(ple_bytes: int = 0, path: str = "/dev/shm") -> CheckResult:
         ``fail`` with the command that grows it if ``ple_bytes`` exceeds the free space.
     """
     name = path
-    if ple_bytes < 0:
-        raise ValueError(f"check_shm: ple_bytes must be >= 0, got {ple_bytes}")
+    ple_bytes = index("check_shm", "ple_bytes", ple_bytes)
     if not os.path.isdir(path):
         return CheckResult(
             name,
@@ -79,6 +80,8 @@ def check_o_direct(directory: str) -> CheckResult:
         ``warn`` if the file system refuses O_DIRECT (``EINVAL``: use ``page_cache=True``),
         ``fail`` if no file can be made or written there.
     """
+    # An empty name would put the probe file in the working directory.
+    directory = path_argument("check_o_direct", "directory", directory)
     name = f"O_DIRECT {directory}"
     if not hasattr(os, "O_DIRECT"):
         return CheckResult(name, "skip", "this platform has no O_DIRECT", "pass page_cache=True to OffloadEngine")

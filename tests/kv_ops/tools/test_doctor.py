@@ -1,6 +1,7 @@
 """python -m kv_ops.tools.doctor: a clean report without a GPU, the O_DIRECT probe leaves nothing behind,
 /dev/shm against a plan, and on a GPU every CUDA check passes with a measured link."""
 
+import argparse
 import errno
 import os
 import re
@@ -79,6 +80,89 @@ def test_a_bad_size_is_a_usage_error_not_a_traceback():
 )
 def test_ple_bytes_accepts_binary_suffixes(text, value):
     assert doctor.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["0.5", "0.0001k", "1.3"])
+def test_ple_bytes_refuses_a_fraction_of_a_byte_instead_of_flooring_it(text):
+    # 0.5 floored to 0, which the report shows as "no plan passed".
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"^not a whole number of bytes: {re.escape(repr(text))}"):
+        doctor.parse_bytes(text)
+
+
+def refused_by_main(argv, monkeypatch, capsys):
+    """``main(argv)``'s usage error, with no check run: stderr."""
+    monkeypatch.setattr(doctor, "run_checks", lambda *a, **k: pytest.fail("a check ran"))
+    with pytest.raises(SystemExit) as info:
+        doctor.main(argv)
+    out = capsys.readouterr()
+    assert info.value.code == 2 and out.out == "" and "Traceback" not in out.err, out
+    return out.err
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("banana", "value 'banana' is not a device ("),
+        ("-1", "value -1 is not a device (Device index must not be negative)"),
+        ("cpu", "value must be a CUDA device, got 'cpu'"),
+    ],
+)
+def test_a_device_that_is_no_cuda_device_is_a_usage_error(value, message, monkeypatch, capsys):
+    assert f"error: argument --device: {message}" in refused_by_main(["--device", value], monkeypatch, capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("value", ["cuda:0", "0"])
+def test_a_cuda_device_on_a_machine_without_one_says_so(value, monkeypatch, capsys):
+    err = refused_by_main(["--device", value], monkeypatch, capsys)
+    assert "but this machine has no CUDA device (torch.cuda.is_available() is False)" in err
+    assert "leave --device out for the report of a machine without CUDA" in err
+
+
+@pytest.mark.parametrize("argv", [["--ple-bytes", "0.5"], ["--dir", ""], ["--dir", "/tmp", ""]])
+def test_a_fractional_size_or_an_empty_directory_is_a_usage_error(argv, monkeypatch, capsys):
+    err = refused_by_main(argv, monkeypatch, capsys)
+    assert "not a whole number of bytes: '0.5'" in err or "argument --dir: an empty directory name" in err
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dirs": "/tmp"}, "dirs must be a list of directories, got '/tmp' (one directory: ['/tmp'])"),
+        ({"dirs": ["/tmp", ""]}, "dirs[1] must be a path (a non-empty str or os.PathLike), got ''"),
+        ({"dirs": [None]}, "dirs[0] must be a path (a non-empty str or os.PathLike), got None"),
+        ({"ple_bytes": True}, "ple_bytes must be an integer >= 0, got True"),
+        ({"ple_bytes": 1.5}, "ple_bytes must be an integer >= 0, got 1.5"),
+        ({"ple_bytes": "1G"}, "ple_bytes must be an integer >= 0, got '1G'"),
+        ({"ple_bytes": -5}, "ple_bytes must be an integer >= 0, got -5"),
+        ({"seconds": -1}, "seconds must be a finite number of seconds > 0, got -1"),
+        ({"device": "banana"}, "device 'banana' is not a device ("),
+        ({"device": "cpu"}, "device must be a CUDA device, got 'cpu'"),
+    ],
+    ids=repr,
+)
+def test_run_checks_refuses_a_bad_argument_before_any_check_runs(kwargs, message, monkeypatch):
+    # A string for dirs was read as its characters: "/" among them, where the probe file went.
+    ran = []
+    monkeypatch.setattr(doctor, "check_shm", lambda *a: ran.append("shm"))
+    monkeypatch.setattr(doctor, "check_o_direct", lambda *a: ran.append("o_direct"))
+    with pytest.raises(ValueError) as info:
+        doctor.run_checks(**kwargs)
+    assert str(info.value).startswith(f"run_checks: {message}") and ran == []
+
+
+def test_run_checks_takes_path_like_directories(tmp_path):
+    results = doctor.run_checks(dirs=[tmp_path])
+    assert [r.name for r in results if r.name.startswith("O_DIRECT")] == [f"O_DIRECT {tmp_path}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_storage_checks_refuse_an_empty_directory_and_a_size_that_is_no_integer():
+    # An empty directory name put the probe file in the working directory.
+    with pytest.raises(ValueError, match=r"^check_o_direct: directory must be a path .*got ''$"):
+        doctor.check_o_direct("")
+    with pytest.raises(ValueError, match=r"^check_shm: ple_bytes must be an integer >= 0, got True$"):
+        doctor.check_shm(True)
 
 
 def test_o_direct_check_writes_reads_and_removes_its_file(tmp_path):

@@ -10,6 +10,7 @@ keeps it in a file that a second engine reads back instead of measuring.
 
 import json
 import os
+import re
 import time
 import warnings
 
@@ -398,6 +399,71 @@ def test_crossover_measures_once_writes_the_file_and_then_reads_it(tmp_path, mon
     # No file named: measured (this process's cache is the stub's business), nothing written.
     crossover_mod.crossover(device, [256, 256, 192], 1 << 20)
     assert len(measured) == 3 and os.listdir(tmp_path) == ["crossover.json"]
+
+
+def random_crossover(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rates = (1 + 99 * torch.rand(4, generator=gen)).tolist()
+    return Crossover(
+        dict(KEY),
+        [
+            Cell(p, d, 32, 2, r)
+            for (p, d), r in zip([("kernel", "store"), ("staged", "store"), ("kernel", "load"), ("dma", "load")], rates)
+        ],
+    )
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing directory"])
+def test_crossover_refuses_a_file_that_cannot_be_written_before_measuring(tmp_path, monkeypatch, where):
+    # The write came after the measurement: its result lost, a "<name>.<pid>.tmp" left behind.
+    monkeypatch.setattr(crossover_mod, "measured_once", lambda *a: pytest.fail("measured"))
+    target = tmp_path / "adir"
+    target.mkdir()
+    if where == "a directory":
+        file, message = target, f"crossover: crossover_file {str(target)!r} is a directory; name a JSON file"
+    else:
+        file = tmp_path / "missing" / "x.json"
+        message = f"crossover: crossover_file {str(file)!r} is in {str(file.parent)!r}, which is not a directory"
+    with pytest.raises(ValueError) as info:
+        crossover_mod.crossover(torch.device("cuda", 0), [256, 256, 192], 1 << 20, str(file))
+    assert str(info.value).startswith(message)
+    assert os.listdir(tmp_path) == ["adir"] and os.listdir(target) == []
+
+
+@pytest.mark.parametrize("file", [True, 3, ""], ids=repr)
+def test_crossover_refuses_what_is_not_a_path(file, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # True was a file name: "True.<pid>.tmp" here
+    monkeypatch.setattr(crossover_mod, "measured_once", lambda *a: pytest.fail("measured"))
+    with pytest.raises(ValueError, match=r"^crossover: crossover_file must be a path"):
+        crossover_mod.crossover(torch.device("cuda", 0), [256], 1 << 20, file)
+    with pytest.raises(ValueError, match=r"^Crossover.save: path must be a path"):
+        random_crossover(1).save(file)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_whose_rename_fails_leaves_no_temporary_file(tmp_path):
+    """The real write, onto a directory: the temporary file is written beside it, and the rename
+    over the directory fails; the temporary file goes with the error."""
+    target = tmp_path / "adir"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError):
+        random_crossover(2).save(str(target))
+    assert os.listdir(tmp_path) == ["adir"] and os.listdir(target) == []
+    x = random_crossover(3)
+    x.save(str(tmp_path / "ok.json"))  # the same function still writes where it can
+    assert Crossover.load(str(tmp_path / "ok.json"), dict(KEY)) == x and sorted(os.listdir(tmp_path)) == [
+        "adir",
+        "ok.json",
+    ]
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing directory"])
+def test_an_engine_refuses_a_crossover_file_that_cannot_be_written_before_allocating(tmp_path, where):
+    file = tmp_path if where == "a directory" else tmp_path / "missing" / "x.json"
+    kv = {"attn0": torch.randint(0, 256, (2, 8, 2, 2, 32), dtype=torch.uint8).view(torch.bfloat16)}
+    with pytest.raises(ValueError, match=rf"^OffloadEngine: crossover_file {re.escape(repr(str(file)))} is "):
+        kv_ops.OffloadEngine(kv, 8, 8 * 256, path="auto", crossover_file=str(file))
+    assert os.listdir(tmp_path) == []
 
 
 # --- an auto engine follows its crossover per call --------------------------------------------------
