@@ -90,11 +90,12 @@ def _check_out(op: str, layer: registry.ArmedLayer, out: torch.Tensor, num_token
 
 
 def _refuse_unserved_out(op: str, out) -> None:
-    """``out`` is a tensor on the CPU or a CUDA device, else a ``ValueError`` naming it: the ops
-    have kernels for those two only, and a meta ``out`` dispatches to the fake, which checks its
-    shape and returns without waiting, copying or releasing anything."""
-    if not isinstance(out, torch.Tensor) or out.device.type not in ("cpu", "cuda"):
-        shown = f"a tensor on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+    """``out`` is a tensor and not a meta one, else a ``ValueError`` naming it: a meta ``out``
+    dispatches to the fake, which checks its shape and returns without waiting, copying or
+    releasing anything."""
+    # is_meta, not out.device: every call pays this, and a device object is built per read.
+    if not isinstance(out, torch.Tensor) or out.is_meta:
+        shown = "a tensor on meta" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown}")
 
 

@@ -164,16 +164,23 @@ def test_a_bad_num_blocks_names_offload_engine_not_a_helper(value, specs):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(disk_dir=5), "OffloadEngine: disk_dir must be a path (str or os.PathLike), got int"),
-        (dict(crossover_file=b"x"), "OffloadEngine: crossover_file must be a path (str or os.PathLike), got bytes"),
+        (dict(disk_dir=5), "OffloadEngine: disk_dir must be a path (a non-empty str or os.PathLike), got 5"),
+        (
+            dict(crossover_file=b"x"),
+            "OffloadEngine: crossover_file must be a path (a non-empty str or os.PathLike), got b'x'",
+        ),
+        (
+            dict(crossover_file=True),
+            "OffloadEngine: crossover_file must be a path (a non-empty str or os.PathLike), got True",
+        ),
         (dict(page_cache="no"), "OffloadEngine: page_cache must be True or False, got 'no'"),
     ],
-    ids=["disk_dir", "crossover_file", "page_cache"],
+    ids=["disk_dir", "crossover_file", "crossover_file_bool", "page_cache"],
 )
-def test_an_engine_argument_of_the_wrong_type_is_a_type_error(kw, message, tmp_path):
+def test_an_engine_argument_of_the_wrong_type_is_refused_naming_it(kw, message, tmp_path):
     if "page_cache" in kw:
         kw["disk_dir"] = str(tmp_path)
-    with pytest.raises(TypeError) as refused:
+    with pytest.raises(ValueError) as refused:
         kv_ops.OffloadEngine(make_caches(seed=10), NUM_BLOCKS, capacity_bytes=1 << 20, **kw)
     assert str(refused.value) == message
     assert os.listdir(tmp_path) == []

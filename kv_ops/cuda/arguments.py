@@ -23,6 +23,8 @@ def positive_int(owner: str, what: str, value) -> int:
 def index(owner: str, what: str, value) -> int:
     """``value`` as an ``int`` when it is an integer >= 0 (a layer, a position), else a
     ``ValueError`` naming all three; ``bool`` and floats are refused as in :func:`positive_int`."""
+    if type(value) is int and value >= 0:  # the common case, without the ABC's isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{owner}: {what} must be an integer >= 0, got {value!r}")
     return int(value)

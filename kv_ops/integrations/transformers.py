@@ -58,7 +58,7 @@ class HostOffloadedLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
 
     # A streamed layer's keys and values are its slot's only while the slot holds that layer:
-    # from its load until the next layer's load into the slot. Inside its own update they are;
+    # from when its load is queued until the next load into the slot is. Inside its update they are;
     # read at another time (an encoder-decoder's cross-attention reading them a step later, code
     # that inspects a layer) they may be another layer's, so such a read is refused. Compiled,
     # only the update reads them.

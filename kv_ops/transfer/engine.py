@@ -134,9 +134,8 @@ class OffloadEngine:
         ``disk_dir`` that is empty, missing or not a directory, a ``disk_tag`` that is not a
         non-empty string fit for a file name (no ``/``, no NUL), a ``crossover_file`` that is
         a directory or in no directory that exists, or a ``capacity_bytes`` whose
-        file the disk cannot hold (out of space, too large a file, over quota).
-    TypeError
-        ``disk_dir`` or ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.
+        file the disk cannot hold (out of space, too large a file, over quota); ``disk_dir`` or
+        ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.
 
     Notes
     -----
@@ -205,6 +204,9 @@ class OffloadEngine:
         self.num_blocks = num_blocks
         self.regions = regions_of("OffloadEngine", kv_caches, self.num_blocks, specs)
         self.cache_names = list(kv_caches)  # the layers, in the caller's order
+        # Their tensors' addresses, in that order (two names may share one tensor): what a step
+        # op that must be handed the very caches compares.
+        self.cache_addresses = tuple(t.data_ptr() for t in kv_caches.values())
         self.block_bytes = block_bytes(self.regions)
         self.groups = engine_groups(groups, self.regions, disk_dir)
         self.group_bytes = {key: sum(width for _, width in entries) for key, entries in self.groups.items()}

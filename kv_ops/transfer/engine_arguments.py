@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from ..cuda.arguments import file_name_part, positive_int
+from ..cuda.arguments import file_name_part, path, positive_int
 from ..cuda.host_memory import check_host_bytes
 from ..geometry import check_kv_caches
 from .block_file import aligned
@@ -41,8 +41,8 @@ def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_c
     a piece of a file name and ``crossover_file`` a file in a directory that exists, then the one
     device the caches sit on, returned."""
     for what, value in (("disk_dir", disk_dir), ("crossover_file", crossover_file)):
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise TypeError(f"OffloadEngine: {what} must be a path (str or os.PathLike), got {type(value).__name__}")
+        if value is not None:
+            path("OffloadEngine", what, value)
     if disk_tag is not None:  # it names the file (the fallback's short-lived name holds it)
         file_name_part("OffloadEngine", "disk_tag", disk_tag)
     if disk_dir is not None:
@@ -50,7 +50,7 @@ def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_c
     if crossover_file is not None:  # before the host memory and auto's measurement, not after
         check_kept_file("OffloadEngine", crossover_file)
     if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
-        raise TypeError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
+        raise ValueError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
     devices = {t.device for t in kv_caches.values()}
     if len(devices) != 1:
         raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")
@@ -61,9 +61,7 @@ def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_c
 def check_disk_dir(disk_dir) -> None:
     """A ``ValueError`` naming ``disk_dir`` unless it names a directory that exists: the disk
     tier's file is made in it, and the OS error would name neither the argument nor the engine."""
-    path = os.fspath(disk_dir)
-    if not path:
-        raise ValueError(f"OffloadEngine: disk_dir must name a directory, got {disk_dir!r}")
+    path = os.fspath(disk_dir)  # a non-empty path (check_files_and_device)
     if not os.path.exists(path):
         raise ValueError(f"OffloadEngine: disk_dir {disk_dir!r} does not exist; create the directory first")
     if not os.path.isdir(path):

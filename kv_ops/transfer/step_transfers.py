@@ -109,9 +109,9 @@ class StepTransfers:
         gpu = list(engine.regions.values())
         host = [engine.mirror_regions[n] for n in engine.regions]
         self._regions = (gpu, host)
-        # Where each cache tensor starts (its first region does): what check_step compares.
-        self._starts = frozenset(r.data_ptr() for r in gpu)
-        self._num_caches = len(engine.cache_names)
+        # The caches' addresses as the engine lists them, and sorted: what check_step compares.
+        self._caches = engine.cache_addresses
+        self._sorted_caches = sorted(self._caches)
         self._twin = pinned_empty(words, dtype=torch.int64)
         self._twin.zero_()
         self._words = self._twin.numpy()
@@ -277,22 +277,24 @@ class StepTransfers:
         # a copy of the caches, which a backend that functionalizes without re-inplacing
         # (aot_eager) hands a mutating op and copies back after it, would undo the loads.
         # (kv_ops.wait_layer only waits, so it takes copies; this op cannot.)
-        # Each exactly once: a cache left out (another passed twice) is not declared mutated, so
-        # the compiler may read it before the loads.
-        given = [c.data_ptr() for c in caches]
-        if len(given) == self._num_caches == len(set(given)) and self._starts.issuperset(given):
+        # Every one, as often as the engine lists it (two layer names may share a tensor), in any
+        # order: a cache left out is not declared mutated, so the compiler may read it before
+        # the loads. The engine's own order is the common case, compared first.
+        given = tuple(c.data_ptr() for c in caches)
+        if given == self._caches or sorted(given) == self._sorted_caches:
             return
-        if len(given) != self._num_caches:
+        count = len(self._caches)
+        if len(given) != count:
             why = ""
-        elif len(set(given)) < len(given):
-            why = " of which one is passed twice (each cache once)"
-        else:
+        elif not set(given) <= set(self._caches):
             why = (
                 " of which some are not (copies: compile the step with Inductor, the default backend, "
                 "or run it eagerly; aot_eager hands the op copies and would undo its loads)"
             )
+        else:
+            why = " of which one is passed twice and another left out (each cache once)"
         raise ValueError(
-            f"kv_ops.step_transfers: {self.name!r} needs the {self._num_caches} cache tensors its engine was "
+            f"kv_ops.step_transfers: {self.name!r} needs the {count} cache tensors its engine was "
             f"made over, themselves, got {len(caches)} tensors{why}"
         )
 

@@ -149,14 +149,15 @@ class ControlBlock:
         self._delivered = [ctypes.c_int64.from_address(base + layout.delivered(i)) for i in range(num_layers)]
 
     @classmethod
-    def create(cls, max_tokens: int, num_layers: int, map_for_gpu: bool) -> "ControlBlock":
+    def create(cls, max_tokens: int, num_layers: int, map_for_gpu: bool, tag: str | None = None) -> "ControlBlock":
         """A new zeroed block (flags RESET, streams IDLE, nothing requested or served).
 
         ``map_for_gpu`` page-locks the buffer and resolves the device addresses of the flags and
-        waiting words, so that GPU streams can wait on and write them.
+        waiting words, so that GPU streams can wait on and write them; ``tag`` goes into the
+        buffer's file name (:class:`SharedHostBuffer`).
         """
         layout = _Layout(max_tokens, num_layers)
-        buffer = SharedHostBuffer(layout.nbytes, register=map_for_gpu)
+        buffer = SharedHostBuffer(layout.nbytes, register=map_for_gpu, tag=tag)
         try:
             buffer.bytes.zero_()
             return cls(buffer, max_tokens, num_layers, map_for_gpu)

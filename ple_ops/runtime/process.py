@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from ..semaphore import ProducerFailed, release_fence
 from . import worker
 from .control import Attach, ControlBlock, LayersReport, Ready, StepFailed, Word, WorkerFailed
 from .multiprocessing_internals import reaped
-from .shared_memory import SharedHostBuffer
+from .shared_memory import DoesNotFit, SharedHostBuffer
 
 
 class OffloadError(ProducerFailed):
@@ -61,11 +62,11 @@ class RuntimeLayer:
 
 @contextlib.contextmanager
 def _sized_by(max_tokens: int, what: str):
-    """Name ``max_tokens`` in the ``ValueError`` of a shared buffer it made too large for ``/dev/shm``:
-    the caller chose that argument, not the buffer's byte count."""
+    """Name ``max_tokens`` in the error of a shared buffer it made too large for ``/dev/shm``: the
+    caller chose that argument, not the buffer's byte count. (Any other error passes as it is.)"""
     try:
         yield
-    except ValueError as error:
+    except DoesNotFit as error:
         raise ValueError(f"OffloadRuntime: max_tokens {max_tokens} is too large for {what}: {error}") from None
 
 
@@ -99,8 +100,13 @@ class WorkerProcess:
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        # The word in this runtime's file names, by which the offload process removes them if
+        # this process dies before it could (no other process's files share it).
+        self._tag = secrets.token_hex(8)
         self.process = ctx.Process(
-            target=worker.worker_main, args=(model_factory, child, os.getpid(), worker_threads), daemon=True
+            target=worker.worker_main,
+            args=(model_factory, child, os.getpid(), self._tag, worker_threads),
+            daemon=True,
         )
         try:
             self.process.start()
@@ -195,11 +201,11 @@ class WorkerProcess:
                 fatal=True,
             )
         with _sized_by(max_tokens, "the control block"):
-            self.control = control = ControlBlock.create(max_tokens, len(modules), map_for_gpu=on_gpu)
+            self.control = control = ControlBlock.create(max_tokens, len(modules), map_for_gpu=on_gpu, tag=self._tag)
         shared.append(control.buffer)
         for i, ((name, module), spec) in enumerate(zip(modules, report.layers)):
             with _sized_by(max_tokens, f"the slot of layer {name!r} ({max_tokens} rows of {spec.row_bytes} bytes)"):
-                slot_buffer = SharedHostBuffer(max_tokens * spec.row_bytes, register=on_gpu)
+                slot_buffer = SharedHostBuffer(max_tokens * spec.row_bytes, register=on_gpu, tag=self._tag)
             shared.append(slot_buffer)
             slot = slot_buffer.view(0, (max_tokens, spec.row_bytes), torch.uint8)
             reference.poison_rows(slot)  # rows no step wrote are poison, never zeros (worker.ServedLayer)

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_ops.cuda.arguments import positive_int
+from kv_ops.cuda.arguments import file_name_part, positive_int
 from kv_ops.cuda.host_memory import pin_mapping
 
-# Every file is named PREFIX.<creator pid>.<random hex>: the pid lets the offload process find
-# the files of a GPU process that died before it could remove them (remove_files_of).
+# Every file is named PREFIX.<creator pid>.[<tag>.]<random hex>: a runtime tags its files with a
+# random word it tells its offload process, which can then remove exactly those if the GPU
+# process dies before it could (remove_files_of). The pid alone is not enough: under a shared
+# /dev/shm another PID namespace has the same pids.
 PREFIX = "offload-ops"
 
 
@@ -43,6 +45,10 @@ def _remove(path: str, creator: int) -> None:
             pass
 
 
+class DoesNotFit(ValueError):
+    """A buffer size the file system behind ``/dev/shm`` cannot hold."""
+
+
 def _reserve(fd: int, nbytes: int) -> None:
     """Give the file ``nbytes`` of backing store now, or raise a ``ValueError`` if there is none.
 
@@ -59,21 +65,21 @@ def _reserve(fd: int, nbytes: int) -> None:
         if error.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise
         stat = os.fstatvfs(fd)
-        raise ValueError(
+        raise DoesNotFit(
             f"SharedHostBuffer: nbytes {nbytes} does not fit in {_shm_dir()} ({stat.f_bavail * stat.f_frsize} "
             f"bytes free: {os.strerror(error.errno)}); ask for fewer bytes or make {_shm_dir()} larger"
         ) from None
 
 
-def remove_files_of(pid: int) -> list[str]:
-    """Remove every buffer file that process ``pid`` made and left (it died before it could);
-    returns their paths. Only for a process that knows ``pid`` is gone: the offload process, once
-    it was re-parented."""
+def remove_files_of(pid: int, tag: str) -> list[str]:
+    """Remove every buffer file process ``pid`` made with ``tag`` and left (it died before it
+    could); returns their paths. Only for a process that knows ``pid`` is gone: the offload
+    process, once it was re-parented. A file it may not remove is left (it is not ours)."""
     removed = []
-    for path in glob.glob(os.path.join(_shm_dir(), f"{PREFIX}.{int(pid)}.*")):
+    for path in glob.glob(os.path.join(_shm_dir(), f"{PREFIX}.{int(pid)}.{tag}.*")):
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:
             continue
         removed.append(path)
     return removed
@@ -93,6 +99,8 @@ class SharedHostBuffer:
         Size of the buffer.
     register : bool, optional
         Page-lock it for the GPU. Defaults to ``torch.cuda.is_available()``.
+    tag : str, optional
+        A word in the file's name, by which :func:`remove_files_of` finds it.
 
     The file's bytes are reserved when it is made, so that a size ``/dev/shm`` cannot hold is a
     ``ValueError`` here (and leaves no file) instead of a SIGBUS at the first touch. The creator
@@ -107,9 +115,10 @@ class SharedHostBuffer:
     >>> other = SharedHostBuffer.attach(buf.handle)  # offload process
     """
 
-    def __init__(self, nbytes: int, register: bool | None = None):
+    def __init__(self, nbytes: int, register: bool | None = None, tag: str | None = None):
         nbytes = positive_int("SharedHostBuffer", "nbytes", nbytes)
-        path = os.path.join(_shm_dir(), f"{PREFIX}.{os.getpid()}.{secrets.token_hex(8)}")
+        tagged = "" if tag is None else f"{file_name_part('SharedHostBuffer', 'tag', tag)}."
+        path = os.path.join(_shm_dir(), f"{PREFIX}.{os.getpid()}.{tagged}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             try:
@@ -155,4 +164,4 @@ class SharedHostBuffer:
             self.owner = False
 
 
-__all__ = ["SharedHandle", "SharedHostBuffer", "remove_files_of", "PREFIX"]
+__all__ = ["SharedHandle", "SharedHostBuffer", "DoesNotFit", "remove_files_of", "PREFIX"]

@@ -79,6 +79,7 @@ class StepTransaction:
         # would fail the step there, so prepare() refuses it first. None: no layer reported one.
         tables = [(layer.rows, layer.name) for layer in self._layers if layer.rows is not None]
         self._vocab: tuple[int, str] | None = min(tables) if tables else None
+        self._bounds = (torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))  # aminmax's out
 
     def abandon(self) -> None:
         """Close the open step without releasing it (the runtime is closing)."""
@@ -170,11 +171,10 @@ class StepTransaction:
             self._check_vocab(ids, *self._vocab)
         return ids
 
-    @staticmethod
-    def _check_vocab(ids: torch.Tensor, rows: int, name: str) -> None:
-        """Refuse an id outside ``[0, rows)``: one vectorised min/max on the host ids per step; the
-        offending id is looked for only once the step is refused."""
-        low, high = torch.aminmax(ids)
+    def _check_vocab(self, ids: torch.Tensor, rows: int, name: str) -> None:
+        """Refuse an id outside ``[0, rows)``: one min/max on the host ids per step, into tensors
+        bound once; the offending id is looked for only once the step is refused."""
+        low, high = torch.aminmax(ids, out=self._bounds)
         if int(low) < 0 or int(high) >= rows:
             bad = int(ids[(ids < 0) | (ids >= rows)][0])
             raise ValueError(

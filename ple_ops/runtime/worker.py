@@ -123,8 +123,9 @@ def lookup_rows(module: layer_mod.PleOffloadLayer, spec: LayerSpec) -> np.ndarra
     return table.detach().view(torch.uint8).numpy()
 
 
-def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, threads: int = 1) -> None:
-    """Entry point of the offload process (``multiprocessing`` spawn target)."""
+def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, tag: str, threads: int = 1) -> None:
+    """Entry point of the offload process (``multiprocessing`` spawn target); ``tag`` is the word
+    in the file names of the runtime that spawned it."""
     # No CUDA here, by construction: anything that tries fails loudly instead of making a context.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # A step's rows are small: too little work for a pool of intra-op threads, which may spin
@@ -157,7 +158,7 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
         if parent_gone(parent_pid, False):
             # Killed before start-up ended, the GPU process could not remove the files it made
             # for this process: nobody else knows their names.
-            remove_files_of(parent_pid)
+            remove_files_of(parent_pid, tag)
 
 
 def parent_gone(parent_pid: int, pipe_broke: bool) -> bool:

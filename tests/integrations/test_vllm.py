@@ -497,11 +497,17 @@ def test_engine_keys_checked_when_the_spec_is_made(monkeypatch, key, value, rule
         OffloadingSpecFactory.create_spec(make_config(caches, 1, 1 << 20, **{key: value}))
 
 
-def test_engine_keys_reach_the_engine(tmp_path):
+def test_engine_keys_reach_the_engine(tmp_path, monkeypatch):
+    # The real engine is built; its arguments are recorded on the way in.
+    made = []
+    engine = kv_vllm.kv_ops.OffloadEngine
+    monkeypatch.setattr(kv_vllm.kv_ops, "OffloadEngine", lambda *a, **kw: made.append(kw) or engine(*a, **kw))
     caches = make_caches("one", 1, np.random.default_rng(0))
-    config = make_config(caches, 1, 1 << 20, kv_ops_path="kernel", kv_ops_crossover_file=str(tmp_path / "x.json"))
+    kept = str(tmp_path / "x.json")
+    config = make_config(caches, 1, 1 << 20, kv_ops_path="kernel", kv_ops_crossover_file=kept)
     worker = OffloadingSpecFactory.create_spec(config).get_worker(caches)
     assert worker.engine.path == "kernel"
+    assert [(kw["path"], kw["crossover_file"]) for kw in made] == [("kernel", kept)]
     worker.shutdown()
 
 

@@ -115,3 +115,24 @@ def test_a_collected_buffer_takes_its_name_and_an_attached_one_or_a_forked_child
         """
     )
     assert out == ["True", "True", "False"]
+
+
+def test_a_dead_runtimes_files_are_found_by_its_tag_and_no_others():
+    # Another runtime of the same pid (another PID namespace sharing /dev/shm) tags its own files.
+    ours = [ple_ops.SharedHostBuffer(4096, register=False, tag="a1b2") for _ in range(2)]
+    theirs = ple_ops.SharedHostBuffer(4096, register=False, tag="c3d4")
+    untagged = ple_ops.SharedHostBuffer(4096, register=False)
+    try:
+        removed = shared_memory.remove_files_of(os.getpid(), "a1b2")
+        assert sorted(removed) == sorted(b.handle.path for b in ours)
+        assert not any(os.path.exists(b.handle.path) for b in ours)
+        assert os.path.exists(theirs.handle.path) and os.path.exists(untagged.handle.path)
+    finally:
+        for b in (*ours, theirs, untagged):
+            b.unlink()
+
+
+@pytest.mark.parametrize("tag", ["", "a/b", "a\0b", 5])
+def test_a_tag_that_cannot_stand_in_a_file_name_is_refused(tag):
+    with pytest.raises(ValueError, match="SharedHostBuffer: tag"):
+        ple_ops.SharedHostBuffer(4096, register=False, tag=tag)

@@ -388,7 +388,7 @@ def test_disk_staging_larger_than_the_machine_is_refused_before_the_file_is_made
     [
         (lambda tmp: str(tmp / "missing"), r"disk_dir '.*/missing' does not exist; create the directory first"),
         (lambda tmp: str(tmp / "file"), r"disk_dir '.*/file' is not a directory"),
-        (lambda tmp: "", r"disk_dir must name a directory, got ''"),
+        (lambda tmp: "", r"disk_dir must be a path \(a non-empty str or os.PathLike\), got ''"),
     ],
     ids=["missing", "file", "empty"],
 )

@@ -220,7 +220,9 @@ def test_the_op_refuses_no_caches_some_caches_copies_one_twice_and_an_unknown_na
         with pytest.raises(ValueError, match=r"some are not \(copies: compile the step with Inductor"):
             kv_ops.step_transfers("op-args", [c.clone() for c in caches])
         # One left out for another twice: the one left out would not be declared mutated.
-        with pytest.raises(ValueError, match=r"got 3 tensors of which one is passed twice \(each cache once\)"):
+        with pytest.raises(
+            ValueError, match=r"got 3 tensors of which one is passed twice and another left out \(each cache once\)"
+        ):
             kv_ops.step_transfers("op-args", [caches[0], caches[0], caches[2]])
         with pytest.raises(ValueError, match=r"no StepTransfers named 'nobody' in this process \(live: 'op-args'\)"):
             kv_ops.step_transfers("nobody", caches)
@@ -231,6 +233,30 @@ def test_the_op_refuses_no_caches_some_caches_copies_one_twice_and_an_unknown_na
         before = State(engine, caches)
         run_step(transfers, caches)  # the refusals read nothing: the stage is still there
         assert torch.equal(State(engine, caches).host_block(1), before.gpu_block(1))
+
+
+def test_an_engine_whose_layers_share_a_tensor_takes_its_caches_as_it_lists_them():
+    # Two layer names over one tensor (a model that shares a layer's cache): the step is handed
+    # every listed cache, the shared one twice, in the engine's order or another.
+    caches = make_caches(2, NUM_BLOCKS, "cpu", seed=5)
+    caches["alias"] = caches["layer0"]
+    row = sum(2 * c[0, 0].nbytes for c in list(caches.values())[:2])
+    with kv_ops.OffloadEngine(caches, NUM_BLOCKS, capacity_bytes=HOST_BLOCKS * row, path="kernel") as engine:
+        fill_mirror(engine, 6)
+        listed = list(caches.values())
+        for order, name in ((listed, "shared-a"), (listed[::-1], "shared-b")):
+            transfers = kv_ops.StepTransfers(engine, name)
+            try:
+                gpu = 3 if name == "shared-a" else 8
+                transfers.stage(store=([gpu], [4]))
+                kv_ops.step_transfers(name, order)
+                regions = kv_ops.infer_regions(dict(list(caches.items())[:2]), NUM_BLOCKS)
+                host = engine.mirror.view(HOST_BLOCKS, -1)[4]
+                assert torch.equal(host, torch.cat([r[gpu] for r in regions.values()]))
+                with pytest.raises(ValueError, match=r"needs the 3 cache tensors .*got 2 tensors$"):
+                    kv_ops.step_transfers(name, listed[:2])
+            finally:
+                transfers.close()
 
 
 def test_close_drops_the_name_and_what_was_staged():
