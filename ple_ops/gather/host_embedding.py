@@ -36,7 +36,8 @@ class HostEmbedding(nn.Module):
     Made by :func:`host_embedding`; it holds no parameter. ``host_rows`` is uint8
     ``[num_embeddings, row_bytes]``: a CUDA device view of the page-locked bytes (rows land on
     the GPU) or, on the CPU, the page-locked tensor itself. The rows' dtype is fixed at
-    conversion (``model.to(dtype)`` leaves it alone); cast the model before converting it. A scaled
+    conversion: cast the model before converting it (a cast after, ``model.half()`` or
+    ``model.to(dtype)``, is a ``ValueError``). A scaled
     embedding's ``scale`` is a buffer, like the original's ``embed_scale``: a Python number there
     makes Inductor fuse the product otherwise than the original's, off by a bf16 rounding.
     """
@@ -73,6 +74,18 @@ class HostEmbedding(nn.Module):
         rows = gather_rows(self.host_rows, input_ids.reshape(-1), self.dtype)
         rows = rows.view(*input_ids.shape, self.embedding_dim)
         return rows if self.scale is None else rows * self.scale
+
+    def _apply(self, fn, recurse=True):
+        # A cast would reach the scale but not the rows (bytes in host memory, fixed at
+        # conversion): the outputs would match neither the original nor its cast. What ``fn``
+        # does to a tensor of the rows' dtype says whether it casts; moves pass.
+        if fn(torch.empty(0, dtype=self.dtype, device=self.host_rows.device)).dtype != self.dtype:
+            raise ValueError(
+                f"HostEmbedding: its rows are {self.dtype}, fixed when ple_ops.host_embedding converted it "
+                "(they live in host memory), so the model cannot be cast after (the modules before this one "
+                "may be cast already): cast the model first, then convert"
+            )
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (

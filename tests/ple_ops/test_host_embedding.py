@@ -55,8 +55,6 @@ def test_a_stock_embedding_gives_its_rows_bitwise_in_its_dtype(dtype):
     for seed, shape in enumerate([(7,), (2, 5), (3, 1, 4), (0,)]):
         ids = random_ids(300, shape, seed)
         assert_bitwise(emb(ids), host(ids))
-    host.to(torch.float16)  # a model cast leaves the rows' dtype alone, as the stored bytes are uint8
-    assert host(torch.tensor([1, 2])).dtype == dtype
 
 
 @pytest.mark.parametrize("family", SCALED_FAMILIES)
@@ -251,6 +249,24 @@ def test_a_weight_with_no_rows_or_no_columns_is_a_value_error_naming_it(shape, w
     ):
         ple_ops.host_embedding(emb)
     assert torch.equal(emb.weight, before)
+
+
+@pytest.mark.parametrize("family", [None, *SCALED_FAMILIES])
+def test_a_cast_after_conversion_is_refused_and_a_move_or_a_same_dtype_cast_passes(family):
+    # A cast would reach a scaled embedding's scale but not its rows: outputs matching neither
+    # the original nor its cast, silently, where this refuses.
+    torch.manual_seed(4)
+    emb = nn.Embedding(64, 32) if family is None else scaled_embedding_class(family)(64, 32, 0, embed_scale=32**0.5)
+    host = ple_ops.host_embedding(emb)
+    ids = random_ids(64, (3, 7), 4)
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: nn.Sequential(m).double()):
+        with pytest.raises(
+            ValueError, match=r"rows are torch.float32, fixed when ple_ops.host_embedding .*cast the model first"
+        ):
+            cast(host)
+    assert_bitwise(emb(ids), host.float().to("cpu")(ids))  # a cast to its own dtype and a move pass
+    if family is not None:
+        assert host.scale.dtype == torch.float32  # the refused casts left the scale as it was
 
 
 def test_gradient_only_options_are_accepted():
