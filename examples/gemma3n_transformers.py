@@ -36,6 +36,7 @@ from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, GenerationConfig
 from transformers.generation import CompileConfig
 
 import ple_ops
+from kv_ops.cuda.arguments import device as device_argument
 
 try:  # transformers' Gemma 4; --model gemma4 needs it, Gemma 3n does not
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -153,6 +154,13 @@ def build(cfg, device: torch.device, dtype: torch.dtype):
             model = cls(cfg)
     finally:
         torch.set_default_dtype(default)
+    # transformers initialises Gemma 3n's AltUp correction scale to zero, which cancels the
+    # per-layer inputs: the table would never reach the logits, and comparing them could not
+    # catch a wrong row. A checkpoint's scale is not zero; so is this one.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("altup.correct_output_scale"):
+                param.normal_()
     return model.eval()
 
 
@@ -235,7 +243,9 @@ def run_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every Gemma example run takes: the model's size, device, batch, prompt, tokens,
     repeats and compile backend."""
     parser.add_argument("--config", choices=["tiny", "e2b"], default=None, help="default: e2b on CUDA, tiny on the CPU")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or an available CUDA device"
+    )
     parser.add_argument("--batch", type=at_least(1), default=None, help="default: 8 (e2b) or 2 (tiny)")
     parser.add_argument("--prompt-len", type=at_least(1), default=16)
     # Two at least: the decode rate is (new tokens - 1) per sequence over the time beyond a
@@ -247,29 +257,71 @@ def run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (CompileConfig.backend)")
 
 
-def run_defaults(parser: argparse.ArgumentParser, args) -> torch.device:
-    """Fill in what :func:`run_arguments` left to the size (e2b on CUDA, tiny elsewhere); the device."""
+def run_device(parser: argparse.ArgumentParser, value: str) -> torch.device:
+    """``--device`` as a ``torch.device`` this machine has (kv_ops.cuda.arguments.device's rule: no
+    CUDA device where CUDA is missing or past the last GPU), of the CPU or CUDA; else a usage error."""
     try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device: {e}")
-    args.config = args.config or ("e2b" if device.type == "cuda" else "tiny")
+        found = device_argument("argument --device", value, what="the device")
+    except ValueError as error:
+        parser.error(str(error))
+    if found.type not in ("cpu", "cuda"):
+        # The runs synchronize, time and count memory the CPU's or CUDA's way; meta holds no
+        # values to generate from at all.
+        parser.error(f"argument --device: the device must be the CPU or a CUDA device, got {value!r}")
+    return found
+
+
+def run_backend(parser: argparse.ArgumentParser, name: str) -> str:
+    """``--backend`` when torch.compile knows it, else a usage error: an unknown name would only
+    fail inside the first generate(), after both models are built."""
+    # list_backends() leaves out the debug backends (eager, aot_eager, ...), which torch.compile
+    # takes all the same and which compile quickly on a CPU: every registered name is accepted.
+    if name not in torch.compiler.list_backends(exclude_tags=()):
+        shown = ", ".join(torch.compiler.list_backends())
+        parser.error(
+            f"argument --backend: torch.compile has no backend {name!r} (one of {shown}, or a debug one such as eager or aot_eager)"
+        )
+    return name
+
+
+def run_defaults(parser: argparse.ArgumentParser, args, model: str = "gemma3n"):
+    """Fill in what :func:`run_arguments` left to the size (e2b on CUDA, tiny elsewhere) and refuse,
+    as usage errors before any model is built, what the run cannot do; the device and the config."""
+    device = run_device(parser, args.device)
+    run_backend(parser, args.backend)
+    if args.config is None:
+        args.config = "e2b" if device.type == "cuda" else "tiny"
     e2b = args.config == "e2b"
-    args.batch = args.batch or (8 if e2b else 2)
-    args.new_tokens = args.new_tokens or (64 if e2b else 12)
-    args.repeats = args.repeats or (4 if e2b else 2)
-    return device
+    for name, e2b_value, tiny_value in (("batch", 8, 2), ("new_tokens", 64, 12), ("repeats", 4, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, e2b_value if e2b else tiny_value)
+    cfg = config(args.config, model)
+    # generate() does not refuse positions past the config's max_position_embeddings, and a run
+    # there measures nothing the model was configured for.
+    positions, limit = args.prompt_len + args.new_tokens, cfg.max_position_embeddings
+    if positions > limit:
+        parser.error(
+            f"argument --prompt-len/--new-tokens: --prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
+            f"= {positions} positions, past the {args.config} config's max_position_embeddings {limit}"
+        )
+    return device, cfg
 
 
-def main(argv: list[str] | None = None, default_model: str = "gemma3n") -> int:
+def parse(argv: list[str] | None = None, default_model: str = "gemma3n"):
+    """The run's arguments, its device and its model's config; a usage error (exit status 2)
+    for anything the run cannot do."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=MODELS, default=default_model, help=f"default: {default_model}")
     run_arguments(parser)
     args = parser.parse_args(argv)
-    device = run_defaults(parser, args)
+    device, cfg = run_defaults(parser, args, args.model)
+    return args, device, cfg
+
+
+def main(argv: list[str] | None = None, default_model: str = "gemma3n") -> int:
+    args, device, cfg = parse(argv, default_model)
     name = args.config
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = config(name, args.model)
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     family = "Gemma4ForCausalLM" if args.model == "gemma4" else "Gemma3nForCausalLM"

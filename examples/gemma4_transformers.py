@@ -37,7 +37,7 @@ import time
 import torch
 
 # examples/ is first on sys.path when this file runs as a script
-from gemma3n_transformers import allocated, at_least, build, config, generation_config, run_arguments, run_defaults
+from gemma3n_transformers import allocated, at_least, build, generation_config, run_arguments, run_defaults
 from transformers import StaticCache
 
 import ple_ops
@@ -99,6 +99,8 @@ def decode_rate(model, ids, cache, configs) -> tuple[torch.Tensor, float]:
 
 
 def parse(argv):
+    """The run's arguments, its device and its model's config; a usage error (exit status 2) for
+    anything the run cannot do, before any model is built."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     run_arguments(parser)
     parser.add_argument(
@@ -109,11 +111,12 @@ def parse(argv):
     )
     parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa", help="transformers' attention")
     args = parser.parse_args(argv)
-    device = run_defaults(parser, args)
-    args.max_cache_len = args.max_cache_len or 4 * (args.prompt_len + args.new_tokens)
+    device, cfg = run_defaults(parser, args, "gemma4")
+    if args.max_cache_len is None:
+        args.max_cache_len = 4 * (args.prompt_len + args.new_tokens)
     if args.max_cache_len < args.prompt_len + args.new_tokens:
         parser.error(f"--max-cache-len: {args.max_cache_len} is below prompt + new tokens")
-    return args, device
+    return args, device, cfg
 
 
 def kv_bytes(cache, layers: list[int]) -> int:
@@ -133,9 +136,8 @@ def to_host(model, device) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, device = parse(argv)
+    args, device, cfg = parse(argv)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = config(args.config, "gemma4")
     ids = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     print(

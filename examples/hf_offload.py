@@ -21,6 +21,9 @@ import argparse
 import sys
 
 import torch
+
+# examples/ is first on sys.path when this file runs as a script
+from gemma3n_transformers import at_least
 from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kv_ops.integrations.transformers import HostOffloadedCache
@@ -86,13 +89,22 @@ def generate(model, ids: torch.Tensor, cache, gen: GenerationConfig) -> torch.Te
     return out[:, ids.shape[1] :]
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The run's arguments, each left unset filled in for CUDA or the CPU; a count below one is a
+    usage error (exit status 2) here, before any model is built."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=["tiny", "8b"], help="model widths (default: 8b on CUDA, tiny on the CPU)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 8 on CUDA, 5 on the CPU)")
-    parser.add_argument("--batch", type=int, default=None, help="sequences (default 4 on CUDA, 2 on the CPU)")
-    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 4096 on CUDA, 12 on the CPU)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 32 on CUDA, 6 on the CPU)")
+    # None: the default of the machine's device, chosen below.
+    parser.add_argument(
+        "--layers", type=at_least(1), default=None, help="decoder layers (default 8 on CUDA, 5 on the CPU)"
+    )
+    parser.add_argument("--batch", type=at_least(1), default=None, help="sequences (default 4 on CUDA, 2 on the CPU)")
+    parser.add_argument(
+        "--prompt", type=at_least(1), default=None, help="prompt tokens (default 4096 on CUDA, 12 on the CPU)"
+    )
+    parser.add_argument(
+        "--new-tokens", type=at_least(1), default=None, help="new tokens (default 32 on CUDA, 6 on the CPU)"
+    )
     parser.add_argument(
         "--mode", choices=["eager", "compiled", "cudagraphs"], default="eager", help="how generate runs"
     )
@@ -101,11 +113,18 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
+    defaults = {"size": ("8b", "tiny"), "layers": (8, 5), "batch": (4, 2), "prompt": (4096, 12), "new_tokens": (32, 6)}
+    for name, (on_cuda, on_cpu) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    size = args.size or ("8b" if cuda else "tiny")
-    layers = args.layers or (8 if cuda else 5)
-    batch, prompt = args.batch or (4 if cuda else 2), args.prompt or (4096 if cuda else 12)
-    new = args.new_tokens or (32 if cuda else 6)
+    size, layers, batch, prompt, new = args.size, args.layers, args.batch, args.prompt, args.new_tokens
     cfg = config(size, layers, args.attention)
     model = build(cfg, device, torch.bfloat16 if cuda else torch.float32)
     ids = torch.randint(1, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(device)

@@ -87,7 +87,24 @@ def mark_static_address(tensor: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(tensor)
 
 
+class CastGuard(nn.Module):
+    """A module whose :meth:`before_apply` sees every ``fn`` that ``.to()``, ``.half()``,
+    ``.float()``, ``.cuda()`` and the like apply to a model holding it, before anything is applied
+    to it."""
+
+    # Why: torch has no public hook for a model's cast or move; every such call goes through
+    # Module._apply, child by child. Breaks if torch renames _apply or routes those calls
+    # elsewhere (then before_apply is never called: the guard is silently off).
+    def _apply(self, fn, recurse=True):
+        self.before_apply(fn)
+        return super()._apply(fn, recurse)
+
+    def before_apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Raise to refuse ``fn``; the default lets every one through."""
+
+
 __all__ = [
+    "CastGuard",
     "current_raw_stream",
     "current_raw_stream_reader",
     "cudagraph_trees_recording",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kv_ops.cuda.torch_internals import has_forward_hooks
+from kv_ops.cuda.torch_internals import CastGuard, has_forward_hooks
 
 from ..ops import gather_rows
 from .host_rows import check_pinnable, pin_rows
@@ -30,7 +30,7 @@ _SCALED = {
 _SAMPLE_IDS = 64  # ids compared against the original forward at conversion
 
 
-class HostEmbedding(nn.Module):
+class HostEmbedding(CastGuard):
     """An embedding whose table lives in page-locked host memory; rows are gathered zero-copy.
 
     Made by :func:`host_embedding`; it holds no parameter. ``host_rows`` is uint8
@@ -75,7 +75,7 @@ class HostEmbedding(nn.Module):
         rows = rows.view(*input_ids.shape, self.embedding_dim)
         return rows if self.scale is None else rows * self.scale
 
-    def _apply(self, fn, recurse=True):
+    def before_apply(self, fn) -> None:
         # A cast would reach the scale but not the rows (bytes in host memory, fixed at
         # conversion): the outputs would match neither the original nor its cast. What ``fn``
         # does to a tensor of the rows' dtype says whether it casts; moves pass.
@@ -85,7 +85,6 @@ class HostEmbedding(nn.Module):
                 "(they live in host memory), so the model cannot be cast after (the modules before this one "
                 "may be cast already): cast the model first, then convert"
             )
-        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (

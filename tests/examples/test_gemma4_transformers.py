@@ -4,6 +4,7 @@ served by ple_ops.host_embedding through the model's own accessors, with a stati
 kv_ops's HostOffloadedCache streaming two of its three full-attention layers; the tokens must
 be identical and the memory lines present."""
 
+import importlib
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("transformers.models.gemma4", reason="this transformers release has no Gemma 4")
@@ -66,3 +68,39 @@ def test_bad_arguments_are_refused_by_name_before_any_model_is_built(args, named
     result = run(["--config", "tiny", *args], timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     assert named in result.stderr and "ForCausalLM" not in result.stdout, result.stderr
+
+
+@pytest.fixture
+def example(monkeypatch):
+    """examples/gemma4_transformers.py as a module (its flags are gemma3n_transformers.run_arguments')."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    return importlib.import_module("gemma4_transformers")
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--device", "meta"], ["argument --device", "must be the CPU or a CUDA device, got 'meta'"]),
+        (["--device", "cuda:99"], ["argument --device", "'cuda:99'"]),
+        (["--backend", "bogus"], ["argument --backend", "no backend 'bogus'"]),
+        # One position past the tiny Gemma 4 config's 256 (prompt + new tokens).
+        (
+            ["--prompt-len", "245", "--new-tokens", "12"],
+            ["--prompt-len 245", "--new-tokens 12", "max_position_embeddings 256"],
+        ),
+    ],
+)
+def test_what_the_run_cannot_do_is_a_usage_error_in_parse(example, capsys, args, said):
+    """parse() runs before any model is built; a usage error: exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exited:
+        example.parse(["--config", "tiny", *args])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: ") and "Traceback" not in err, err
+    for words in said:
+        assert words in err, err
+
+
+def test_parse_fills_in_the_defaults_and_returns_the_config(example):
+    args, device, cfg = example.parse(["--config", "tiny", "--device", "cpu"])
+    assert (args.batch, args.new_tokens, args.repeats, args.max_cache_len) == (2, 12, 2, 4 * (16 + 12))
+    assert device == torch.device("cpu") and cfg.model_type == "gemma4_text"

@@ -1,12 +1,14 @@
 """examples/hf_offload.py's tiny configuration on the CPU, in a subprocess: stock generate() with
 kv_ops's HostOffloadedCache must give the tokens of transformers' StaticCache, eagerly and compiled."""
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
@@ -45,3 +47,35 @@ def test_on_a_gpu_at_8b_widths_generate_with_the_host_offloaded_cache_gives_the_
 def test_a_bad_mode_is_refused_by_name():
     result = run(["--mode", "fast"], timeout=120)
     assert result.returncode == 2 and "--mode" in result.stderr, result.stderr
+
+
+@pytest.fixture
+def example(monkeypatch):
+    """examples/hf_offload.py as a module, its build() refusing: a usage error must come first."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    module = importlib.import_module("hf_offload")
+
+    def refuse_to_build(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were refused")
+
+    monkeypatch.setattr(module, "build", refuse_to_build)
+    return module
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--batch", "--prompt", "--new-tokens"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_a_count_below_one_or_not_an_integer_is_a_usage_error_before_any_model_is_built(example, capsys, flag, value):
+    with pytest.raises(SystemExit) as exited:
+        example.main([flag, value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: ") and "Traceback" not in err, err
+    assert f"argument {flag}: " in err, err
+
+
+def test_counts_not_given_take_the_devices_defaults_and_given_ones_stand(example):
+    cuda = torch.cuda.is_available()
+    args = example.parse([])
+    want = ("8b", 8, 4, 4096, 32) if cuda else ("tiny", 5, 2, 12, 6)
+    assert (args.size, args.layers, args.batch, args.prompt, args.new_tokens) == want
+    args = example.parse(["--layers", "1", "--batch", "1", "--prompt", "1", "--new-tokens", "1"])
+    assert (args.layers, args.batch, args.prompt, args.new_tokens) == (1, 1, 1, 1)
