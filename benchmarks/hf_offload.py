@@ -42,10 +42,11 @@ from kv_ops.integrations.transformers import HostOffloadedCache
 
 from common import finish, guard, parse, parser, save  # this script's own directory
 
-# The example's model and generate() settings, loaded by path (it shares this script's name).
-_spec = importlib.util.spec_from_file_location(
-    "hf_offload_example", Path(__file__).parents[1] / "examples/hf_offload.py"
-)
+# The example's model and generate() settings, loaded by path (it shares this script's name);
+# examples/ goes on sys.path for what the example imports from its neighbours, as when it runs.
+_examples = Path(__file__).parents[1] / "examples"
+sys.path.append(str(_examples))
+_spec = importlib.util.spec_from_file_location("hf_offload_example", _examples / "hf_offload.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 build, config, generate, generation = example.build, example.config, example.generate, example.generation
