@@ -8,7 +8,7 @@ from torch import nn
 from kv_ops.cuda.torch_internals import CastGuard, has_forward_hooks
 
 from ..ops import gather_rows
-from .host_rows import check_pinnable, pin_rows
+from .host_rows import TableInStateDict, check_pinnable, pin_rows
 
 # Subclasses of nn.Embedding whose forward is known: (module, qualified name). Gemma 3n's and
 # Gemma 4's forwards are both ``F.embedding(ids, weight) * self.embed_scale.to(self.weight.dtype)``
@@ -56,6 +56,8 @@ class HostEmbedding(CastGuard):
         self.dtype = dtype
         self.source = source
         self.register_buffer("host_rows", host_rows, persistent=False)
+        # The rows are its state as the weight was the original's: saved and loaded as "weight".
+        TableInStateDict("weight", "host_rows", dtype).attach(self)
         # The scaled embeddings' factor (a scalar in the rows' dtype, on their device), or None.
         self.register_buffer("scale", scale, persistent=False)
 
@@ -142,9 +144,10 @@ def host_embedding(module: nn.Embedding) -> HostEmbedding:
         out-of-range id is skipped and counted (``kv_ops.error_count``), its row left
         unwritten. No gradient reaches the table. Convert after the model is on its device: a
         later ``.to("cuda")`` of a module converted on the CPU copies the rows onto the GPU.
-        The table is not in its ``state_dict``: save the model before converting it, or convert it after
-        loading; a checkpoint saved after the conversion lacks the table, and a strict
-        ``load_state_dict`` of the original weights into it raises for the unexpected ``weight``.
+        Its ``state_dict`` holds the table as ``weight``, the original's key, in its dtype (the
+        rows themselves, not a copy), so ``save_pretrained`` or ``torch.save`` of a converted
+        model writes the whole model, and ``load_state_dict`` writes new weights into the host
+        rows in place.
 
     Raises
     ------

@@ -4,7 +4,11 @@ Their gather, the op a layer's forward calls, is :func:`ple_ops.ops.gather_rows`
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from kv_ops.cuda.arguments import positive_int
 from kv_ops.cuda.host_memory import device_view, pinned_empty
@@ -40,4 +44,54 @@ def pin_rows(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return device_view(rows, device) if device.type == "cuda" else rows
 
 
-__all__ = ["check_pinnable", "pin_rows"]
+@dataclass(frozen=True)
+class TableInStateDict:
+    """The ``state_dict`` hooks that keep a converted table under the name of the parameter it
+    replaced: ``module.<rows>`` (uint8 ``[vocab, row_bytes]``, as :func:`pin_rows` gives) seen
+    as ``dtype`` ``[vocab, dim]``.
+
+    Saving gives the rows themselves (no copy: on CUDA the device view of the page-locked bytes,
+    as a parameter would be on its device), so ``torch.save`` and ``save_pretrained`` of a
+    converted model write the whole table. Loading copies into them in place, on the current
+    stream (stream-ordered after every gather already queued, as a parameter's ``copy_`` is),
+    cast to the rows' dtype; a shape that differs is an error in ``load_state_dict``'s own
+    words, and a missing key is reported as missing. Holds names only, so a copied module's
+    hooks read the copy's rows.
+    """
+
+    key: str  # the replaced parameter's name, "weight" for an embedding
+    rows: str  # the module attribute that holds the rows
+    dtype: torch.dtype
+
+    def attach(self, module: nn.Module) -> None:
+        # Partials, not bound methods: torch marks each hook with an attribute, which a method refuses.
+        module.register_state_dict_post_hook(functools.partial(TableInStateDict.save, self))
+        module.register_load_state_dict_pre_hook(functools.partial(TableInStateDict.load, self))
+
+    def table(self, module: nn.Module) -> torch.Tensor:
+        return getattr(module, self.rows).view(self.dtype)
+
+    def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        state_dict[prefix + self.key] = self.table(module).detach()
+
+    def load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        name = prefix + self.key
+        if name not in state_dict:
+            if strict:  # load_state_dict passes True and decides later whether missing keys raise
+                missing_keys.append(name)
+            return
+        # Taken out, so that load_state_dict's own pass does not report it as unexpected.
+        source = state_dict.pop(name)
+        table = self.table(module)
+        if not isinstance(source, torch.Tensor) or source.shape != table.shape:
+            shown = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
+            error_msgs.append(
+                f"size mismatch for {name}: copying a param with shape {shown} from checkpoint, "
+                f"the shape in current model is {tuple(table.shape)}."
+            )
+            return
+        with torch.no_grad():
+            table.copy_(source)
+
+
+__all__ = ["TableInStateDict", "check_pinnable", "pin_rows"]

@@ -10,7 +10,7 @@ from torch import nn
 from kv_ops.cuda import arguments
 
 from ..layer import PleOffloadLayer, ple_layers
-from .host_rows import check_pinnable, pin_rows
+from .host_rows import TableInStateDict, check_pinnable, pin_rows
 
 
 def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -36,7 +36,9 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
     Returns
     -------
     nn.Module
-        ``model``, moved to ``device``, with the tables off the GPU.
+        ``model``, moved to ``device``, with the tables off the GPU. Each table stays in the
+        ``state_dict`` under its own name (the page-locked rows, not a copy), and
+        ``load_state_dict`` writes into them in place.
 
     Raises
     ------
@@ -63,6 +65,7 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
         rows = pin_rows(table, device)
         delattr(layer, owner)  # the only copy left is the page-locked one
         layer.attach_host_table(rows, table.dtype)
+        TableInStateDict(owner, "ple_host_table", table.dtype).attach(layer)  # saved under its old name
     return model.to(device)
 
 

@@ -105,27 +105,32 @@ def test_gemma4_scaled_embedding_with_any_padding_idx_equals_its_forward_bitwise
     assert "Gemma4TextScaledWordEmbedding" in repr(host)
 
 
+# Both tiny Gemma families' widths, each with a few layers of its own kinds.
+TINY_WIDTHS = dict(
+    vocab_size=512,
+    vocab_size_per_layer_input=512,
+    hidden_size=64,
+    hidden_size_per_layer_input=24,  # embed_scale sqrt(24) is not a power of two: the product rounds
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    sliding_window=16,
+    max_position_embeddings=256,
+)
+
+
 def tiny_gemma4_text_config(modeling, **overrides):
     """Two sliding and two full layers, the last two sharing the first two's KV, as E2B does."""
-    widths = dict(
-        vocab_size=512,
-        vocab_size_per_layer_input=512,
-        hidden_size=64,
-        hidden_size_per_layer_input=24,  # embed_scale sqrt(24) is not a power of two: the product rounds
-        intermediate_size=128,
+    own = dict(
         num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
         global_head_dim=64,
         num_kv_shared_layers=2,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=16,
-        max_position_embeddings=256,
         use_double_wide_mlp=True,
         final_logit_softcapping=30.0,
     )
-    return modeling.Gemma4TextConfig(**{**widths, **overrides})
+    return modeling.Gemma4TextConfig(**{**TINY_WIDTHS, **own, **overrides})
 
 
 def tiny_gemma4(kind, **overrides):
@@ -186,14 +191,83 @@ def test_the_original_module_is_left_unchanged():
     assert torch.equal(emb.weight, before)
 
 
-def test_the_table_is_not_in_the_state_dict_and_a_strict_load_of_the_original_names_it():
-    # Documented: save before converting. A strict load must not pass silently either.
+def test_the_state_dict_holds_the_table_as_the_originals_weight_and_a_load_writes_the_rows():
     torch.manual_seed(0)
+    emb = nn.Embedding(50, 8).to(torch.bfloat16)
+    host = ple_ops.host_embedding(emb)
+    state = host.state_dict()
+    assert list(state) == ["weight"]
+    assert_bitwise(emb.weight.detach(), state["weight"])
+    # A load writes new weights into the host rows in place (cast to their dtype, as a
+    # parameter's copy_ casts), and the forward then gives the new table's rows.
+    other = nn.Embedding(50, 8)
+    nn.init.normal_(other.weight, std=5.0)
+    rows_before = host.host_rows.data_ptr()
+    assert not host.load_state_dict(other.state_dict()).missing_keys
+    ids = random_ids(50, (3, 7), 1)
+    assert_bitwise(other.to(torch.bfloat16)(ids), host(ids))
+    assert host.host_rows.data_ptr() == rows_before
+
+
+def test_a_load_without_the_table_or_of_another_shape_fails_as_a_parameters_would_and_writes_nothing():
+    torch.manual_seed(1)
     emb = nn.Embedding(50, 8)
     host = ple_ops.host_embedding(emb)
-    assert list(host.state_dict()) == []
-    with pytest.raises(RuntimeError, match="Unexpected key.*weight"):
-        host.load_state_dict(emb.state_dict())
+    with pytest.raises(RuntimeError, match='Missing key.*"weight"'):
+        host.load_state_dict({})
+    assert host.load_state_dict({}, strict=False).missing_keys == ["weight"]
+    for wrong in (torch.randn(49, 8), torch.randn(50, 9)):
+        with pytest.raises(
+            RuntimeError, match=re.escape(f"size mismatch for weight: copying a param with shape {tuple(wrong.shape)}")
+        ):
+            host.load_state_dict({"weight": wrong})
+    ids = torch.arange(50)
+    assert_bitwise(emb(ids).detach(), host(ids))
+
+
+def tiny_gemma3n():
+    """A random-weight two-layer Gemma3nForCausalLM whose logits depend on its per-layer table."""
+    modeling = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
+    text = modeling.Gemma3nTextConfig(
+        **TINY_WIDTHS,
+        num_hidden_layers=2,
+        num_kv_shared_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0, 0.0],
+        laurel_rank=8,
+    )
+    torch.manual_seed(0)
+    model = modeling.Gemma3nForCausalLM(text)
+    with torch.no_grad():  # transformers' zero AltUp correction scale would cancel the per-layer inputs
+        for name, param in model.named_parameters():
+            if name.endswith("altup.correct_output_scale"):
+                param.normal_()
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gemma3n", "gemma4"])
+def test_save_pretrained_of_a_converted_model_writes_the_table_and_from_pretrained_gives_its_logits(family, tmp_path):
+    # The checkpoint a converted model saves is the stock model's: the stock class loads it with
+    # no missing key, and gives bitwise the logits of the model that was converted.
+    model = tiny_gemma4("causal_lm") if family == "gemma4" else tiny_gemma3n()
+    table = model.get_per_layer_input_embeddings()
+    nn.init.normal_(table.weight, std=3.0)
+    ids = random_ids(512, (2, 11), 2)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    model.set_per_layer_input_embeddings(ple_ops.host_embedding(table))
+    del table
+    model.save_pretrained(tmp_path)
+    loaded, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(loaded.get_per_layer_input_embeddings()) is not ple_ops.HostEmbedding
+    with torch.no_grad():
+        assert_bitwise(want, loaded.eval()(input_ids=ids).logits)
+        # And the stock weights load back into a converted model, table included.
+        converted = type(model)(model.config).eval()
+        converted.set_per_layer_input_embeddings(ple_ops.host_embedding(converted.get_per_layer_input_embeddings()))
+        converted.load_state_dict(loaded.state_dict())
+        assert_bitwise(want, converted(input_ids=ids).logits)
 
 
 class Shifted(nn.Embedding):
@@ -326,6 +400,25 @@ def test_on_the_gpu_a_tiny_gemma4_model_frees_its_table_and_gives_bitwise_its_lo
     assert model.get_per_layer_input_embeddings().host_rows.is_cuda
     with torch.no_grad():
         assert_bitwise(want, model(input_ids=ids).logits)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_state_dict_round_trips_through_the_host_rows_in_stream_order():
+    # The saved table is the device view of the rows (on the model's device, no copy); a load
+    # writes a CPU checkpoint into them on the current stream, after the gathers queued before it.
+    torch.manual_seed(2)
+    emb = nn.Embedding(4096, 256).to("cuda", torch.bfloat16)
+    host = ple_ops.host_embedding(emb)
+    saved = host.state_dict()["weight"]
+    assert saved.is_cuda and saved.data_ptr() == host.host_rows.data_ptr()
+    assert_bitwise(emb.weight.detach(), saved)
+    ids = random_ids(4096, (2048,), 3).cuda()
+    new = torch.randn(4096, 256, generator=torch.Generator().manual_seed(4))
+    before = host(ids)  # queued before the load: it must see the old rows
+    host.load_state_dict({"weight": new})
+    after = host(ids)
+    assert_bitwise(emb(ids).detach(), before)
+    assert_bitwise(new.to(torch.bfloat16)[ids.cpu()].cuda(), after)
 
 
 class ScaledOtherwise(nn.Embedding):  # looks like Gemma 3n's, but its forward does more

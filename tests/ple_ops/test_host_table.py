@@ -27,6 +27,21 @@ def test_a_gathered_model_gives_the_local_result_bitwise_with_no_table_parameter
         assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
 
 
+def test_a_gathered_models_state_dict_is_the_local_ones_and_loading_it_writes_the_host_rows():
+    local, model = make_lookup_model(), make_lookup_model()
+    for block in local.blocks:  # another model's tables, so that a load that writes nothing fails
+        torch.nn.init.normal_(block.ple.table, std=2.0)
+    ple_ops.gather_from_host(model, "cpu")
+    assert list(model.state_dict()) == list(make_lookup_model().state_dict())
+    assert model.load_state_dict(local.state_dict()).missing_keys == []
+    saved = model.state_dict()
+    for key, tensor in local.state_dict().items():
+        assert torch.equal(tensor.view(torch.uint8), saved[key].view(torch.uint8)), key
+    gen = torch.Generator().manual_seed(45)
+    ids, hidden = torch.randint(0, VOCAB, (9,), generator=gen), torch.randn(9, DIM, generator=gen)
+    assert torch.equal(local(hidden, ids).view(torch.uint8), model(hidden, ids).view(torch.uint8))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
 def test_a_cuda_device_without_cuda_is_a_value_error_before_any_table_moves(device):
