@@ -184,9 +184,9 @@ class HostOffloadedCache(Cache):
     TypeError
         At construction: a ``config`` that is not a transformers config (a model, say).
     ValueError
-        At construction: a bad ``max_cache_len``, ``max_batch_size`` or ``max_gpu_bytes``, a
-        model with no full-attention layer, or a layer type other than full, sliding or chunked
-        attention. At the first update: keys on another device than ``device``, a batch over
+        At construction: a bad ``max_cache_len``, ``max_batch_size`` or ``max_gpu_bytes``, or
+        a layer type other than full, sliding or chunked attention (a model with no full-attention
+        layer is served as ``StaticCache`` serves it, with nothing streamed). At the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
         two layers (the message names the minimum), or host memory the machine lacks.
         Eagerly, a step past ``max_cache_len``, keys of another batch or dtype than the slots
@@ -235,12 +235,9 @@ class HostOffloadedCache(Cache):
                 f"HostOffloadedCache: {type(config).__name__} has layers of type {others}; this cache serves "
                 f"{FULL!r} (offloaded) and {', '.join(map(repr, WINDOWED))} (kept on the GPU) only"
             )
-        self.offloaded = [i for i, t in enumerate(layer_types) if t == FULL]  # model indices, in order
-        if not self.offloaded:
-            raise ValueError(
-                f"HostOffloadedCache: {type(config).__name__} has no full-attention layer to offload "
-                f"(layer types {sorted(set(layer_types))}); use transformers' StaticCache"
-            )
+        # Model indices, in order. None (every layer windowed: Mistral with a sliding window) makes
+        # this cache a StaticCache that streams nothing, as transformers' offloading does there.
+        self.offloaded = [i for i, t in enumerate(layer_types) if t == FULL]
         self.name = f"hf-cache-{next(_names)}"
         self.loads = SlotLoads(self.name)
         index = {layer: k for k, layer in enumerate(self.offloaded)}
@@ -296,7 +293,7 @@ class HostOffloadedCache(Cache):
         batch, new = key_states.shape[0], key_states.shape[-2]
         if self.max_batch_size_ is not None and batch > self.max_batch_size_:
             raise ValueError(f"HostOffloadedCache: a batch of {batch} is over max_batch_size {self.max_batch_size_}")
-        if layer_idx == self.offloaded[0]:
+        if self.offloaded and layer_idx == self.offloaded[0]:  # windowed layers never run out
             self._check_slots(key_states)
             if self._seen + new > self.max_cache_len_:
                 raise ValueError(
@@ -341,7 +338,7 @@ class HostOffloadedCache(Cache):
             # A placeholder layer keeps nothing to reorder.
             if i not in kept and not (DummyLayer is not None and isinstance(layer, DummyLayer)):
                 layer.reorder_cache(beam_idx)
-        if self.layers[self.offloaded[0]].get_seq_length() > 0:
+        if self.offloaded and self.layers[self.offloaded[0]].get_seq_length() > 0:
             self.loads.reorder(beam_idx)
 
     def __deepcopy__(self, memo: dict) -> HostOffloadedCache:

@@ -520,11 +520,25 @@ def test_a_model_where_the_config_goes_is_refused_with_a_hint():
         HostOffloadedCache(config={"num_hidden_layers": 2}, max_cache_len=32)
 
 
-def test_a_model_with_no_full_attention_layer_is_refused():
-    cfg = gemma3()
-    cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
-    with pytest.raises(ValueError, match="has no full-attention layer to offload"):
-        HostOffloadedCache(config=cfg, max_cache_len=32)
+def test_a_model_with_no_full_attention_layer_streams_nothing_and_gives_the_static_caches_tokens():
+    # Mistral with a sliding window: every layer windowed, as transformers' own offloading
+    # leaves it, so the cache is a StaticCache (tokens past the window, beam search, a copy).
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+    )  # fmt: skip
+    model, ids = model_of(cfg, MistralForCausalLM), prompt(cfg.vocab_size)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW)), gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW))
+    assert same(want, generate(model, ids, cache, gen()))
+    assert cache.bytes_per_step() == (0, 0) and cache.gpu_bytes() == 0 and cache.resident() == []
+    beams = dict(num_beams=2, num_return_sequences=1, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, past_key_values=StaticCache(config=cfg, max_cache_len=32), **beams)
+        got = model.generate(ids, past_key_values=HostOffloadedCache(config=cfg, max_cache_len=32), **beams)
+    assert torch.equal(want, got)
 
 
 def test_a_layer_type_it_cannot_serve_is_refused():
