@@ -62,10 +62,12 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
     # Every layer is checked before the first table moves: a refusal leaves the model as it was.
     tables = [_checked_table(name, layer) for name, layer in ple_layers(model)]
     for layer, table, owner in tables:
+        saved = owner in layer.state_dict(keep_vars=True)  # a parameter or persistent buffer
         rows = pin_rows(table, device)
         delattr(layer, owner)  # the only copy left is the page-locked one
         layer.attach_host_table(rows, table.dtype)
-        TableInStateDict(owner, "ple_host_table", table.dtype).attach(layer)  # saved under its old name
+        if saved:  # the state_dict keeps it under its old name, as before
+            TableInStateDict(owner, "ple_host_table", table.dtype).attach(layer)
     return model.to(device)
 
 

@@ -42,6 +42,21 @@ def test_a_gathered_models_state_dict_is_the_local_ones_and_loading_it_writes_th
     assert torch.equal(local(hidden, ids).view(torch.uint8), model(hidden, ids).view(torch.uint8))
 
 
+def test_a_table_held_in_a_buffer_keeps_its_place_in_the_state_dict_persistent_or_not():
+    persistent, transient = make_lookup_model(), make_lookup_model()
+    for model, keep in ((persistent, True), (transient, False)):
+        for block in model.blocks:
+            table = block.ple.table.detach().clone()
+            del block.ple.table
+            block.ple.register_buffer("table", table, persistent=keep)
+    want = {id(m): list(m.state_dict()) for m in (persistent, transient)}
+    assert any(key.endswith("ple.table") for key in want[id(persistent)])
+    assert not any(key.endswith("ple.table") for key in want[id(transient)])
+    for model in (persistent, transient):
+        ple_ops.gather_from_host(model, "cpu")
+        assert list(model.state_dict()) == want[id(model)]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
 def test_a_cuda_device_without_cuda_is_a_value_error_before_any_table_moves(device):
