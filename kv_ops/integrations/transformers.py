@@ -18,7 +18,9 @@ earlier layer's finite values, which the mask zeroes exactly.
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
+import weakref
 
 import torch
 
@@ -47,15 +49,47 @@ FULL = "full_attention"
 WINDOWED = ("sliding_attention", "chunked_attention")
 NO_CACHE = ("dummy",) if DummyLayer is not None else ()
 
-_names = itertools.count()
+# Cache name -> its SlotLoads, for as long as that lives (closed or not). The ops carry the name as
+# a constant that the compiled step is specialised on, so a new cache takes the first name no
+# living cache holds: a cache made per request, once the last one is dropped, reuses its name and
+# the step compiled for it (StaticCache's compiled step serves every StaticCache alike).
+_named: weakref.WeakValueDictionary[str, SlotLoads] = weakref.WeakValueDictionary()
+_minted: set[str] = set()  # every name a cache has had in this process
+
+
+def _new_loads() -> SlotLoads:
+    """The SlotLoads of a new cache, under the first ``hf-cache-<n>`` free in this process.
+
+    Before minting a name no cache had, which a compiled step would recompile for, one garbage
+    collection: the cache a compilation traced stays referenced by Dynamo's leftovers (cyclic
+    garbage) until the collector runs, and would otherwise push every next cache to a new name."""
+    name = _first_free()
+    if name not in _minted:
+        gc.collect()
+        name = _first_free()
+        _minted.add(name)
+    loads = _named[name] = SlotLoads(name)
+    return loads
+
+
+def _first_free() -> str:
+    names = (f"hf-cache-{n}" for n in itertools.count())
+    return next(name for name in names if name not in _named and not in_step.is_taken(name))
 
 
 class HostOffloadedLayer(StaticLayer):
     """One full-attention layer: its K and V in a GPU slot, its own or one it shares with others."""
 
     def __init__(self, max_cache_len: int, cache: HostOffloadedCache, index: int, **kwargs):
-        self.cache, self.index = cache, index  # index: among the full-attention layers
+        # The cache only weakly: a cache dropped must go at once, not at the next cyclic garbage
+        # collection, so that its name is free for the next one (_new_loads). The step reads the
+        # loads only.
+        self.cache_ref, self.loads, self.index = weakref.ref(cache), cache.loads, index
         super().__init__(max_cache_len=max_cache_len)
+
+    @property
+    def cache(self) -> HostOffloadedCache:
+        return self.cache_ref()
 
     # A streamed layer's keys and values are its slot's only while the slot holds that layer:
     # from when its load is queued until the next load into the slot is. Inside its update they are;
@@ -79,7 +113,7 @@ class HostOffloadedLayer(StaticLayer):
         self._values = tensor
 
     def _held(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        loads = self.cache.loads
+        loads = self.loads
         if tensor is None or torch.compiler.is_compiling() or loads.plan is None:
             return tensor
         holder = loads.holder[loads.plan.slot[self.index]]
@@ -95,7 +129,7 @@ class HostOffloadedLayer(StaticLayer):
         )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        loads = self.cache.loads
+        loads = self.loads
         if loads.plan is None:
             self.cache.allocate(key_states, value_states)
         keys, values = loads.slots[loads.plan.slot[self.index]]
@@ -114,7 +148,7 @@ class HostOffloadedLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        loads, k = self.cache.loads, self.index
+        loads, k = self.loads, self.index
         plan = loads.plan
         # Eagerly on CUDA the loads are driver calls bound once; compiled, the ops record them in
         # the graph (and on the CPU the op is the copy itself).
@@ -123,7 +157,7 @@ class HostOffloadedLayer(StaticLayer):
         # the slot has been read), then waits for it.
         for target in plan.issues.get(k, ()):
             if direct:
-                loads.issue(target, replay=not self.cache.capturing_now)
+                loads.issue(target, replay=not loads.capturing_now)
             else:
                 slot_k, slot_v = loads.slots[plan.slot[target]]
                 lengths = loads.lengths
@@ -238,8 +272,8 @@ class HostOffloadedCache(Cache):
         # Model indices, in order. None (every layer windowed: Mistral with a sliding window) makes
         # this cache a StaticCache that streams nothing, as transformers' offloading does there.
         self.offloaded = [i for i, t in enumerate(layer_types) if t == FULL]
-        self.name = f"hf-cache-{next(_names)}"
-        self.loads = SlotLoads(self.name)
+        self.loads = _new_loads()
+        self.name = self.loads.name
         index = {layer: k for k, layer in enumerate(self.offloaded)}
         layers = [
             HostOffloadedLayer(self.max_cache_len_, self, index[i])
@@ -251,7 +285,6 @@ class HostOffloadedCache(Cache):
         ]
         super().__init__(layers=layers)
         self._seen = 0  # tokens so far, counted eagerly only (a compiled step cannot read it back)
-        self.capturing_now = False  # whether the eager update under way is being captured
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Plan the slots for the budget and allocate them (the first full-attention layer's first update)."""
@@ -278,8 +311,8 @@ class HostOffloadedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # A compiled or captured step cannot count (its Python runs once, its replays many times).
         if not torch.compiler.is_compiling():
-            self.capturing_now = capturing(key_states.device)
-            if not self.capturing_now:
+            capturing_now = self.loads.capturing_now = capturing(key_states.device)
+            if not capturing_now:
                 self._check(key_states, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -348,8 +381,8 @@ class HostOffloadedCache(Cache):
         :meth:`reorder_cache` does."""
         new = self.__copy__()
         memo[id(self)] = new
-        new.name = f"hf-cache-{next(_names)}"
-        new.loads = SlotLoads(new.name)
+        new.loads = _new_loads()
+        new.name = new.loads.name
         index = {layer: k for k, layer in enumerate(self.offloaded)}
         new.layers = [
             HostOffloadedLayer(self.max_cache_len_, new, index[i]) if i in index else copy.deepcopy(layer, memo)

@@ -84,6 +84,11 @@ def unregister(obj) -> bool:
     return False
 
 
+def is_taken(name: str) -> bool:
+    """Whether a live object holds ``name``."""
+    return _get(name) is not None
+
+
 def is_live(obj) -> bool:
     """Whether ``obj`` holds its name (it was not closed)."""
     return _get(obj.name) is obj
@@ -201,6 +206,7 @@ __all__ = [
     "register",
     "unregister",
     "is_live",
+    "is_taken",
     "lookup",
     "MADE_BEFORE_STEP",
     "keep",

@@ -124,6 +124,7 @@ class SlotLoads:
         self.stream: torch.cuda.Stream | None = None
         self.free: dict[int, torch.cuda.Event] = {}  # recorded where a load's slot may be overwritten
         self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
+        self.capturing_now = False  # whether the eager step under way is being captured (owner sets it)
         in_step.register(name, self, weak=True)  # it lives as long as its cache
 
     def allocate(

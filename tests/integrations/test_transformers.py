@@ -145,6 +145,34 @@ def test_compiled_generate_is_bitwise_the_static_caches(backend):
     assert cache.loads.moved > 0  # the compiled steps ran the loads
 
 
+def test_a_new_cache_per_request_reuses_the_compiled_step_and_a_live_one_keeps_its_name():
+    # The ops carry the cache's name, which the compiled step is specialised on: a cache made per
+    # request takes the name of the one dropped before it, so it is compiled once, as StaticCache
+    # is (a name per cache recompiled every request, and ran eagerly past Dynamo's limit).
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    config._compile_all_devices = True
+    length = 4 * (ids.shape[1] + NEW)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
+    names, graphs = [], []
+    for _ in range(3):
+        cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+        assert same(generate(model, ids, cache, gen(config)), want)
+        names.append(cache.name)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        del cache
+    assert len(set(names)) == 1 and graphs[0] == graphs[-1], (names, graphs)
+    # Caches alive together have names of their own, a closed one included until it is dropped.
+    first, second = (HostOffloadedCache(config=cfg, max_cache_len=length) for _ in range(2))
+    first.close()
+    third = HostOffloadedCache(config=cfg, max_cache_len=length)
+    assert len({first.name, second.name, third.name}) == 3
+    name = first.name
+    del first
+    assert HostOffloadedCache(config=cfg, max_cache_len=length).name == name
+
+
 def beams(n: int, compile_config=None) -> GenerationConfig:
     return GenerationConfig(
         max_new_tokens=NEW, min_new_tokens=NEW, num_beams=n, do_sample=False, pad_token_id=0, eos_token_id=None,
