@@ -15,6 +15,7 @@ they go to a path whose kernel reads them, which skips and counts an invalid pai
 
 from __future__ import annotations
 
+import reprlib
 from collections import deque
 
 import numpy as np
@@ -75,7 +76,7 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
         except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
         if array.size and (array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64):
-            _refuse(op, what, ids)
+            _refuse(op, what, ids, array)
         if array.ndim != 1:
             raise ValueError(
                 f"{op}: {what} must be a flat sequence of ids, got {type(ids).__name__} of shape {array.shape}"
@@ -90,15 +91,12 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
     return array
 
 
-def _refuse(op: str, what: str, ids) -> None:
-    """Raise for a sequence that is not integer ids, in the words the ops use for its torch dtype
+def _refuse(op: str, what: str, ids, array: np.ndarray) -> None:
+    """Raise for a sequence that is not integer ids, naming what numpy made of it and the values
     (off the hot path: only a refused call gets here)."""
-    try:
-        t = torch.as_tensor(ids)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
-    check_ids_meta(op, what, t.reshape(-1))
-    raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} of {t.dtype}")
+    raise ValueError(
+        f"{op}: {what} must be integer block ids, got a {type(ids).__name__} of {array.dtype}: {reprlib.repr(ids)}"
+    )
 
 
 class IdBlock:

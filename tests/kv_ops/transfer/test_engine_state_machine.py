@@ -239,7 +239,11 @@ class EngineMachine(RuleBasedStateMachine):
             # A float dtype is refused even with integral values; 0.5 ids would be truncated.
             as_tensor = data.draw(st.booleans(), label="float tensor")
             gpu = torch.tensor(gpu or [0], dtype=torch.float64) if as_tensor else [g + 0.5 for g in gpu] or [0.7]
-            message = rf"gpu_ids must be a 1-D int32 or int64 tensor, got torch.float{64 if as_tensor else 32}"
+            message = (
+                r"gpu_ids must be a 1-D int32 or int64 tensor, got torch.float64"
+                if as_tensor
+                else r"gpu_ids must be integer block ids, got a list of float64"
+            )
         elif defect == "bool":
             gpu = torch.ones(max(n, 1), dtype=torch.bool)
             message = r"gpu_ids must be a 1-D int32 or int64 tensor, got torch.bool"

@@ -146,7 +146,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             block = data.draw(st.sampled_from(held), label="repeated block")
             ids, message = [block, *[b for b in good if b != block], block], rf"ids names block {block} more than once"
         else:
-            ids, message = [b + 0.5 for b in good] or [0.5], r"ids must be a 1-D int32 or int64 tensor, got torch.float"
+            ids, message = [b + 0.5 for b in good] or [0.5], r"ids must be integer block ids, got a list of float64"
         before = self.state()
         with pytest.raises(ValueError, match=r"^HostBlockAllocator\.free: " + message):
             self.allocator.free(ids)
@@ -244,7 +244,7 @@ def test_too_few_free_blocks_is_a_memory_error_a_scheduler_can_catch(n):
         (np.array([-2], dtype=np.int64), r"ids\[0\] = -2 is outside \[0, 8\)"),
         ([2, 1, 2], r"ids names block 2 more than once"),
         ([1, 6], r"ids holds block 6, which is free already"),  # never handed out
-        ([0.0, 1.0], r"ids must be a 1-D int32 or int64 tensor, got torch.float32"),
+        ([0.0, 1.0], r"ids must be integer block ids, got a list of float64"),
         (np.array([1.0]), r"ids must be a 1-D int32 or int64 array, got a numpy float64 array"),
         (np.array([[1, 2]]), r"ids must be a 1-D int32 or int64 array, got a numpy int64 array of shape \(1, 2\)"),
         (torch.tensor([True]), r"ids must be a 1-D int32 or int64 tensor, got torch.bool"),
