@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..cuda.host_memory import pinned_empty
-from ..validation import SMALL_IDS, check_host_ids, check_ids_meta, ids_message, ids_ok, no_values_message
+from ..validation import SMALL_IDS, check_host_ids, ids_message, ids_ok, no_values_message
 
 # What numpy makes of a list of integers: anything else is refused.
 _INTEGER_KINDS = "iu"
