@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from kv_ops.cuda.torch_internals import CastGuard
+
 from . import ops
 from .ops import gather_rows
 
@@ -45,7 +47,7 @@ def mark_offload_worker() -> None:
     _role = "worker"
 
 
-class PleOffloadLayer(nn.Module, ABC):
+class PleOffloadLayer(CastGuard, ABC):
     """Base class of per-layer-embedding layers that can live in a CPU offload process.
 
     Subclasses write ``__init__`` (building their tables) and :meth:`forward_impl`. Model code
@@ -135,6 +137,30 @@ class PleOffloadLayer(nn.Module, ABC):
                 else f"{type(input_ids).__name__} {reprlib.repr(input_ids)}"
             )
             raise ValueError(f"{type(self).__name__}: input_ids must be a 1-D tensor of token ids, got {shown}")
+
+    def before_apply(self, fn) -> None:
+        # Served rows have the dtype the offload process makes them in (an armed layer's output
+        # buffer) or the host table's (a gathering layer): a cast would reach the buffer but not
+        # the bytes copied into it (a bf16 row read as fp16, silently) or would leave the rows in
+        # their dtype. An armed layer's buffer also stays on the device its flags were made for.
+        if self.ple_name is not None:
+            held, what = self.ple_out, "the offload process makes its rows in"
+        elif self.ple_gathers:
+            held, what = self.ple_host_table.view(self.ple_dtype), "its host table holds"
+        else:
+            return
+        probe = fn(torch.empty(0, dtype=held.dtype, device=held.device))
+        if probe.dtype != held.dtype:
+            change = f"cast to {probe.dtype}"
+        elif self.ple_name is not None and probe.device != held.device:
+            change = f"moved to {probe.device}"
+        else:
+            return
+        raise ValueError(
+            f"{type(self).__name__}: its rows are {held.dtype} on {held.device}, which {what}, so the model "
+            f"cannot be {change} once they are attached (the modules before this one may be already): cast "
+            "and move the model in its factory, before the runtime or gather_from_host takes it"
+        )
 
     def release_offloaded(self) -> None:
         """Enqueue the reset of this layer's flag (after every reader of its rows)."""

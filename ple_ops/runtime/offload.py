@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -67,9 +69,14 @@ class OffloadRuntime:
     start_timeout : float
         Seconds (> 0) the offload process may take to build the model and attach.
     worker_threads : int
-        Intra-op threads of the offload process (>= 1). One by default: a step's rows are a few
-        KiB of lookups, too little for a thread pool to pay off, and an idle pool may spin
-        between steps on cores this process's launching thread needs.
+        Intra-op threads of the offload process, 1 to the CPUs this process may use. One by
+        default: a step's rows are a few KiB of lookups, too little for a thread pool to pay
+        off, and an idle pool may spin between steps on cores this process's launching thread needs.
+
+    A runtime closes when it is closed (:meth:`close`, or the end of a ``with`` block), dropped
+    (collected: its process, watchdog and layer names go with it) or at exit. The layer names
+    are armed once per process: a second runtime for the same model fails to start while the
+    first is open.
 
     Raises
     ------
@@ -108,6 +115,11 @@ class OffloadRuntime:
             )
         max_tokens = positive_int("OffloadRuntime", "max_tokens", max_tokens)
         worker_threads = positive_int("OffloadRuntime", "worker_threads", worker_threads)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if worker_threads > cpus:  # more threads than CPUs only contend (and too many exhaust the OS)
+            raise ValueError(
+                f"OffloadRuntime: worker_threads {worker_threads} is more than the {cpus} CPUs this process may use"
+            )
         step_timeout = arguments.seconds("OffloadRuntime", "step_timeout", step_timeout)
         start_timeout = arguments.seconds("OffloadRuntime", "start_timeout", start_timeout)
         self.device = arguments.device("OffloadRuntime", device)
@@ -131,6 +143,9 @@ class OffloadRuntime:
         # Public so that tests can stop it and see what the runtime notices without it.
         self.watchdog = Watchdog(self._process)
         self.watchdog.start()
+        # A runtime dropped without close() closes when it is collected (or at exit): its process,
+        # watchdog and layer names would otherwise live on, and a new runtime could not arm them.
+        self._closer = weakref.finalize(self, _close, self._process, self._transaction, self.watchdog, self.device)
 
     @property
     def on_gpu(self) -> bool:
@@ -167,7 +182,9 @@ class OffloadRuntime:
         Parameters
         ----------
         input_ids : Tensor
-            1-D, integer dtype, 1..``max_tokens`` ids; the forward must have as many tokens.
+            1-D, integer dtype, 1..``max_tokens`` ids; the forward must have as many tokens, and
+            serves these ids' rows (the offload process computed them): the ids the forward is
+            given set only the count.
 
         Raises
         ------
@@ -239,24 +256,29 @@ class OffloadRuntime:
         the device is synchronized, so that pulls already enqueued read their rows before the
         slots are poisoned for good. Every later call raises :class:`OffloadError`.
         """
-        if not self._process.begin_close():
-            return
-        try:
-            self._process.stop()
-            if self._transaction.on_gpu:
-                # The watchdog keeps freeing streams that wait on a flag meanwhile.
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize(self.device)
-        finally:
-            self.watchdog.stop(1.0)
-            self._process.disarm()
-            self._transaction.abandon()
+        self._closer()
 
     def __enter__(self) -> "OffloadRuntime":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close(process: WorkerProcess, transaction: StepTransaction, watchdog: Watchdog, device: torch.device) -> None:
+    """:meth:`OffloadRuntime.close`, holding no reference to the runtime (its finalizer calls it)."""
+    if not process.begin_close():
+        return
+    try:
+        process.stop()
+        if transaction.on_gpu:
+            # The watchdog keeps freeing streams that wait on a flag meanwhile.
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(device)
+    finally:
+        watchdog.stop(1.0)
+        process.disarm()
+        transaction.abandon()
 
 
 __all__ = ["OffloadRuntime", "OffloadError"]

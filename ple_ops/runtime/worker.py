@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -31,6 +32,9 @@ _SPIN = 5e-3
 # kernel closes a dying process's files first): far longer than that gap ever is.
 _REPARENT_S = 1.0
 _TRACEBACK_CHARS = 16000  # a failed step's traceback on the pipe: its tail, where the error is
+_ORPHAN_POLL_S = 0.2  # how often the orphan watch looks for its parent
+# Held by whoever says that the GPU process died: the line is written once.
+_said_gone = threading.Lock()
 
 
 class StopServing(Exception):
@@ -132,6 +136,9 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
     # between steps on the cores the GPU process's launching thread needs.
     torch.set_num_threads(threads)
     gone = f"offload worker: the GPU process (pid {parent_pid}) died; exiting"
+    threading.Thread(
+        target=_exit_when_orphaned, args=(parent_pid, tag, gone), name="ple-offload-orphan-watch", daemon=True
+    ).start()
     try:
         control, layers = handshake(model_factory, conn)
 
@@ -148,7 +155,7 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
         if isinstance(error, ParentDied) or parent_gone(parent_pid, broke):
             # Nobody reads the pipe any more: a traceback there (or of the failed send) tells no
             # one anything, so one line on stderr, then a non-zero exit.
-            print(gone, file=sys.stderr, flush=True)
+            _say_gone(gone)
             sys.exit(1)
         try:
             conn.send(WorkerFailed(traceback.format_exc()))
@@ -159,6 +166,26 @@ def worker_main(model_factory: Callable[[], nn.Module], conn, parent_pid: int, t
             # Killed before start-up ended, the GPU process could not remove the files it made
             # for this process: nobody else knows their names.
             remove_files_of(parent_pid, tag)
+
+
+def _say_gone(gone: str) -> bool:
+    """Write the line that says the GPU process died, once per process; whether this call did."""
+    if not _said_gone.acquire(blocking=False):
+        return False
+    print(gone, file=sys.stderr, flush=True)
+    return True
+
+
+def _exit_when_orphaned(parent_pid: int, tag: str, gone: str) -> None:
+    """On a thread of its own: end this process once the GPU process is gone, whatever the main
+    thread is doing. The main thread notices only between steps and while it waits, so a model
+    still being built or a ``forward_impl`` that runs long (or never returns) would otherwise
+    outlive its parent, holding its files."""
+    while os.getppid() == parent_pid:
+        time.sleep(_ORPHAN_POLL_S)
+    remove_files_of(parent_pid, tag)
+    if _say_gone(gone):
+        os._exit(1)  # the main thread may be anywhere (inside forward_impl): no clean-up to wait for
 
 
 def parent_gone(parent_pid: int, pipe_broke: bool) -> bool:

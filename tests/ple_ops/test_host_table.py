@@ -57,6 +57,17 @@ def test_a_table_held_in_a_buffer_keeps_its_place_in_the_state_dict_persistent_o
         assert list(model.state_dict()) == want[id(model)]
 
 
+def test_a_cast_of_a_gathered_model_is_refused_where_the_rows_would_keep_their_dtype():
+    for cast in (torch.nn.Module.half, lambda m: m.to(torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"LookupPle: its rows are torch.float32 on cpu, .* cannot be cast to"):
+            cast(ple_ops.gather_from_host(make_lookup_model(), "cpu"))
+    model = ple_ops.gather_from_host(make_lookup_model(), "cpu").to("cpu")  # a move passes
+    gen = torch.Generator().manual_seed(47)
+    ids, hidden = torch.randint(0, VOCAB, (5,), generator=gen), torch.randn(5, DIM, generator=gen)
+    want = make_lookup_model()(hidden, ids)
+    assert torch.equal(want.view(torch.uint8), model(hidden, ids).view(torch.uint8))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
 def test_a_cuda_device_without_cuda_is_a_value_error_before_any_table_moves(device):

@@ -22,6 +22,7 @@ from ple_models import (
     VOCAB,
     WIDE,
     make_bf16_lookup_model,
+    make_bf16_model,
     make_failing_model,
     make_lookup_model,
     make_model,
@@ -707,6 +708,106 @@ def test_when_its_parent_is_killed_the_worker_says_so_in_one_line_and_exits(tmp_
     assert stderr.splitlines() == [f"offload worker: the GPU process (pid {parent.pid}) died; exiting"], stderr[-3000:]
     status = Path(f"/proc/{worker_pid}/status")
     assert not status.exists() or "zombie" in status.read_text(), "the worker outlived its parent"
+
+
+def test_a_runtime_dropped_without_close_stops_its_process_and_frees_its_names_for_the_next():
+    gen = torch.Generator().manual_seed(15)
+    local = make_model()
+    runtime = ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu")
+    process = runtime.process
+    del runtime  # as a notebook that runs its cell again, after `del`
+    process.join(30)
+    assert not process.is_alive() and ple_ops.armed_names() == []
+    with ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu") as runtime:
+        served_step(runtime, local, *random_step(gen, 5))
+
+
+def test_a_cast_of_the_served_model_is_refused_and_the_rows_stay_right():
+    # A bf16 row copied into a buffer cast to fp16 (the same bytes per row) read wrong, silently.
+    gen = torch.Generator().manual_seed(16)
+    local = make_bf16_model()
+    with ple_ops.OffloadRuntime(make_bf16_model, max_tokens=8, device="cpu") as runtime:
+        for cast in (torch.nn.Module.half, torch.nn.Module.float, lambda m: m.to(torch.float16)):
+            with pytest.raises(ValueError, match=r"TablePle: its rows are torch.bfloat16 on cpu, .* cannot be cast to"):
+                cast(runtime.model)
+        runtime.model.to("cpu", torch.bfloat16)  # neither a cast nor a move: passes
+        ids, hidden = random_step(gen, 6)
+        runtime.prepare(ids)
+        for block, want in zip(runtime.model.blocks, local.blocks):
+            got = block.ple(hidden.to(torch.bfloat16), ids)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got.view(torch.int16), want.ple(hidden.to(torch.bfloat16), ids).view(torch.int16))
+        runtime.release()
+
+
+def test_more_worker_threads_than_cpus_is_a_value_error_before_anything_starts():
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    children = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=rf"worker_threads {cpus + 1} is more than the {cpus} CPUs"):
+        ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu", worker_threads=cpus + 1)
+    assert set(multiprocessing.active_children()) == children and ple_ops.armed_names() == []
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm here")
+def test_a_worker_inside_a_long_forward_exits_soon_after_its_parent_is_killed(tmp_path):
+    # The worker's main thread is inside forward_impl (for a minute) when the GPU process dies:
+    # it must not live on until that returns, holding its files.
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+
+            import torch
+
+            import ple_ops
+
+
+            class SlowPle(ple_ops.PleOffloadLayer):
+                def __init__(self):
+                    super().__init__()
+                    self.table = torch.nn.Embedding(16, 8)
+
+                def forward_impl(self, input_ids):
+                    if input_ids.shape[0] > 1:  # not the handshake's probe
+                        time.sleep(120)
+                    return self.table(input_ids)
+
+
+            class Model(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.ple = SlowPle()
+
+
+            if __name__ == "__main__":
+                runtime = ple_ops.OffloadRuntime(Model, max_tokens=4, device="cpu", start_timeout=120)
+                runtime.prepare(torch.tensor([1, 2, 3]))
+                print(runtime.process.pid, flush=True)
+                time.sleep(300)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    before = set(os.listdir(SHM))
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        worker_pid = int(parent.stdout.readline())
+        time.sleep(1)  # the worker is in its forward now
+        os.kill(parent.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = parent.communicate(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    status = Path(f"/proc/{worker_pid}/status")
+    while status.exists() and "zombie" not in status.read_text() and time.monotonic() - killed < 30:
+        time.sleep(0.1)
+    assert time.monotonic() - killed < 10, "the worker outlived its parent by 10 s"
+    assert stderr.splitlines()[-1] == f"offload worker: the GPU process (pid {parent.pid}) died; exiting"
+    assert set(os.listdir(SHM)) <= before
 
 
 def test_the_worker_never_imports_the_runtime():
