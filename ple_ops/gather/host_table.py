@@ -61,12 +61,19 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
         raise ValueError(f"gather_from_host: device must be a CUDA device or 'cpu', got {device!r}")
     # Every layer is checked before the first table moves: a refusal leaves the model as it was.
     tables = [_checked_table(name, layer) for name, layer in ple_layers(model)]
-    for layer, table, owner in tables:
-        saved = owner in layer.state_dict(keep_vars=True)  # a parameter or persistent buffer
-        rows = pin_rows(table, device)
-        delattr(layer, owner)  # the only copy left is the page-locked one
+    pinned: dict[int, torch.Tensor] = {}  # a table tied between layers is pinned once, and stays tied
+    # Which tables the state_dict holds (a parameter or persistent buffer), before any goes.
+    saved = [owner in layer.state_dict(keep_vars=True) for layer, _, owner in tables]
+    for (layer, table, owner), kept in zip(tables, saved, strict=True):
+        rows = pinned.get(id(table))
+        if rows is None:
+            rows = pinned[id(table)] = pin_rows(table, device)
+        holder, _, leaf = owner.rpartition(".")
+        holder = layer.get_submodule(holder)
+        if hasattr(holder, leaf):  # gone already where two layers share the module that held it
+            delattr(holder, leaf)  # the only copy left is the page-locked one
         layer.attach_host_table(rows, table.dtype)
-        if saved:  # the state_dict keeps it under its old name, as before
+        if kept:  # the state_dict keeps it under its old name, as before
             TableInStateDict(owner, "ple_host_table", table.dtype).attach(layer)
     return model.to(device)
 
@@ -92,9 +99,13 @@ def _checked_table(name: str, layer: PleOffloadLayer) -> tuple[PleOffloadLayer, 
         shown = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
         raise ValueError(f"gather_from_host: {name!r}'s table must be contiguous [vocab, dim], got {shown}")
     check_pinnable("gather_from_host", f"the table of layer {name!r}", table)
-    owners = [n for n, t in (*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)) if t is table]
+    # Its own or a submodule's (an nn.Embedding's weight, say): the name the state_dict knows it by.
+    owners = [n for n, t in (*layer.named_parameters(), *layer.named_buffers()) if t is table]
     if not owners:
-        raise ValueError(f"gather_from_host: {name!r}'s lookup_table() must be one of its own parameters or buffers")
+        raise ValueError(
+            f"gather_from_host: {name!r}'s lookup_table() must be a parameter or buffer of the layer or of "
+            "one of its submodules (as self.table.weight of an nn.Embedding), not a tensor made on the fly"
+        )
     return layer, table, owners[0]
 
 

@@ -68,6 +68,39 @@ def test_a_cast_of_a_gathered_model_is_refused_where_the_rows_would_keep_their_d
     assert torch.equal(want.view(torch.uint8), model(hidden, ids).view(torch.uint8))
 
 
+class EmbeddingPle(ple_ops.PleOffloadLayer):
+    """PleOffloadLayer's own example: an nn.Embedding in the layer, its weight the table."""
+
+    def __init__(self, table=None):
+        super().__init__()
+        self.table = table if table is not None else torch.nn.Embedding(VOCAB, DIM)
+
+    def forward_impl(self, input_ids):
+        return self.table(input_ids)
+
+    def lookup_table(self):
+        return self.table.weight
+
+
+def test_a_submodules_table_is_gathered_and_a_table_tied_between_layers_is_pinned_once_and_stays_tied():
+    torch.manual_seed(48)
+    shared = torch.nn.Embedding(VOCAB, DIM)
+    model = torch.nn.ModuleDict({"a": EmbeddingPle(shared), "b": EmbeddingPle(shared), "c": EmbeddingPle()})
+    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(49))
+    with torch.no_grad():
+        want = {k: layer.forward_impl(ids) for k, layer in model.items()}
+    keys = list(model.state_dict())
+    ple_ops.gather_from_host(model, "cpu")
+    for k, layer in model.items():
+        assert torch.equal(want[k], layer(torch.zeros(7, DIM), ids)) and not list(layer.parameters())
+    assert model["a"].ple_host_table.data_ptr() == model["b"].ple_host_table.data_ptr()
+    assert model["c"].ple_host_table.data_ptr() != model["a"].ple_host_table.data_ptr()
+    assert list(model.state_dict()) == keys  # "a.table.weight", as the stock model saves it
+    new = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(50))
+    model.load_state_dict({**model.state_dict(), "a.table.weight": new})
+    assert torch.equal(model["b"](torch.zeros(7, DIM), ids), new[ids])  # the tie holds
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
 def test_a_cuda_device_without_cuda_is_a_value_error_before_any_table_moves(device):
