@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .cuda.arguments import byte_regions, positive_int
+from .cuda.arguments import byte_regions, index, positive_int, shown, text
 from .cuda.host_memory import bytes_at
 
 
@@ -66,18 +66,26 @@ class KVCacheTensorSpec:
     offset: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "layers", tuple(self.layers))
+        owner = "KVCacheTensorSpec"
+        # A str is a sequence too: "abc" would be read as three layers named by its letters.
+        if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
+            raise ValueError(f"{owner}: layers must be a list of layer names (str), got {shown(self.layers)}")
+        layers = tuple(self.layers)
+        for i, name in enumerate(layers):
+            text(owner, f"layers[{i}]", name)
+        # By the shared rules: True or 4096.5 bytes is a slip that would fail later, far from here.
+        # Stored as plain ints, so that a numpy integer does not reach the byte arithmetic.
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "block_stride", positive_int(owner, "block_stride", self.block_stride))
+        object.__setattr__(self, "layer_stride", index(owner, "layer_stride", self.layer_stride))
+        object.__setattr__(self, "offset", index(owner, "offset", self.offset))
         if not self.layers or len(set(self.layers)) != len(self.layers):
             raise ValueError(f"KVCacheTensorSpec: layers must be non-empty and distinct, got {self.layers}")
-        if self.block_stride <= 0:
-            raise ValueError(f"KVCacheTensorSpec for {self.layers[0]!r}: block_stride {self.block_stride} must be > 0")
-        if self.layer_stride < 0 or (self.layer_stride == 0 and len(self.layers) > 1):
+        if self.layer_stride == 0 and len(self.layers) > 1:
             raise ValueError(
                 f"KVCacheTensorSpec for {self.layers[0]!r}: layer_stride {self.layer_stride} must be > 0 "
                 "when several layers share the allocation"
             )
-        if self.offset < 0:
-            raise ValueError(f"KVCacheTensorSpec for {self.layers[0]!r}: offset {self.offset} must be >= 0")
 
 
 @dataclass(frozen=True)

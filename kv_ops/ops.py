@@ -83,16 +83,18 @@ def _refuse_types(op: str, **sides) -> None:
 
 
 def _refuse_mixed(op: str, src, dst) -> None:
-    """A ``ValueError`` when one side is a mapping of regions and the other a list or tuple: a
-    list has no names to pair by, and by position a mapping built in another order would pair
-    the wrong regions, unnoticed where their block sizes agree. (Any other side is left to
-    :func:`_refuse_types`.)"""
+    """Called when exactly one side is a mapping of regions. A ``ValueError`` when the other is a
+    list or tuple: a list has no names to pair by, and by position a mapping built in another
+    order would pair the wrong regions, unnoticed where their block sizes agree. Any other side
+    (a single tensor, None) is :func:`_refuse_types`'s error, raised here: pairing by name would
+    otherwise take ``set()`` of it, which iterates a tensor's rows and fails comparing them."""
     for named, listed, other in (("src", "dst", dst), ("dst", "src", src)):
         if isinstance(other, (list, tuple)):
             raise ValueError(
                 f"{op}: {named} is a mapping of regions but {listed} is a {type(other).__name__}, which has no "
                 "names to pair them by; pass two mappings (paired by name) or two lists (paired by position)"
             )
+    _refuse_types(op, src=src, dst=dst)  # always raises: one side is neither a mapping nor a list
 
 
 class _RegionSet:

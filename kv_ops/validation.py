@@ -76,7 +76,10 @@ def error_counter(device: torch.device | str | int | None = None) -> torch.Tenso
     (any op's warm-up does) before capturing a graph; creating it during capture would record
     its zero-fill into the graph.
     """
-    counter = _counters.get(device)  # a device seen before, as the ops pass it on every call
+    try:
+        counter = _counters.get(device)  # a device seen before, as the ops pass it on every call
+    except TypeError:  # unhashable (a list): no device; the rule below names it
+        counter = None
     if counter is not None:
         return counter
     return _counter("kv_ops.error_counter", device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numbers
 import os
+import reprlib
+import sys
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -37,13 +39,38 @@ def text(owner: str, what: str, value) -> str:
     return value
 
 
+def flag(owner: str, what: str, value) -> bool:
+    """``value`` as a ``bool`` when it is ``True`` or ``False`` (numpy's too), else a ``ValueError``
+    naming all three: ``"no"`` or ``1`` would otherwise be read by truthiness, ``"no"`` as True."""
+    # A numpy bool exists only once numpy is imported: this floor needs only torch, so it does not import it.
+    numpy = sys.modules.get("numpy")
+    if not isinstance(value, bool) and not (numpy is not None and isinstance(value, numpy.bool_)):
+        raise ValueError(f"{owner}: {what} must be True or False, got {shown(value)}")
+    return bool(value)
+
+
+def shown(value) -> str:
+    """``value`` as an error message names it: a tensor by its shape, a collection by its type and
+    length, anything else by a repr cut short. Never a tensor's values: a KV cache's repr is
+    thousands of numbers, and on a GPU printing them syncs the device."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple, Mapping, set, frozenset)):
+        return f"{type(value).__name__} with {len(value)} entr{'y' if len(value) == 1 else 'ies'}"
+    return reprlib.repr(value)
+
+
 def tensor_list(owner: str, what: str, value) -> list[torch.Tensor]:
     """``value`` as a list when it is a list or tuple of tensors, else a ``ValueError``: a single
-    tensor is refused, which ``list()`` would split into its rows."""
-    if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
-        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-        raise ValueError(f"{owner}: {what} must be a list of tensors, got {shown}")
-    return list(value)
+    tensor is refused, which ``list()`` would split into its rows, and so is a mapping (its
+    values are the list meant)."""
+    if isinstance(value, (list, tuple)):
+        for i, t in enumerate(value):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{owner}: {what} must be a list of tensors, got {what}[{i}] = {shown(t)}")
+        return list(value)
+    hint = f"; pass its tensors, list({what}.values())" if isinstance(value, Mapping) else ""
+    raise ValueError(f"{owner}: {what} must be a list of tensors, got {shown(value)}{hint}")
 
 
 def device(owner: str, value, what: str = "device") -> torch.device:
@@ -139,8 +166,7 @@ def byte_regions(owner: str, what: str, value) -> list[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         entries = [(f"{what}[{i}]", t) for i, t in enumerate(value)]
     else:
-        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-        raise ValueError(f"{owner}: {what} must be a list or mapping of uint8 regions, got {shown}")
+        raise ValueError(f"{owner}: {what} must be a list or mapping of uint8 regions, got {shown(value)}")
     if not entries:
         raise ValueError(f"{owner}: {what} must hold at least one region, got {value!r}")
     for name, t in entries:
@@ -178,6 +204,8 @@ __all__ = [
     "positive_int",
     "index",
     "text",
+    "flag",
+    "shown",
     "tensor_list",
     "device",
     "cuda_device",

@@ -12,7 +12,7 @@ import numbers
 import os
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -423,11 +423,21 @@ def device_view(host: torch.Tensor, device: torch.device | str | int | None = No
     torch.Tensor
         Same shape and dtype as ``host``, on ``device``. It keeps ``host`` alive.
 
+    Raises
+    ------
+    ValueError
+        ``host`` is not one contiguous CPU tensor (a mapping or list of them: call it per tensor),
+        or ``device`` is not a CUDA device of this machine.
+
     Examples
     --------
     >>> host = kv_ops.pinned_empty((1024, 4096))
     >>> view = kv_ops.device_view(host)       # torch.device("cuda:0"), bytes live in host RAM
     """
+    if not isinstance(host, torch.Tensor):
+        # A mapping or list of host regions is the likely slip: one view per tensor is what aliases them.
+        per_tensor = "; call it once per tensor" if isinstance(host, (Mapping, list, tuple)) else ""
+        raise ValueError(f"device_view takes one tensor (host), got {arguments.shown(host)}{per_tensor}")
     if host.device.type != "cpu" or not host.is_contiguous():
         raise ValueError(f"device_view needs a contiguous CPU tensor, got {host.device} stride {host.stride()}")
     device = cuda_device("device_view", device)

@@ -14,14 +14,18 @@ import secrets
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from ..cuda.arguments import file_name_part, positive_int
+from ..cuda.arguments import file_name_part, flag, path, positive_int, shown
 from ..validation import check_ids_meta, check_ids_values
 
 # O_DIRECT needs the buffer address, the file offset and the length aligned to the device's
 # logical block size; 4 KiB covers every common device, and pages are 4 KiB anyway.
 ALIGN = 4096
+
+# What read() and write() take as slots: what torch.as_tensor reads as 1-D ids (checked there).
+SLOTS = (Sequence, torch.Tensor, np.ndarray)
 
 
 def aligned(n: int, to: int = ALIGN) -> int:
@@ -118,7 +122,7 @@ class BlockFile:
 
     Parameters
     ----------
-    directory : str
+    directory : str or os.PathLike
         The file system the file goes on.
     tag : str
         Names this rank's or device's file in error messages (``"rank0"``, ``"cuda1"``, ...) and
@@ -131,6 +135,11 @@ class BlockFile:
     page_cache : bool
         Use buffered I/O instead of ``O_DIRECT``.
 
+    Each argument is checked by the rule :class:`kv_ops.OffloadEngine` checks its own by
+    (``disk_dir``, ``disk_tag``, ``page_cache``), before any file is made: anything else is a
+    ``ValueError`` naming it. So are ``slots`` that are not a list, tensor or array of slot
+    indices, and a ``src`` or ``dst`` that is not a fitting tensor, before any byte moves.
+
     Examples
     --------
     >>> f = BlockFile("/mnt/nvme", "rank0", slot_bytes=kv_ops.block_bytes(regions), num_slots=4096)
@@ -139,9 +148,12 @@ class BlockFile:
     """
 
     def __init__(self, directory: str, tag: str, slot_bytes: int, num_slots: int, page_cache: bool = False):
+        # The rules OffloadEngine checks its own disk_dir, disk_tag and page_cache by.
+        directory = path("BlockFile", "directory", directory)
+        file_name_part("BlockFile", "tag", tag)  # the fallback's short-lived name holds it
         slot_bytes = positive_int("BlockFile", "slot_bytes", slot_bytes)
         num_slots = positive_int("BlockFile", "num_slots", num_slots)
-        file_name_part("BlockFile", "tag", tag)  # the fallback's short-lived name holds it
+        page_cache = flag("BlockFile", "page_cache", page_cache)  # "no" would read as True: buffered I/O
         self.fd: int | None = None
         self.directory = directory
         # What error messages call the file; it has no name on disk.
@@ -192,16 +204,24 @@ class BlockFile:
             self.close()
             raise
 
-    def _check(self, slots: Sequence[int], buf: torch.Tensor) -> None:
+    def _check(self, slots: Sequence[int], buf: torch.Tensor, name: str) -> None:
         if self.fd is None:
             raise ValueError(f"BlockFile: {self.label} is closed")
+        # Two isinstance calls per transfer: None or a str would otherwise fail inside len() or
+        # torch with a TypeError that names neither the argument nor the file.
+        if not isinstance(slots, SLOTS) or isinstance(slots, (str, bytes)):
+            raise ValueError(f"BlockFile: slots must be a list, tensor or array of slot indices, got {shown(slots)}")
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(
+                f"BlockFile: {name} must be a CPU uint8 [n, {self.slot_stride}] tensor, got {type(buf).__name__}"
+            )
         if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.slot_stride:
             raise ValueError(
-                f"BlockFile: buffer must be a CPU uint8 [n, {self.slot_stride}] tensor, got {buf.device} {buf.dtype} "
+                f"BlockFile: {name} must be a CPU uint8 [n, {self.slot_stride}] tensor, got {buf.device} {buf.dtype} "
                 f"{tuple(buf.shape)}"
             )
         if not buf.is_contiguous() or len(slots) > buf.shape[0]:
-            raise ValueError(f"BlockFile: buffer must be contiguous with at least {len(slots)} rows")
+            raise ValueError(f"BlockFile: {name} must be contiguous with at least {len(slots)} rows")
         if self.direct and buf.data_ptr() % ALIGN:
             raise ValueError(f"BlockFile: O_DIRECT needs a {ALIGN}-byte aligned buffer (kv_ops.pinned_empty gives one)")
         if len(slots):
@@ -210,7 +230,7 @@ class BlockFile:
             check_ids_values("BlockFile", "slots", ids, self.num_slots)
 
     def _io(self, write: bool, slots: Sequence[int], buf: torch.Tensor) -> None:
-        self._check(slots, buf)
+        self._check(slots, buf, "src" if write else "dst")
         stride = self.slot_stride
         what = "write" if write else "read"
         for row, slot, count in slot_runs(slots):

@@ -125,7 +125,22 @@ class AllRanks:
 
     def add(self, reports: Sequence[Completed]) -> Completed:
         """Count reports (each rank reports a transfer once, as ``poll`` does); return what is now
-        done on every rank, sorted."""
+        done on every rank, sorted.
+
+        ``reports`` is a list of one :class:`Completed` per rank (what :meth:`gather` all-gathers),
+        else a ``ValueError``, before anything is counted: a report counted twice, or a rank's
+        missing, would declare a transfer done that some rank is still running.
+        """
+        # One len and one isinstance per rank: a step's cost next to its poll.
+        if (
+            not isinstance(reports, (list, tuple))
+            or len(reports) != self.world_size
+            or not all(isinstance(report, Completed) for report in reports)
+        ):
+            raise ValueError(
+                f"AllRanks.add: reports must be a list of one kv_ops.Completed per rank ({self.world_size}), "
+                f"got {_described(reports)}"
+            )
         out = Completed()
         for report in reports:
             out.failed.update(report.failed)  # failed on any rank: failed
@@ -147,6 +162,14 @@ class AllRanks:
         reports: list[Completed | None] = [None] * self.world_size
         dist.all_gather_object(reports, local, group=group)
         return self.add(reports)
+
+
+def _described(reports) -> str:
+    """What :meth:`AllRanks.add` was handed, for its error: the list's length and entry types."""
+    if not isinstance(reports, (list, tuple)):
+        return type(reports).__name__
+    kinds = ", ".join(sorted({type(report).__name__ for report in reports}))
+    return f"{type(reports).__name__} of {len(reports)} ({kinds})" if reports else f"an empty {type(reports).__name__}"
 
 
 __all__ = ["Completed", "Lane", "collect", "pending_event", "order_after", "AllRanks"]

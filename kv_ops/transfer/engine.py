@@ -82,7 +82,7 @@ class OffloadEngine:
         ``self.path`` is ``"disk"``), counted in ``path_counts["disk"]``. See
         :class:`kv_ops.transfer.block_file.BlockFile`, :class:`DiskTier` and :class:`DiskPath`.
     disk_tag : str, optional
-        Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default.
+        Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default. Only with ``disk_dir``.
     page_cache : bool
         Buffered file I/O instead of ``O_DIRECT``.
     staging_slots, staging_blocks : int
@@ -132,8 +132,8 @@ class OffloadEngine:
         is not a non-empty mapping of non-empty lists of regions, or given with ``disk_dir``; a
         ``host_buffer`` that is not a contiguous CPU uint8 tensor large enough for the mirror; a
         ``disk_dir`` that is empty, missing or not a directory, a ``disk_tag`` that is not a
-        non-empty string fit for a file name (no ``/``, no NUL), a ``crossover_file`` that is
-        a directory or in no directory that exists, or a ``capacity_bytes`` whose
+        non-empty string fit for a file name (no ``/``, no NUL) or given without ``disk_dir``, a
+        ``crossover_file`` that is a directory or in no directory that exists, or a ``capacity_bytes`` whose
         file the disk cannot hold (out of space, too large a file, over quota); ``disk_dir`` or
         ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.
 
@@ -448,6 +448,7 @@ class OffloadEngine:
                 lane.clear()
 
     def __enter__(self) -> "OffloadEngine":
+        self.check_open("OffloadEngine.__enter__")  # a closed engine would fail at its first call inside
         return self
 
     def __exit__(self, *exc) -> None:

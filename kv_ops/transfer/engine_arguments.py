@@ -6,10 +6,9 @@ import contextlib
 import errno
 import os
 
-import numpy as np
 import torch
 
-from ..cuda.arguments import file_name_part, path, positive_int
+from ..cuda.arguments import file_name_part, flag, path, positive_int
 from ..cuda.host_memory import check_host_bytes
 from ..geometry import check_kv_caches
 from .block_file import aligned
@@ -45,12 +44,16 @@ def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_c
             path("OffloadEngine", what, value)
     if disk_tag is not None:  # it names the file (the fallback's short-lived name holds it)
         file_name_part("OffloadEngine", "disk_tag", disk_tag)
+        if disk_dir is None:  # no file to name: the caller meant a disk tier and would silently get host memory
+            raise ValueError(
+                f"OffloadEngine: disk_tag {disk_tag!r} names the disk tier's file, but no disk_dir was given; "
+                "pass disk_dir too, or no disk_tag"
+            )
     if disk_dir is not None:
         check_disk_dir(disk_dir)
     if crossover_file is not None:  # before the host memory and auto's measurement, not after
         check_kept_file("OffloadEngine", crossover_file)
-    if not isinstance(page_cache, (bool, np.bool_)):  # "no" would read as True
-        raise ValueError(f"OffloadEngine: page_cache must be True or False, got {page_cache!r}")
+    flag("OffloadEngine", "page_cache", page_cache)
     devices = {t.device for t in kv_caches.values()}
     if len(devices) != 1:
         raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")

@@ -88,6 +88,15 @@ def test_error_counter_takes_its_device_through_the_shared_rule():
         kv_ops.error_counter("tpu:x")
 
 
+@pytest.mark.parametrize("value", [[1], {"cpu": 0}, {1}], ids=["list", "dict", "set"])
+def test_error_counter_refuses_an_unhashable_device_naming_it(value):
+    import kv_ops
+
+    # The fast path looks the device up in a dict first: an unhashable value was a TypeError there.
+    with pytest.raises(ValueError, match=r"^kv_ops.error_counter: device must be a torch.device, a string or a CUDA"):
+        kv_ops.error_counter(value)
+
+
 # --- shapes, dtypes, file name parts and regions ----------------------------------------------------
 
 
@@ -175,6 +184,34 @@ def test_byte_regions_takes_a_list_or_a_mapping_of_uint8_regions_in_order():
 def test_byte_regions_refuses_what_is_not_regions_naming_the_entry(value, message):
     with pytest.raises(ValueError, match=f"^kv_ops.block_bytes: {message}"):
         arguments.byte_regions("kv_ops.block_bytes", "regions", value)
+
+
+def test_tensor_list_names_a_wrong_value_by_its_type_never_by_a_tensors_values():
+    caches = {f"layer{i}": torch.randn(2, 16, 4, 2, 8).bfloat16() for i in range(2)}
+    cases = [
+        (caches, r"got dict with 2 entries; pass its tensors, list\(caches.values\(\)\)$"),
+        ([caches["layer0"], None], r"got caches\[1\] = None$"),
+        ([caches["layer0"], list(caches.values())], r"got caches\[1\] = list with 2 entries$"),
+        (caches["layer0"], r"got a tensor of shape \(2, 16, 4, 2, 8\)$"),
+        (None, "got None$"),
+    ]
+    for value, message in cases:
+        with pytest.raises(ValueError, match=f"^op: caches must be a list of tensors, {message}") as info:
+            arguments.tensor_list("op", "caches", value)
+        assert "tensor(" not in str(info.value)
+    assert arguments.tensor_list("op", "caches", tuple(caches.values())) == list(caches.values())
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), np.bool_(False)], ids=repr)
+def test_flag_takes_python_and_numpy_bools_as_bools(value):
+    got = arguments.flag("op", "page_cache", value)
+    assert type(got) is bool and got == bool(value)
+
+
+@pytest.mark.parametrize("value", ["no", 1, 0, None, np.int64(1), torch.tensor(True)], ids=repr)
+def test_flag_refuses_what_is_not_a_bool_naming_owner_argument_and_value(value):
+    with pytest.raises(ValueError, match=r"^op: page_cache must be True or False, got "):
+        arguments.flag("op", "page_cache", value)
 
 
 @pytest.mark.parametrize("value", [torch.device("meta"), "meta"])

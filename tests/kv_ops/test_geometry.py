@@ -198,15 +198,62 @@ def test_spec_layers_on_different_storages_are_rejected():
     [
         (dict(layers=[], block_stride=8, layer_stride=8), "non-empty"),
         (dict(layers=["a", "a"], block_stride=8, layer_stride=8), "distinct"),
-        (dict(layers=["a"], block_stride=0, layer_stride=8), "block_stride 0"),
+        (dict(layers=["a"], block_stride=0, layer_stride=8), "block_stride must be a positive integer, got 0"),
         (dict(layers=["a", "b"], block_stride=8, layer_stride=0), "layer_stride 0"),
-        (dict(layers=["a"], block_stride=8, layer_stride=8, offset=-1), "offset -1"),
+        (dict(layers=["a"], block_stride=8, layer_stride=-8), "layer_stride must be an integer >= 0, got -8"),
+        (dict(layers=["a"], block_stride=8, layer_stride=8, offset=-1), "offset must be an integer >= 0, got -1"),
     ],
-    ids=["no-layers", "repeated-layer", "zero-block-stride", "zero-layer-stride", "negative-offset"],
+    ids=[
+        "no-layers",
+        "repeated-layer",
+        "zero-block-stride",
+        "zero-layer-stride",
+        "negative-layer-stride",
+        "negative-offset",
+    ],
 )
 def test_spec_rejects_bad_numbers(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KVCacheTensorSpec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((["a"], None, 0), "block_stride must be a positive integer, got None"),
+        ((None, 4096, 0), "layers must be a list of layer names \\(str\\), got None"),
+        ((["a"], True, 0), "block_stride must be a positive integer, got True"),
+        ((["a"], 4096.5, 0), "block_stride must be a positive integer, got 4096.5"),
+        (("abc", 4096, 0), "layers must be a list of layer names \\(str\\), got 'abc'"),
+        ((["a", 7], 64, 8), "layers\\[1\\] must be a non-empty string, got 7"),
+        ((["a"], 4096, 2.0), "layer_stride must be an integer >= 0, got 2.0"),
+        ((["a"], 4096, 0, False), "offset must be an integer >= 0, got False"),
+    ],
+    ids=[
+        "none-stride",
+        "none-layers",
+        "bool-stride",
+        "float-stride",
+        "str-layers",
+        "int-layer",
+        "float-layer-stride",
+        "bool-offset",
+    ],
+)
+def test_spec_refuses_wrong_types_at_construction_naming_the_argument(args, message):
+    # Each was a TypeError, or accepted and failed later (True bytes, half a byte, three layers "a", "b", "c").
+    with pytest.raises(ValueError, match=f"^KVCacheTensorSpec: {message}"):
+        KVCacheTensorSpec(*args)
+
+
+def test_spec_takes_numpy_integers_as_plain_ints_and_resolves_by_them():
+    num_blocks, block_stride = 8, 64
+    raw = random_storage(2 * num_blocks * block_stride)
+    spec = KVCacheTensorSpec(("l0", "l1"), np.int64(block_stride), np.int32(num_blocks * block_stride), np.int64(0))
+    assert (spec.block_stride, spec.layer_stride, spec.offset) == (block_stride, num_blocks * block_stride, 0)
+    assert all(type(v) is int for v in (spec.block_stride, spec.layer_stride, spec.offset))
+    regions = resolve_regions({"l0": raw}, [spec], num_blocks)
+    assert torch.equal(regions["l1"].reshape(-1), raw[num_blocks * block_stride :])
 
 
 # --- infer_regions -------------------------------------------------------------------------------

@@ -132,6 +132,18 @@ def test_device_view_refuses_a_device_that_is_not_cuda_naming_it():
         kv_ops.device_view(host, 1.5)
 
 
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_device_view_of_several_tensors_says_it_takes_one_per_call(kind):
+    host = torch.randint(0, 256, (4, 64), dtype=torch.uint8)
+    value = {"layer0.0": host} if kind == "dict" else [host]
+    with pytest.raises(
+        ValueError, match=rf"^device_view takes one tensor \(host\), got {kind} with 1 entry; call it once per tensor"
+    ):
+        kv_ops.device_view(value)
+    with pytest.raises(ValueError, match=r"^device_view takes one tensor \(host\), got None$"):
+        kv_ops.device_view(None)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_device_view_without_cuda_says_so_before_touching_the_driver():
     with warnings.catch_warnings():

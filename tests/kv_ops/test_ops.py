@@ -117,6 +117,26 @@ def test_a_mapping_and_a_list_are_refused_as_they_cannot_pair_by_name(mapped):
     assert all(torch.equal(dst[n], before[n]) for n in dst)  # refused before any byte moved
 
 
+@pytest.mark.parametrize("mapped", ["src", "dst"])
+@pytest.mark.parametrize("other", ["tensor", "none"])
+def test_a_mapping_and_a_side_that_is_no_list_are_refused_as_any_mistyped_side(mapped, other):
+    gen = torch.Generator().manual_seed(6)
+    named = dict(zip(["k", "v"], make_regions([64, 64], 8, generator=gen)))
+    single = random_bytes((8, 64), generator=gen) if other == "tensor" else None
+    before = {name: r.clone() for name, r in named.items()}
+    kept = None if single is None else single.clone()
+    unnamed = "dst" if mapped == "src" else "src"
+    args = (named, single) if mapped == "src" else (single, named)
+    # Pairing by name took set() of the tensor's rows: "Boolean value of Tensor ... is ambiguous".
+    shown = "Tensor" if other == "tensor" else "NoneType"
+    with pytest.raises(
+        TypeError, match=rf"^kv_ops.copy_blocks: {unnamed} must be a list or mapping of region tensors, got {shown}$"
+    ):
+        kv_ops.copy_blocks(*args, torch.tensor([5]), torch.tensor([0]))
+    assert all(torch.equal(named[n], before[n]) for n in named)  # refused before any byte moved
+    assert single is None or torch.equal(single, kept)
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,57 @@ def test_a_tag_that_cannot_stand_in_a_file_name_is_refused_before_any_file_is_ma
     with pytest.raises(ValueError, match=r"^BlockFile: tag (must be a non-empty string|goes into a file name)"):
         BlockFile(str(tmp_path), tag, 4096, 4, page_cache=True)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((None, "x", 4096, 4), {}, r"directory must be a path \(a non-empty str or os.PathLike\), got None"),
+        ((b"/tmp", "x", 4096, 4), {}, r"directory must be a path \(a non-empty str or os.PathLike\), got b'/tmp'"),
+        (("{tmp}", "x", 4096, 4), {"page_cache": "no"}, "page_cache must be True or False, got 'no'"),
+        (("{tmp}", "x", 4096, 4), {"page_cache": 1}, "page_cache must be True or False, got 1"),
+        (("{tmp}", "x", 4096, 4), {"page_cache": None}, "page_cache must be True or False, got None"),
+    ],
+    ids=["none-directory", "bytes-directory", "string-page-cache", "int-page-cache", "none-page-cache"],
+)
+def test_block_file_checks_its_arguments_by_the_engines_rules_before_any_file_is_made(
+    args, kwargs, message, tmp_path, monkeypatch
+):
+    made = []
+    monkeypatch.setattr(block_file, "open_tmpfile", lambda directory: made.append(directory))
+    args = tuple(str(tmp_path) if a == "{tmp}" else a for a in args)
+    with pytest.raises(ValueError, match=f"^BlockFile: {message}"):
+        BlockFile(*args, **kwargs)
+    assert made == [] and os.listdir(tmp_path) == []
+
+
+def test_a_path_like_directory_is_taken(tmp_path):
+    with BlockFile(tmp_path, "rank0", 4096, 2, page_cache=True) as f:
+        src = staging(2, 4096, 7)
+        f.write([1, 0], src)
+        back = staging(2, 4096, 8)
+        f.read([1, 0], back)
+        assert torch.equal(back, src) and f.directory == str(tmp_path)
+
+
+def test_slots_and_buffers_of_the_wrong_type_are_refused_naming_them_before_any_io(tmp_path):
+    with BlockFile(str(tmp_path), "rank0", 4096, 4, page_cache=True) as f:
+        src = staging(2, 4096, 9)
+        f.write([0, 1], src)
+        for slots in (None, "ab", 3, {0: 1}):
+            with pytest.raises(ValueError, match=r"^BlockFile: slots must be a list, tensor or array of slot indices"):
+                f.write(slots, staging(2, 4096, 10))
+        with pytest.raises(ValueError, match=r"^BlockFile: src must be a CPU uint8 \[n, 4096\] tensor, got NoneType"):
+            f.write([0], None)
+        with pytest.raises(ValueError, match=r"^BlockFile: dst must be a CPU uint8 \[n, 4096\] tensor, got list"):
+            f.read([0], [[0] * 4096])
+        back = staging(2, 4096, 11)
+        f.read([0, 1], back)
+        assert torch.equal(back, src)  # nothing refused reached the file
+        for slots in (torch.tensor([1, 0]), range(1, -1, -1), np.array([1, 0], dtype=np.int32)):  # still taken
+            back = staging(2, 4096, 12)
+            f.read(slots, back)
+            assert torch.equal(back, src.flip(0))
 
 
 def test_bad_slots_and_buffers_are_rejected_before_any_io(tmp_path):

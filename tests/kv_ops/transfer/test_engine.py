@@ -428,6 +428,17 @@ def test_a_disk_tag_that_cannot_name_a_file_is_refused_before_any_file_is_made(t
         assert any("kv_offload.rank3." in str(p) for p in opened) and os.listdir(tmp_path) == []
 
 
+def test_a_disk_tag_without_disk_dir_is_refused_as_it_names_no_file(monkeypatch):
+    made = []
+    monkeypatch.setattr(kv_ops.transfer.engine, "host_blocks", lambda *a: made.append(a))
+    kv = {f"layer{i}": torch.randn(2, 16, 4, 2, 8).bfloat16() for i in range(2)}
+    with pytest.raises(
+        ValueError, match=r"^OffloadEngine: disk_tag 'x' names the disk tier's file, but no disk_dir was given"
+    ):
+        kv_ops.OffloadEngine(kv, 16, capacity_bytes=64 << 10, disk_tag="x")
+    assert made == []  # refused before the mirror was sized, let alone allocated
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EDQUOT], ids=["ENOSPC", "EFBIG", "EDQUOT"])
 @pytest.mark.parametrize("tmpfile", [True, False], ids=["o_tmpfile", "create-then-unlink"])
 def test_a_capacity_the_disk_cannot_hold_is_refused_naming_capacity_bytes_and_disk_dir(
@@ -619,6 +630,34 @@ def test_all_ranks_reports_a_transfer_once_every_rank_has_finished_it():
     assert combined.add([C([], []), C([1], [5]), C([0], [])]) == C([0], [5])
     assert combined.add([C([], []), C([], []), C([1], [])]) == C([1], [])
     assert combined.add([C([2], [2]), C([2], [2]), C([2], [])]) == C([2], [])  # load 2: one rank short
+
+
+@pytest.mark.parametrize(
+    "reports, got",
+    [
+        (None, "NoneType"),
+        ([None, None], r"list of 2 \(NoneType\)"),
+        ("C", "Completed"),  # one report, not in a list
+        (["C", "C", "C"], r"list of 3 \(Completed\)"),  # three reports for two ranks
+        (["C"], r"list of 1 \(Completed\)"),
+        ([], "an empty list"),
+        (["C", {"stores": [1]}], r"list of 2 \(Completed, dict\)"),
+    ],
+    ids=["none", "nones", "one-completed", "one-too-many", "one-too-few", "empty", "a-dict"],
+)
+def test_all_ranks_refuses_what_is_not_one_report_per_rank_before_counting_any(reports, got):
+    combined = kv_ops.AllRanks(2)
+    C = kv_ops.Completed
+    assert combined.add([C([7], [3]), C([], [])]) == C([], [])  # store 7 and load 3 wait for rank 1
+    made = lambda r: C([7], [3]) if r == "C" else r  # noqa: E731
+    reports = [made(r) for r in reports] if isinstance(reports, list) else made(reports)
+    with pytest.raises(
+        ValueError, match=rf"^AllRanks.add: reports must be a list of one kv_ops.Completed per rank \(2\), got {got}$"
+    ):
+        combined.add(reports)
+    # Nothing of the refused call was counted: rank 1 still completes both, and only once.
+    assert combined.add([C([], []), C([7], [3])]) == C([7], [3])
+    assert combined.add([C([], []), C([7], [3])]) == C([], [])
 
 
 def _rank_main(rank, world, init_file, results):

@@ -101,6 +101,17 @@ def test_every_call_after_close_raises_a_clear_error(tmp_path, tier, name, call)
     assert issubclass(EngineClosedError, RuntimeError)
 
 
+@pytest.mark.parametrize("tier", ["mirror", "disk"])
+def test_entering_a_closed_engine_raises_as_every_call_does(tmp_path, tier):
+    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=True, seed=7)
+    engine.close()
+    entered = []
+    with pytest.raises(EngineClosedError, match=r"^OffloadEngine\.__enter__: the engine is closed"):
+        with engine:
+            entered.append(True)
+    assert entered == []
+
+
 def test_the_engine_is_a_context_manager_that_closes_even_on_an_error(tmp_path):
     with make_engine(disk_dir=str(tmp_path), page_cache=True) as engine:
         tid = engine.store([1, 2], [3, 4])

@@ -230,6 +230,12 @@ def test_the_op_refuses_no_caches_some_caches_copies_one_twice_and_an_unknown_na
             kv_ops.step_transfers(5, caches)
         with pytest.raises(ValueError, match=r"kv_ops.step_transfers: caches must be a list of tensors, got a tensor"):
             kv_ops.step_transfers("op-args", caches[0])
+        # The engine's mapping of caches: named by its type, not by printing every cache's values.
+        with pytest.raises(
+            ValueError, match=r"caches must be a list of tensors, got dict with 3 entries; pass its tensors"
+        ) as info:
+            kv_ops.step_transfers("op-args", {f"layer{i}": c for i, c in enumerate(caches)})
+        assert "tensor(" not in str(info.value) and len(str(info.value)) < 200
         before = State(engine, caches)
         run_step(transfers, caches)  # the refusals read nothing: the stage is still there
         assert torch.equal(State(engine, caches).host_block(1), before.gpu_block(1))
