@@ -35,9 +35,9 @@ class HostEmbedding(CastGuard):
 
     Made by :func:`host_embedding`; it holds no parameter. ``host_rows`` is uint8
     ``[num_embeddings, row_bytes]``: a CUDA device view of the page-locked bytes (rows land on
-    the GPU) or, on the CPU, the page-locked tensor itself. The rows' dtype is fixed at
-    conversion: cast the model before converting it (a cast after, ``model.half()`` or
-    ``model.to(dtype)``, is a ``ValueError``). A scaled
+    the GPU) or, on the CPU, the page-locked tensor itself. A cast of the model after the
+    conversion (``model.half()``, ``model.to(dtype)``) casts the rows into a new page-locked
+    table, as it would have cast the original weight (cheaper: cast first). A scaled
     embedding's ``scale`` is a buffer, like the original's ``embed_scale``: a Python number there
     makes Inductor fuse the product otherwise than the original's, off by a bf16 rounding.
     """
@@ -57,7 +57,7 @@ class HostEmbedding(CastGuard):
         self.source = source
         self.register_buffer("host_rows", host_rows, persistent=False)
         # The rows are its state as the weight was the original's: saved and loaded as "weight".
-        TableInStateDict("weight", "host_rows", dtype).attach(self)
+        TableInStateDict("weight", "host_rows", "dtype").attach(self)
         # The scaled embeddings' factor (a scalar in the rows' dtype, on their device), or None.
         self.register_buffer("scale", scale, persistent=False)
 
@@ -78,15 +78,16 @@ class HostEmbedding(CastGuard):
         return rows if self.scale is None else rows * self.scale
 
     def before_apply(self, fn) -> None:
-        # A cast would reach the scale but not the rows (bytes in host memory, fixed at
-        # conversion): the outputs would match neither the original nor its cast. What ``fn``
-        # does to a tensor of the rows' dtype says whether it casts; moves pass.
-        if fn(torch.empty(0, dtype=self.dtype, device=self.host_rows.device)).dtype != self.dtype:
-            raise ValueError(
-                f"HostEmbedding: its rows are {self.dtype}, fixed when ple_ops.host_embedding converted it "
-                "(they live in host memory), so the model cannot be cast after (the modules before this one "
-                "may be cast already): cast the model first, then convert"
-            )
+        # A cast (model.half(), .to(dtype)) reaches the scale, a buffer, but not the rows: uint8
+        # bytes in host memory. So the rows are cast here, into a new page-locked table, as the
+        # original's weight would be: what ``fn`` does to a tensor of the rows' dtype says whether
+        # it casts, and to what. Moves are the buffer's (a CPU table moved to CUDA is copied there).
+        cast = fn(torch.empty(0, dtype=self.dtype, device=self.host_rows.device)).dtype
+        if cast != self.dtype:
+            rows = self.host_rows
+            device = rows.device
+            self.host_rows = pin_rows(rows.view(self.dtype), device, cast)
+            self.dtype = cast
 
     def extra_repr(self) -> str:
         return (

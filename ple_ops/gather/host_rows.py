@@ -28,14 +28,15 @@ def check_pinnable(owner: str, what: str, table: torch.Tensor) -> None:
     positive_int(owner, f"the row width of {what} {shape}", shape[1])
 
 
-def pin_rows(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a ``[vocab, dim]`` table into page-locked host memory, as gatherable uint8 rows.
+def pin_rows(table: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy a ``[vocab, dim]`` table into page-locked host memory, as gatherable uint8 rows of
+    ``dtype`` (the table's by default; another is a cast, as ``Tensor.to`` casts).
 
     Returns uint8 ``[vocab, row_bytes]``: a device view of the page-locked bytes on CUDA
     (:func:`kv_ops.device_view`), the page-locked tensor itself otherwise.
     """
-    pinned = pinned_empty(table.shape, table.dtype)
-    step = max(1, _CHUNK_BYTES // max(1, table.shape[1] * table.element_size()))
+    pinned = pinned_empty(table.shape, dtype or table.dtype)
+    step = max(1, _CHUNK_BYTES // max(1, table.shape[1] * max(table.element_size(), pinned.element_size())))
     with torch.no_grad():
         for start in range(0, table.shape[0], step):
             chunk = table.detach()[start : start + step]
@@ -48,7 +49,7 @@ def pin_rows(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 class TableInStateDict:
     """The ``state_dict`` hooks that keep a converted table under the name of the parameter it
     replaced: ``module.<rows>`` (uint8 ``[vocab, row_bytes]``, as :func:`pin_rows` gives) seen
-    as ``dtype`` ``[vocab, dim]``.
+    as ``module.<dtype>`` ``[vocab, dim]``.
 
     Saving gives the rows themselves (no copy: on CUDA the device view of the page-locked bytes,
     as a parameter would be on its device), so ``torch.save`` and ``save_pretrained`` of a
@@ -61,7 +62,7 @@ class TableInStateDict:
 
     key: str  # the replaced parameter's name, "weight" for an embedding
     rows: str  # the module attribute that holds the rows
-    dtype: torch.dtype
+    dtype: str  # and the one that holds their dtype (a cast of the module may change both)
 
     def attach(self, module: nn.Module) -> None:
         # Partials, not bound methods: torch marks each hook with an attribute, which a method refuses.
@@ -69,7 +70,7 @@ class TableInStateDict:
         module.register_load_state_dict_pre_hook(functools.partial(TableInStateDict.load, self))
 
     def table(self, module: nn.Module) -> torch.Tensor:
-        return getattr(module, self.rows).view(self.dtype)
+        return getattr(module, self.rows).view(getattr(module, self.dtype))
 
     def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         state_dict[prefix + self.key] = self.table(module).detach()

@@ -74,7 +74,7 @@ def gather_from_host(model: nn.Module, device: str | torch.device) -> nn.Module:
             delattr(holder, leaf)  # the only copy left is the page-locked one
         layer.attach_host_table(rows, table.dtype)
         if kept:  # the state_dict keeps it under its old name, as before
-            TableInStateDict(owner, "ple_host_table", table.dtype).attach(layer)
+            TableInStateDict(owner, "ple_host_table", "ple_dtype").attach(layer)
     return model.to(device)
 
 

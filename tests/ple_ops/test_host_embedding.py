@@ -2,6 +2,7 @@
 embeddings, and whole tiny Gemma 4 models through their own per-layer accessors), the dtype kept,
 the refusals, and on the GPU the table's memory given back."""
 
+import copy
 import gc
 import re
 import sys
@@ -326,21 +327,33 @@ def test_a_weight_with_no_rows_or_no_columns_is_a_value_error_naming_it(shape, w
 
 
 @pytest.mark.parametrize("family", [None, *SCALED_FAMILIES])
-def test_a_cast_after_conversion_is_refused_and_a_move_or_a_same_dtype_cast_passes(family):
-    # A cast would reach a scaled embedding's scale but not its rows: outputs matching neither
-    # the original nor its cast, silently, where this refuses.
+def test_a_cast_after_conversion_casts_the_host_rows_as_it_would_the_originals_weight(family):
+    # The scale is a buffer, which the cast reaches; the rows are bytes in host memory, cast into
+    # a new page-locked table: the outputs are the cast original's, bit for bit.
     torch.manual_seed(4)
     emb = nn.Embedding(64, 32) if family is None else scaled_embedding_class(family)(64, 32, 0, embed_scale=32**0.5)
+    nn.init.normal_(emb.weight, std=3.0)  # values that round differently in each dtype
     host = ple_ops.host_embedding(emb)
     ids = random_ids(64, (3, 7), 4)
-    for cast in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: nn.Sequential(m).double()):
-        with pytest.raises(
-            ValueError, match=r"rows are torch.float32, fixed when ple_ops.host_embedding .*cast the model first"
-        ):
-            cast(host)
-    assert_bitwise(emb(ids), host.float().to("cpu")(ids))  # a cast to its own dtype and a move pass
-    if family is not None:
-        assert host.scale.dtype == torch.float32  # the refused casts left the scale as it was
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: nn.Sequential(m).double()[0]):
+        emb, host = cast(emb), cast(host)
+        assert host.dtype == emb.weight.dtype and host.state_dict()["weight"].dtype == emb.weight.dtype
+        with torch.no_grad():
+            assert_bitwise(emb(ids), host(ids))
+    rows = host.host_rows.data_ptr()
+    assert_bitwise(emb(ids).detach(), host.double().to("cpu")(ids))  # its own dtype and a move: no copy
+    assert host.host_rows.data_ptr() == rows
+
+
+def test_a_converted_gemma_model_cast_after_gives_the_cast_stock_models_logits():
+    model = tiny_gemma4("causal_lm")
+    nn.init.normal_(model.get_per_layer_input_embeddings().weight, std=3.0)
+    stock = copy.deepcopy(model).to(torch.bfloat16)
+    model.set_per_layer_input_embeddings(ple_ops.host_embedding(model.get_per_layer_input_embeddings()))
+    model.to(torch.bfloat16)
+    ids = random_ids(512, (2, 11), 5)
+    with torch.no_grad():
+        assert_bitwise(stock(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 def test_gradient_only_options_are_accepted():
@@ -419,6 +432,19 @@ def test_on_the_gpu_the_state_dict_round_trips_through_the_host_rows_in_stream_o
     after = host(ids)
     assert_bitwise(emb(ids).detach(), before)
     assert_bitwise(new.to(torch.bfloat16)[ids.cpu()].cuda(), after)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", SCALED_FAMILIES)
+def test_on_the_gpu_a_cast_after_conversion_casts_the_host_rows(family):
+    torch.manual_seed(5)
+    emb = scaled_embedding_class(family)(8192, 256, 0, embed_scale=16.0).to("cuda", torch.bfloat16)
+    host = ple_ops.host_embedding(emb)
+    ids = random_ids(8192, (4, 33), 6).cuda()
+    emb, host = emb.half(), host.half()
+    assert host.host_rows.is_cuda and host.dtype == torch.float16
+    with torch.no_grad():
+        assert_bitwise(emb(ids), host(ids))
 
 
 class ScaledOtherwise(nn.Embedding):  # looks like Gemma 3n's, but its forward does more
