@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from kv_ops.cuda.arguments import text
 from kv_ops.cuda.capture import capturing
 from kv_ops.cuda.driver import check_driver
 from kv_ops.cuda.host_memory import device_view
@@ -89,14 +90,33 @@ def _check_out(op: str, layer: registry.ArmedLayer, out: torch.Tensor, num_token
         )
 
 
-def _refuse_unserved_out(op: str, out) -> None:
-    """``out`` is a tensor and not a meta one, else a ``ValueError`` naming it: a meta ``out``
-    dispatches to the fake, which checks its shape and returns without waiting, copying or
-    releasing anything."""
+def _refuse_unserved(op: str, out, name) -> None:
+    """``out`` is a tensor and not a meta one, and ``name`` a non-empty string, else a ``ValueError``
+    naming it: a meta ``out`` dispatches to the fake, which checks its shape and returns without
+    waiting, copying or releasing anything, and a name of another type reaches torch's schema
+    check, whose error names neither the op's wrapper nor the rule."""
     # is_meta, not out.device: every call pays this, and a device object is built per read.
     if not isinstance(out, torch.Tensor) or out.is_meta:
         shown = "a tensor on meta" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown}")
+    text(op, "name", name)
+
+
+def _refuse_token_count(num_tokens) -> None:
+    """A ``ValueError`` unless ``num_tokens`` is an integer >= 0 or a ``SymInt`` (whose sign the
+    fake checks): the op would take ``True`` as 1 row, refuse a float with torch's own
+    ``RuntimeError``, and report -1 as more rows than the buffer has."""
+    if isinstance(num_tokens, torch.SymInt):
+        return
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
+        raise ValueError(f"ple_ops.wait_copy: num_tokens must be an integer >= 0, got {num_tokens!r}")
+
+
+def _refuse_non_tensor_dep(op: str, dep) -> None:
+    """``dep`` is a tensor, else a ``ValueError`` naming it: the op takes ``None`` for it, and the
+    wait then comes after nothing."""
+    if not isinstance(dep, torch.Tensor):
+        raise ValueError(f"{op}: dep must be the tensor the wait comes after, got {dep!r}")
 
 
 def _host_wait(layer: registry.ArmedLayer, num_tokens: int | None) -> None:
@@ -212,7 +232,8 @@ def wait(out: torch.Tensor, dep: torch.Tensor, name: str) -> None:
     name : str
         An armed layer name (:mod:`ple_ops.registry`).
     """
-    _refuse_unserved_out("ple_ops.wait", out)
+    _refuse_unserved("ple_ops.wait", out, name)
+    _refuse_non_tensor_dep("ple_ops.wait", dep)
     torch.ops.ple_ops.wait(out, dep, name)
 
 
@@ -286,10 +307,10 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
     Tensor
         ``out[:num_tokens]``.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (numbers.Integral, torch.SymInt)):
-        # The op would take True as 1 row, and refuse a float with torch's own RuntimeError.
-        raise ValueError(f"ple_ops.wait_copy: num_tokens must be an integer, got {num_tokens!r}")
-    _refuse_unserved_out("ple_ops.wait_copy", out)
+    if type(num_tokens) is not int or num_tokens < 0:  # the common case costs one type check
+        _refuse_token_count(num_tokens)
+    _refuse_unserved("ple_ops.wait_copy", out, name)
+    _refuse_non_tensor_dep("ple_ops.wait_copy", dep)
     torch.ops.ple_ops.wait_copy(out, dep, num_tokens, name)
     return out[:num_tokens]
 
@@ -351,7 +372,7 @@ def release(out: torch.Tensor, name: str) -> None:
     raise even with no forward before it) and clears the layer's waiting word; the CPU path waits
     on the host likewise, and a second release in the same step does nothing.
     """
-    _refuse_unserved_out("ple_ops.release", out)
+    _refuse_unserved("ple_ops.release", out, name)
     torch.ops.ple_ops.release(out, name)
 
 

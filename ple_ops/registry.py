@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from kv_ops.cuda.arguments import seconds
+from kv_ops.cuda.arguments import seconds, text
 from kv_ops.cuda.registration import find_named
 
 from .semaphore import CpuGpuSemaphore
@@ -28,6 +28,7 @@ from .semaphore import CpuGpuSemaphore
 STEP_TIMEOUT_S = 30.0
 
 
+@runtime_checkable
 class StepGuard(Protocol):
     """What the ops ask the owner of an armed layer (the runtime's step transaction).
 
@@ -97,6 +98,8 @@ class ArmedLayer:
     device_slot: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.slot, torch.Tensor):
+            return  # arm() refuses it, naming the field: nothing to bind
         if self.slot.dim() == 2:  # arm() refuses any other slot, with its own message
             self.max_tokens, self.row_bytes = self.slot.shape
         self.slot_address = self.slot.data_ptr()
@@ -107,22 +110,61 @@ _armed: dict[str, ArmedLayer] = {}
 _gone: dict[str, Callable[[], BaseException]] = {}
 
 
+def _shown(value) -> str:
+    """``value`` as an error message shows it: a tensor by its kind, anything else by its repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return repr(value)
+
+
+def _check_layer(layer: ArmedLayer) -> None:
+    """Each field of ``layer`` is what :class:`ArmedLayer` says it is, else a ``ValueError`` from
+    ``ple_ops.arm`` naming the field, the layer and the value (its name was checked first)."""
+    of = f"of {layer.name!r} must be"
+    if not isinstance(layer.flag, CpuGpuSemaphore):
+        raise ValueError(f"ple_ops.arm: layer.flag {of} a CpuGpuSemaphore, got {_shown(layer.flag)}")
+    slot = layer.slot
+    if not isinstance(slot, torch.Tensor) or slot.device.type != "cpu" or slot.dtype != torch.uint8 or slot.dim() != 2:
+        raise ValueError(
+            f"ple_ops.arm: layer.slot {of} a uint8 [max_tokens, row_bytes] tensor in host memory, got {_shown(slot)}"
+        )
+    if not slot.is_contiguous():
+        raise ValueError(
+            f"ple_ops.arm: layer.slot {of} contiguous, got shape {tuple(slot.shape)} with strides {slot.stride()}"
+        )
+    bound = tuple(getattr(layer, field, None) for field in ("slot_address", "max_tokens", "row_bytes"))
+    if bound != (slot.data_ptr(), *slot.shape):  # the ops read these, not the slot
+        raise ValueError(
+            f"ple_ops.arm: layer.slot of {layer.name!r} was replaced after the layer was made, which binds its "
+            f"address and shape: make a new ArmedLayer with the slot {_shown(slot)}"
+        )
+    if not callable(layer.check):
+        raise ValueError(
+            f"ple_ops.arm: layer.check {of} a callable that raises if the producer failed, got {layer.check!r}"
+        )
+    if layer.out is not None and not isinstance(layer.out, torch.Tensor):
+        raise ValueError(f"ple_ops.arm: layer.out {of} a tensor or None, got {layer.out!r}")
+    if layer.waiting is not None and not isinstance(layer.waiting, CpuGpuSemaphore):
+        raise ValueError(f"ple_ops.arm: layer.waiting {of} a CpuGpuSemaphore or None, got {_shown(layer.waiting)}")
+    if layer.guard is not None and not isinstance(layer.guard, StepGuard):
+        raise ValueError(f"ple_ops.arm: layer.guard {of} a StepGuard or None, got {_shown(layer.guard)}")
+    seconds("ple_ops.arm", f"layer.timeout of {layer.name!r}", layer.timeout)
+
+
 def arm(layer: ArmedLayer) -> None:
     """Register ``layer`` under its name; a name is armed once until disarmed.
 
-    Its slot must be a contiguous uint8 ``[max_tokens, row_bytes]`` tensor: the ops copy its first
-    rows as one run of bytes from its address, which a strided slot's rows are not.
+    Every field is checked first (a ``ValueError`` naming it): its name a non-empty string, its
+    slot a contiguous uint8 ``[max_tokens, row_bytes]`` CPU tensor (the ops copy its first rows as
+    one run of bytes from its address, which a strided slot's rows are not), its flag and waiting
+    word semaphores, its check callable.
     """
+    if not isinstance(layer, ArmedLayer):
+        raise ValueError(f"ple_ops.arm: layer must be an ArmedLayer, got {_shown(layer)}")
+    text("ple_ops.arm", "layer.name", layer.name)
     if layer.name in _armed:
         raise ValueError(f"ple_ops: layer {layer.name!r} is already armed in this process")
-    if layer.slot.dtype != torch.uint8 or layer.slot.dim() != 2:
-        raise ValueError(f"ple_ops: slot of {layer.name!r} must be uint8 [max_tokens, row_bytes]")
-    if not layer.slot.is_contiguous():
-        raise ValueError(
-            f"ple_ops.arm: layer.slot of {layer.name!r} must be contiguous, got shape {tuple(layer.slot.shape)} "
-            f"with strides {layer.slot.stride()}"
-        )
-    seconds("ple_ops.arm", f"layer.timeout of {layer.name!r}", layer.timeout)
+    _check_layer(layer)
     _gone.pop(layer.name, None)
     _armed[layer.name] = layer
 

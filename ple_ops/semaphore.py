@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import numbers
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from kv_ops.cuda.arguments import cuda_device
+from kv_ops.cuda.arguments import cuda_device, positive_int, seconds
 from kv_ops.cuda.driver import check_driver, device_pointer, driver
 from kv_ops.cuda.host_memory import device_view
 from kv_ops.cuda.torch_internals import current_raw_stream_reader
@@ -21,6 +22,10 @@ DONE = 1
 # operations and kernels as the flag.
 IDLE = 0
 WAITING = 1
+
+# The values a flag can hold (a 32-bit signed word): a wait for any other never ends.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_INF = float("inf")
 
 _fence_lock = threading.Lock()
 
@@ -59,8 +64,14 @@ def spin_wait(
 
     Spins for the first ``spin`` seconds (the other side is usually close), then sleeps with
     exponential backoff up to 1 ms so that a long wait does not burn a core. ``check`` runs
-    about every :data:`CHECK_EVERY_S` and raises if the other side is gone; ``timeout`` (seconds) bounds it.
+    about every :data:`CHECK_EVERY_S` and raises if the other side is gone; ``timeout`` (seconds,
+    ``None`` for no bound) bounds it. A ``timeout`` that is not a finite number of seconds > 0, or a
+    ``check`` that cannot be called, is a ``ValueError`` from ``what`` before the first read.
     """
+    if timeout is not None and not (type(timeout) is float and 0 < timeout < _INF):  # the common case, cheap
+        timeout = seconds(what, "timeout", timeout)
+    if check is not None and not callable(check):
+        raise ValueError(f"{what}: check must be a callable or None, got {check!r}")
     start = time.perf_counter()
     next_check = start + CHECK_EVERY_S
     delay = 0.0
@@ -147,8 +158,15 @@ class CpuGpuSemaphore:
     """
 
     def __init__(self, flag: torch.Tensor, device_address: int | None):
-        if flag.dtype != torch.int32 or flag.numel() != 1:
-            raise ValueError(f"CpuGpuSemaphore: the flag must be one int32, got {flag.dtype} {tuple(flag.shape)}")
+        if not isinstance(flag, torch.Tensor):
+            raise ValueError(f"CpuGpuSemaphore: flag must be a one-element int32 tensor, got {flag!r}")
+        if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"CpuGpuSemaphore: flag must be one int32 on the CPU or a CUDA device, got {flag.dtype} "
+                f"{tuple(flag.shape)} on {flag.device}"
+            )
+        if device_address is not None:
+            device_address = positive_int("CpuGpuSemaphore", "device_address", device_address)
         self.flag = flag
         self._device_address = device_address
         self._cu_address = None  # the driver handle of device_address, bound on first stream op
@@ -175,6 +193,14 @@ class CpuGpuSemaphore:
         page-locked (``SharedHostBuffer`` registers it) and the device address is resolved
         here; the CUDA-free producer attaches the same bytes and only uses the host methods.
         """
+        owner = "CpuGpuSemaphore.in_host_memory"
+        if not isinstance(flag, torch.Tensor) or flag.device.type != "cpu":
+            shown = f"a tensor on {flag.device}" if isinstance(flag, torch.Tensor) else repr(flag)
+            raise ValueError(f"{owner}: flag must be a one-element int32 view of host memory, got {shown}")
+        if map_for_gpu is not None and not isinstance(map_for_gpu, bool):
+            raise ValueError(f"{owner}: map_for_gpu must be True, False or None, got {map_for_gpu!r}")
+        if map_for_gpu and not torch.cuda.is_available():
+            raise ValueError(f"{owner}: map_for_gpu is True, but this machine has no CUDA device to map the flag for")
         map_for_gpu = torch.cuda.is_available() if map_for_gpu is None else map_for_gpu
         return cls(flag, device_pointer(flag) if map_for_gpu else None)
 
@@ -183,8 +209,28 @@ class CpuGpuSemaphore:
     @property
     def device_address(self) -> int:
         if self._device_address is None:
-            raise RuntimeError("this semaphore has no device address in this process (attached without CUDA)")
+            raise self._no_device_address("device_address")
         return self._device_address
+
+    def _no_device_address(self, op: str) -> ValueError:
+        """The error of a stream operation ``op`` on a flag with no device address in this process."""
+        why = (
+            "this machine has no CUDA device (torch.cuda.is_available() is False)"
+            if not torch.cuda.is_available()
+            else "it was made or attached without mapping it for the GPU (map_for_gpu=False)"
+        )
+        return ValueError(
+            f"CpuGpuSemaphore.{op}: stream operations need CUDA and the flag's device address in this "
+            f"process, and this semaphore has none: {why}; host_signal, host_reset and host_wait serve it "
+            "from the CPU"
+        )
+
+    def _current_stream(self, op: str):
+        """The current stream's driver handle for stream operation ``op``, once the flag is known to
+        have a device address (without one, the stream lookup would fail first, on torch's terms)."""
+        if self._device_address is None:
+            raise self._no_device_address(op)
+        return bound_driver().current_stream()
 
     def _address(self):
         """The flag's device address as a driver handle, built on first use and kept."""
@@ -220,19 +266,19 @@ class CpuGpuSemaphore:
 
     def write(self, value: int) -> None:
         """Enqueue ``flag = value`` on the current stream (any 32-bit value, e.g. a status word)."""
-        self.write_on(bound_driver().current_stream(), value)
+        self.write_on(self._current_stream("write"), value)
 
     def signal(self) -> None:
         """Enqueue ``flag = DONE`` on the current stream."""
-        self.write_on(bound_driver().current_stream(), DONE)
+        self.write_on(self._current_stream("signal"), DONE)
 
     def reset(self) -> None:
         """Enqueue ``flag = RESET`` on the current stream."""
-        self.write_on(bound_driver().current_stream(), RESET)
+        self.write_on(self._current_stream("reset"), RESET)
 
     def wait_done(self) -> None:
         """Enqueue a wait until ``flag == DONE`` on the current stream."""
-        self.wait_on(bound_driver().current_stream(), DONE)
+        self.wait_on(self._current_stream("wait_done"), DONE)
 
     # --- host operations (host form only; no CUDA) --------------------------------------------
 
@@ -255,7 +301,18 @@ class CpuGpuSemaphore:
     def host_wait(
         self, value: int, check: Callable[[], None] | None = None, timeout: float | None = None, spin: float = 50e-6
     ) -> None:
-        """Wait on the host until the flag equals ``value`` (see :func:`spin_wait`)."""
+        """Wait on the host until the flag equals ``value`` (see :func:`spin_wait`); a ``value`` the
+        32-bit flag cannot hold is a ``ValueError``, as are the arguments :func:`spin_wait` refuses."""
+        if type(value) is not int or not INT32_MIN <= value <= INT32_MAX:  # the common case: one type check
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or not INT32_MIN <= value <= INT32_MAX
+            ):
+                raise ValueError(
+                    f"CpuGpuSemaphore.host_wait: value must be an integer a 32-bit flag holds, got {value!r}"
+                )
+            value = int(value)
         word = self._word()
         spin_wait(lambda: word.value, value, "CpuGpuSemaphore.host_wait", check, timeout, spin)
 

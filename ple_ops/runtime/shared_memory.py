@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import errno
 import glob
+import math
 import mmap
 import os
+import re
 import secrets
+import stat
+import sys
 import tempfile
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from kv_ops.cuda.arguments import file_name_part, positive_int
+from kv_ops.cuda import arguments
+from kv_ops.cuda.arguments import file_name_part, index, positive_int
 from kv_ops.cuda.host_memory import pin_mapping
 
 # Every file is named PREFIX.<creator pid>.[<tag>.]<random hex>: a runtime tags its files with a
@@ -21,6 +26,9 @@ from kv_ops.cuda.host_memory import pin_mapping
 # process dies before it could (remove_files_of). The pid alone is not enough: under a shared
 # /dev/shm another PID namespace has the same pids.
 PREFIX = "offload-ops"
+# The name SharedHostBuffer gives a file (a tag is any word without "/" or NUL, dots included): the
+# only names attach() opens, in _shm_dir() only.
+_NAME = re.compile(rf"{re.escape(PREFIX)}\.[0-9]+\.(?:.+\.)?[0-9a-f]{{16}}", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,24 @@ def _reserve(fd: int, nbytes: int) -> None:
         ) from None
 
 
+def _attachable(handle) -> SharedHandle:
+    """``handle`` when it names a file this package makes (:data:`PREFIX` in :func:`_shm_dir`) and a
+    size, else a ``ValueError`` naming it: attach maps the file read-write, and any other path
+    (``/etc/passwd``) is not a buffer of ours."""
+    owner = "SharedHostBuffer.attach"
+    if not isinstance(handle, SharedHandle):
+        raise ValueError(f"{owner}: handle must be a SharedHandle (SharedHostBuffer.handle), got {handle!r}")
+    path = arguments.path(owner, "handle.path", handle.path)
+    directory, name = os.path.split(path)
+    if directory != _shm_dir() or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"{owner}: handle.path must be a buffer file this package made, {_shm_dir()}/{PREFIX}.<pid>.<hex>, "
+            f"got {path!r}"
+        )
+    positive_int(owner, "handle.nbytes", handle.nbytes)
+    return handle
+
+
 def remove_files_of(pid: int, tag: str) -> list[str]:
     """Remove every buffer file process ``pid`` made with ``tag`` and left (it died before it
     could); returns their paths. Only for a process that knows ``pid`` is gone: the offload
@@ -117,6 +143,8 @@ class SharedHostBuffer:
 
     def __init__(self, nbytes: int, register: bool | None = None, tag: str | None = None):
         nbytes = positive_int("SharedHostBuffer", "nbytes", nbytes)
+        if nbytes > sys.maxsize:  # past any file's size (off_t) and any mapping's: os would overflow
+            raise DoesNotFit(f"SharedHostBuffer: nbytes {nbytes} is past the largest file size, {sys.maxsize} bytes")
         tagged = "" if tag is None else f"{file_name_part('SharedHostBuffer', 'tag', tag)}."
         path = os.path.join(_shm_dir(), f"{PREFIX}.{os.getpid()}.{tagged}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -138,10 +166,22 @@ class SharedHostBuffer:
 
     @classmethod
     def attach(cls, handle: SharedHandle) -> "SharedHostBuffer":
-        """Map a buffer made by another process (no registration, no CUDA)."""
+        """Map a buffer made by another process (no registration, no CUDA).
+
+        Only a handle of a file this package makes is attached: a path elsewhere, or another name,
+        is a ``ValueError`` before the file is opened, and so is a file that is not a regular file
+        of at least ``handle.nbytes`` bytes.
+        """
+        handle = _attachable(handle)
         self = cls.__new__(cls)
         fd = os.open(handle.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size < handle.nbytes:
+                raise ValueError(
+                    f"SharedHostBuffer.attach: {handle.path!r} holds {found.st_size} bytes, not a buffer of "
+                    f"handle.nbytes {handle.nbytes}"
+                )
             mapping = mmap.mmap(fd, handle.nbytes, mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -151,9 +191,14 @@ class SharedHostBuffer:
         return self
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor over ``shape`` elements of ``dtype`` starting at byte ``offset``."""
-        nbytes = torch.empty(shape, dtype=dtype, device="meta").numel() * dtype.itemsize
-        if offset < 0 or offset % dtype.itemsize or offset + nbytes > self.handle.nbytes:
+        """A tensor over ``shape`` elements of ``dtype`` starting at byte ``offset``; an offset that
+        is not an integer >= 0, a shape that is not one, or a dtype that is not a ``torch.dtype`` is
+        a ``ValueError`` naming it."""
+        offset = index("SharedHostBuffer.view", "offset", offset)
+        shape = arguments.shape("SharedHostBuffer.view", "shape", shape)
+        dtype = arguments.dtype("SharedHostBuffer.view", "dtype", dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset % dtype.itemsize or offset + nbytes > self.handle.nbytes:
             raise ValueError(f"SharedHostBuffer.view: {nbytes} bytes at {offset} do not fit {self.handle.nbytes}")
         return self.bytes[offset : offset + nbytes].view(dtype).view(shape)
 

@@ -1,6 +1,7 @@
 """The PLE ops on the CPU path: the registry, bounds, the copy itself, release, observation."""
 
 import inspect
+import re
 import threading
 
 import pytest
@@ -103,12 +104,12 @@ def test_arm_refuses_a_timeout_that_is_not_seconds(timeout):
     assert "timed" not in ple_ops.armed_names()
 
 
-@pytest.mark.parametrize("num_tokens", [True, 2.5, "3", None])
+@pytest.mark.parametrize("num_tokens", [True, 2.5, "3", None, -1, -17])
 def test_a_token_count_that_is_not_an_integer_is_a_value_error_before_any_copy(armed, num_tokens):
     armed.flag.host_signal()
     out = torch.randn(16, 32, generator=torch.Generator().manual_seed(7))
     before = out.clone()
-    with pytest.raises(ValueError, match=rf"ple_ops.wait_copy: num_tokens must be an integer, got {num_tokens!r}"):
+    with pytest.raises(ValueError, match=rf"ple_ops.wait_copy: num_tokens must be an integer >= 0, got {num_tokens!r}"):
         ple_ops.wait_copy(out, torch.zeros(1), num_tokens, "test.ple")
     assert torch.equal(out, before)
 
@@ -118,7 +119,6 @@ def test_a_token_count_that_is_not_an_integer_is_a_value_error_before_any_copy(a
     [
         (poisoned(16, 32), 17, r"num_tokens 17 for layer 'test.ple' exceeds the buffer's 16 rows or the slot's 16"),
         (poisoned(8, 32), 9, r"num_tokens 9 .* exceeds the buffer's 8 rows"),
-        (poisoned(16, 32), -1, r"num_tokens -1"),
         (
             poisoned(16, 16),
             1,
@@ -126,7 +126,7 @@ def test_a_token_count_that_is_not_an_integer_is_a_value_error_before_any_copy(a
         ),
         (poisoned(16, 32)[:, :16], 1, r"must be a contiguous 2-D"),
     ],
-    ids=["more-than-slot", "more-than-buffer", "negative", "row-size", "not-contiguous"],
+    ids=["more-than-slot", "more-than-buffer", "row-size", "not-contiguous"],
 )
 def test_bad_pull_is_rejected_before_waiting_or_copying(armed, out, num_tokens, message):
     armed.flag.host_signal()
@@ -286,3 +286,28 @@ def test_wait_copy_pulls_the_slot_bytes_into_an_offset_view_and_bumps_its_versio
         assert torch.equal(big[:3].view(torch.uint8), before[:3].view(torch.uint8))
         assert torch.equal(big[19:].view(torch.uint8), before[19:].view(torch.uint8))
         before[3:19] = out
+
+
+# Each op's wrapper, called with a dep and a name (release takes no dep).
+CALLS = {
+    "ple_ops.wait_copy": lambda out, dep, name: ple_ops.wait_copy(out, dep, 5, name),
+    "ple_ops.wait": lambda out, dep, name: ple_ops.wait(out, dep, name),
+    "ple_ops.release": lambda out, dep, name: ple_ops.release(out, name),
+}
+BAD_ARGUMENTS = [(op, "name", name) for op in CALLS for name in (None, 5, "", b"test.ple")] + [
+    (op, "dep", dep) for op in ("ple_ops.wait_copy", "ple_ops.wait") for dep in (None, 1.5)
+]
+
+
+@pytest.mark.parametrize("op, argument, value", BAD_ARGUMENTS, ids=[f"{o[8:]}-{a}-{v!r}" for o, a, v in BAD_ARGUMENTS])
+def test_a_name_or_dep_of_another_type_is_a_value_error_naming_it_before_any_wait(armed, op, argument, value):
+    # torch's schema check refused a name of None or 5 with a RuntimeError naming neither the op nor
+    # the rule, and the ops took None for dep: the wait then came after nothing.
+    armed.flag.host_signal()
+    out = torch.randn(16, 32, generator=torch.Generator().manual_seed(len(BAD_ARGUMENTS)))
+    before = out.clone()
+    args = dict(dep=torch.zeros(1), name="test.ple") | {argument: value}
+    rule = "must be a non-empty string" if argument == "name" else "must be the tensor the wait comes after"
+    with pytest.raises(ValueError, match=rf"^{op}: {argument} {rule}, got {re.escape(repr(value))}"):
+        CALLS[op](out, **args)
+    assert torch.equal(out, before) and armed.flag.host_value() == DONE

@@ -136,3 +136,69 @@ def test_a_dead_runtimes_files_are_found_by_its_tag_and_no_others():
 def test_a_tag_that_cannot_stand_in_a_file_name_is_refused(tag):
     with pytest.raises(ValueError, match="SharedHostBuffer: tag"):
         ple_ops.SharedHostBuffer(4096, register=False, tag=tag)
+
+
+@pytest.mark.parametrize("nbytes", [2**70, sys.maxsize + 1], ids=["2**70", "maxsize+1"])
+def test_a_size_past_any_file_is_a_value_error_and_leaves_no_file(nbytes):
+    before = set(os.listdir(shared_memory._shm_dir()))
+    with pytest.raises(ValueError, match=rf"SharedHostBuffer: nbytes {nbytes} is past the largest file size"):
+        ple_ops.SharedHostBuffer(nbytes, register=False)
+    assert set(os.listdir(shared_memory._shm_dir())) == before
+
+
+@pytest.mark.parametrize(
+    "offset, shape, dtype, message",
+    [
+        (0, (2,), "float32", r"dtype must be a torch.dtype \(e.g. torch.uint8\), got 'float32'"),
+        (None, (2,), torch.int32, r"offset must be an integer >= 0, got None"),
+        (True, (2,), torch.uint8, r"offset must be an integer >= 0, got True"),
+        (4.0, (2,), torch.int32, r"offset must be an integer >= 0, got 4.0"),
+        (-4, (2,), torch.int32, r"offset must be an integer >= 0, got -4"),
+        (0, "ab", torch.uint8, r"shape must be an integer or a sequence of integers, got 'ab'"),
+        (0, (-1,), torch.uint8, r"negative dimension in shape \(-1,\)"),
+    ],
+    ids=["dtype-str", "offset-none", "offset-bool", "offset-float", "offset-neg", "shape-str", "shape-neg"],
+)
+def test_a_view_argument_that_is_not_one_is_a_value_error_naming_it(offset, shape, dtype, message):
+    buf = ple_ops.SharedHostBuffer(64, register=False)
+    try:
+        with pytest.raises(ValueError, match=rf"^SharedHostBuffer\.view: {message}"):
+            buf.view(offset, shape, dtype)
+        # A good view still reads the bytes where they are.
+        data = torch.randint(0, 256, (64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(len(message)))
+        buf.bytes.copy_(data)
+        assert torch.equal(buf.view(8, [2, 3], torch.int32).view(torch.uint8).flatten(), data[8:32])
+    finally:
+        buf.unlink()
+
+
+def test_attach_maps_only_files_this_package_makes(tmp_path):
+    # attach maps read-write: any other file would be open to the offload process's stores.
+    gen = torch.Generator().manual_seed(10)
+    buf = ple_ops.SharedHostBuffer(4096, register=False)
+    handle = buf.handle
+    elsewhere = tmp_path / os.path.basename(handle.path)  # our name, another directory
+    elsewhere.write_bytes(bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen).tolist()))
+    foreign = os.path.join(shared_memory._shm_dir(), f"other-{os.getpid()}-{int(torch.randint(1 << 30, (1,)))}")
+    with open(foreign, "wb") as f:
+        f.write(bytes(4096))
+    passwd = Path("/etc/passwd").read_bytes() if os.path.exists("/etc/passwd") else None
+    try:
+        for path in ("/etc/passwd", str(elsewhere), foreign, handle.path + "/..", ""):
+            with pytest.raises(ValueError, match=r"^SharedHostBuffer\.attach: handle\.path must be"):
+                ple_ops.SharedHostBuffer.attach(shared_memory.SharedHandle(path, 10))
+        with pytest.raises(
+            ValueError,
+            match=r"^SharedHostBuffer\.attach: handle must be a SharedHandle \(SharedHostBuffer.handle\), got \(",
+        ):
+            ple_ops.SharedHostBuffer.attach((handle.path, 4096))
+        for nbytes in (0, True, "4096"):
+            with pytest.raises(ValueError, match=rf"handle\.nbytes must be a positive integer, got {nbytes!r}"):
+                ple_ops.SharedHostBuffer.attach(shared_memory.SharedHandle(handle.path, nbytes))
+        with pytest.raises(ValueError, match=r"holds 4096 bytes, not a buffer of handle\.nbytes 8192"):
+            ple_ops.SharedHostBuffer.attach(shared_memory.SharedHandle(handle.path, 8192))
+        assert ple_ops.SharedHostBuffer.attach(handle).handle == handle  # ours still attaches
+        assert passwd is None or Path("/etc/passwd").read_bytes() == passwd
+    finally:
+        os.unlink(foreign)
+        buf.unlink()
