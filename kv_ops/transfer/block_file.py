@@ -288,6 +288,8 @@ class BlockFile:
             self._closer()  # os.close, exactly once
 
     def __enter__(self) -> "BlockFile":
+        if self.fd is None:  # as every read and write after close() does
+            raise ValueError(f"BlockFile: {self.label} is closed")
         return self
 
     def __exit__(self, *exc) -> None:

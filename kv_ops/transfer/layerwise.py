@@ -445,6 +445,8 @@ class LayerwiseLoads:
             self._staged = self._kernel_copies = self._launcher = None
 
     def __enter__(self) -> LayerwiseLoads:
+        if not in_step.is_live(self):  # as every call after close() does, not at the first one inside
+            raise ClosedError(f"LayerwiseLoads: {self.name!r} was closed; make a new LayerwiseLoads")
         return self
 
     def __exit__(self, *exc) -> None:

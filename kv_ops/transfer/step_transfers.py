@@ -241,6 +241,8 @@ class StepTransfers:
         self._words[0] = self._words[self._load_at] = 0
 
     def __enter__(self) -> StepTransfers:
+        if not in_step.is_live(self):  # as every call after close() does, not at the first one inside
+            raise ClosedError(f"StepTransfers: {self.name!r} is closed (close() was called); make a new StepTransfers")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -102,6 +102,14 @@ def test_without_o_tmpfile_the_file_is_created_exclusively_and_unlinked_at_once(
     assert target.read_bytes() == b"keep" and os.readlink(tmp_path / "kv_offload.rank0.planted.tmp") == str(target)
 
 
+def test_entering_a_closed_file_is_refused_as_its_reads_are(tmp_path):
+    f = BlockFile(str(tmp_path), "rank0", 4096, 4, page_cache=True)
+    f.close()
+    with pytest.raises(ValueError, match=r"^BlockFile: .* is closed"):
+        with f:
+            pytest.fail("entered a closed BlockFile")
+
+
 def test_a_dropped_file_closes_its_descriptor(tmp_path):
     f = BlockFile(str(tmp_path), "rank0", 4096, 4, page_cache=True)
     fd, ino = f.fd, os.fstat(f.fd).st_ino

@@ -136,6 +136,9 @@ def test_a_name_is_taken_until_close_and_a_closed_instance_refuses_to_start(cpu_
     loads.close()
     with pytest.raises(ValueError, match=r"'lw' was closed"):
         loads.start([0], [0])
+    with pytest.raises(kv_ops.ClosedError, match=r"^LayerwiseLoads: 'lw' was closed"):
+        with loads:  # entering it fails as a call does, not at the first call inside
+            pytest.fail("entered a closed LayerwiseLoads")
     again = kv_ops.LayerwiseLoads(engine, "lw")  # the name is free again
     again.close()
 

@@ -272,6 +272,9 @@ def test_close_drops_the_name_and_what_was_staged():
         transfers.close()
         with pytest.raises(RuntimeError, match=r"'closing' is closed"):
             transfers.stage(store=([2], [5]))
+        with pytest.raises(kv_ops.ClosedError, match=r"^StepTransfers: 'closing' is closed"):
+            with transfers:
+                pytest.fail("entered a closed StepTransfers")
         with pytest.raises(ValueError, match=r"no StepTransfers named 'closing'"):
             kv_ops.step_transfers("closing", caches)
         with kv_ops.StepTransfers(engine, "closing") as again:  # the name is free again
