@@ -115,6 +115,10 @@ def make_unbuildable_model():
     return TinyModel()
 
 
+def make_nothing():
+    """A factory that forgot its return."""
+
+
 def make_sleepy_model():
     """Every PLE layer takes about a millisecond, as a real one does: the offload process is then
     slower than the caller, and a call that does not wait for its rows shows it."""

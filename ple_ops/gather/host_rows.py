@@ -84,6 +84,9 @@ class TableInStateDict:
         # Taken out, so that load_state_dict's own pass does not report it as unexpected.
         source = state_dict.pop(name)
         table = self.table(module)
+        if isinstance(source, torch.Tensor) and source.is_meta:  # no values to copy (torch raises NotImplementedError)
+            error_msgs.append(f"{name} is a meta tensor in the checkpoint: it holds no values to load")
+            return
         if not isinstance(source, torch.Tensor) or source.shape != table.shape:
             shown = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
             error_msgs.append(

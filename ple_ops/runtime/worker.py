@@ -202,7 +202,12 @@ def parent_gone(parent_pid: int, pipe_broke: bool) -> bool:
 def handshake(model_factory: Callable[[], nn.Module], conn) -> tuple[ControlBlock, list[ServedLayer]]:
     """Build the model, report its PLE layers, attach what the runtime made for them, say ready."""
     layer_mod.mark_offload_worker()
-    model = model_factory().eval()
+    model = model_factory()
+    if not isinstance(model, nn.Module):  # else an AttributeError from .eval(), naming neither
+        raise TypeError(
+            f"OffloadRuntime: model_factory must return the model (an nn.Module), got {type(model).__name__}"
+        )
+    model = model.eval()
     modules = layer_mod.ple_layers(model)
     specs, lookups = [], []
     with torch.no_grad():

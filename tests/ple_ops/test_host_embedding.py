@@ -222,6 +222,8 @@ def test_a_load_without_the_table_or_of_another_shape_fails_as_a_parameters_woul
             RuntimeError, match=re.escape(f"size mismatch for weight: copying a param with shape {tuple(wrong.shape)}")
         ):
             host.load_state_dict({"weight": wrong})
+    with pytest.raises(RuntimeError, match=r"weight is a meta tensor in the checkpoint: it holds no values"):
+        host.load_state_dict({"weight": torch.empty(50, 8, device="meta")})
     ids = torch.arange(50)
     assert_bitwise(emb(ids).detach(), host(ids))
 
