@@ -163,7 +163,11 @@ def arm(layer: ArmedLayer) -> None:
         raise ValueError(f"ple_ops.arm: layer must be an ArmedLayer, got {_shown(layer)}")
     text("ple_ops.arm", "layer.name", layer.name)
     if layer.name in _armed:
-        raise ValueError(f"ple_ops: layer {layer.name!r} is already armed in this process")
+        raise ValueError(
+            f"ple_ops: layer {layer.name!r} is already armed in this process (by an OffloadRuntime still "
+            "open, or by hand): close() that runtime first, or use it as `with OffloadRuntime(...) as rt:`; "
+            "a layer armed by hand is freed by ple_ops.disarm(name)"
+        )
     _check_layer(layer)
     _gone.pop(layer.name, None)
     _armed[layer.name] = layer

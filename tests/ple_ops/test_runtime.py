@@ -604,7 +604,7 @@ def test_a_start_that_fails_after_its_shared_files_were_made_removes_them(runtim
     # A second runtime over the same layer names fails while arming them: after its control
     # block and first slot were created in /dev/shm.
     before = set(os.listdir(SHM))
-    with pytest.raises(ValueError, match=r"layer 'blocks\.0\.ple' is already armed"):
+    with pytest.raises(ValueError, match=r"layer 'blocks\.0\.ple' is already armed .*: close\(\) that runtime first"):
         ple_ops.OffloadRuntime(make_model, max_tokens=8, device="cpu")
     assert set(os.listdir(SHM)) == before and ple_ops.armed_names() == NAMES
     served_step(runtime, local, *random_step(torch.Generator().manual_seed(12), 6))  # the first one serves on
