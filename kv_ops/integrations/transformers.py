@@ -160,10 +160,12 @@ class HostOffloadedLayer(StaticLayer):
                 loads.issue(target, replay=not loads.capturing_now)
             else:
                 slot_k, slot_v = loads.slots[plan.slot[target]]
+                host_k, host_v = loads.host_views[target]
                 lengths = loads.lengths
                 torch.ops.kv_ops.prefetch_layer(
-                    slot_k, slot_v, key_states, lengths[target], lengths[plan.evicts[target]], loads.name, target
-                )
+                    slot_k, slot_v, key_states, lengths[target], lengths[plan.evicts[target]],
+                    host_k, host_v, loads.saved[:1], loads.name, target,
+                )  # fmt: skip
         if k in plan.evicts:  # streamed: its own load must be done
             if direct:
                 loads.wait(k)

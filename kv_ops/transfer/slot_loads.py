@@ -113,6 +113,7 @@ class SlotLoads:
         self.lengths: list[torch.Tensor] = []
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # streamed layer -> (K, V) copies
+        self.host_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # as the loads' device reads them
         self.saved: torch.Tensor | None = None  # int64 [layers]: positions of each layer on the host
         self.copies: dict[int, PrefixCopy] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
@@ -158,16 +159,21 @@ class SlotLoads:
             else:
                 self.host[k] = (torch.empty(k_shape, dtype=keys.dtype), torch.empty(v_shape, dtype=values.dtype))
         self.saved = torch.zeros(plan.layers, dtype=torch.int64, device=device)
+        mark_static_address(self.saved)
         self.lengths = lengths
         self.holder = [-1] * plan.slots
         for k in range(plan.layers):
             if k not in plan.evicts:  # resident: the slot is its own
                 self.holder[plan.slot[k]] = k
         if device.type != "cuda":
+            self.host_views = self.host
             return
         # Low priority: a load must never delay the layer that computes beside it.
         self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
         views = {k: tuple(device_view(t, device) for t in pair) for k, pair in self.host.items()}
+        for pair in views.values():
+            for t in pair:
+                mark_static_address(t)  # a captured step's input, read in place (never copied in)
         load = self.stream.cuda_stream
         for k in plan.streamed:
             e = plan.evicts[k]
@@ -188,7 +194,7 @@ class SlotLoads:
             self.free[k].record()
             self.loaded[k].record()
         self.stream.synchronize()
-        self.host_views = views  # the copies and graphs hold their addresses
+        self.host_views = views  # the copies and graphs hold their addresses; the op names them
 
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""
@@ -281,6 +287,16 @@ class SlotLoads:
         )
         self.saved[k] = length
 
+    def check_bound(self, k: int, host_k: torch.Tensor, saved_base: torch.Tensor) -> None:
+        """A ``RuntimeError`` unless ``host_k`` and ``saved_base`` are layer k's host copy and the
+        saved counts that these loads bound their launches to: a step compiled or captured for
+        another cache of the same name must not drive these loads."""
+        if host_k.data_ptr() != self.host_views[k][0].data_ptr() or saved_base.data_ptr() != self.saved.data_ptr():
+            raise RuntimeError(
+                f"kv_ops.prefetch_layer: the step hands layer {k} of {self.name!r} another cache's host copy or "
+                "saved counts than the live cache of that name holds"
+            )
+
     def close(self) -> None:
         """Drop the name (the model must not run on these loads afterwards)."""
         in_step.unregister(self)
@@ -296,25 +312,33 @@ def lookup(name: str) -> SlotLoads:
 # later one after the wait); ``dep`` is the layer's input, so the load is not hoisted above the layer
 # that queues it. The lengths are arguments, and the load reads them from the tensors handed over,
 # not from the layers': a compiled graph may hold a count's current value in a buffer of its own
-# until it writes it back (aot_eager does so at the graph's end).
+# until it writes it back (aot_eager does so at the graph's end). The target's host copy and the
+# saved counts (through ``saved_base``, their first entry, which no load writes: layer 0 is never
+# streamed) are inputs too, read-only here, so that a captured step is an input of every address
+# its launch holds: CUDA-graph trees replay a recording only where those addresses are the same,
+# and a new cache that takes a dropped one's name (and compiled step) gets a recording of its own.
 
 
-def _fake_prefetch(slot_k, slot_v, dep, length, evicted_length, name, layer):
+def _fake_prefetch(slot_k, slot_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer):
     torch._check(layer >= 0, lambda: f"kv_ops.prefetch_layer: layer must be >= 0, got {layer}")
 
 
-def _prefetch_cpu(slot_k, slot_v, dep, length, evicted_length, name, layer) -> None:
-    lookup(name).load_now(layer, slot_k, slot_v, int(length), int(evicted_length))
+def _prefetch_cpu(slot_k, slot_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer) -> None:
+    loads = lookup(name)
+    loads.check_bound(layer, host_k, saved_base)
+    loads.load_now(layer, slot_k, slot_v, int(length), int(evicted_length))
 
 
-def _prefetch_cuda(slot_k, slot_v, dep, length, evicted_length, name, layer) -> None:
-    lookup(name).issue(layer, (slot_k, slot_v, length, evicted_length))
+def _prefetch_cuda(slot_k, slot_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer) -> None:
+    loads = lookup(name)
+    loads.check_bound(layer, host_k, saved_base)
+    loads.issue(layer, (slot_k, slot_v, length, evicted_length))
 
 
 register_op(
     "kv_ops",
     "prefetch_layer(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor dep, Tensor length, Tensor evicted_length, "
-    "str name, int layer) -> ()",
+    "Tensor host_k, Tensor host_v, Tensor saved_base, str name, int layer) -> ()",
     fake=_fake_prefetch,
     cpu=_prefetch_cpu,
     cuda=_prefetch_cuda,

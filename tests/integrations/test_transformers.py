@@ -173,6 +173,28 @@ def test_a_new_cache_per_request_reuses_the_compiled_step_and_a_live_one_keeps_i
     assert HostOffloadedCache(config=cfg, max_cache_len=length).name == name
 
 
+def test_a_prefetch_handed_another_caches_host_copy_is_refused():
+    # The op checks the host copy and saved counts it is handed against those its name's loads
+    # are bound to: a step compiled or captured for one cache must not drive another's loads.
+    cfg = llama(layers=6)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    loads = cache.loads
+    first, second = loads.plan.streamed[:2]
+    slot_k, slot_v = loads.slots[loads.plan.slot[first]]
+    lengths = loads.lengths
+    args = (slot_k, slot_v, ids, lengths[first], lengths[loads.plan.evicts[first]])
+    before = [t.clone() for t in (slot_k, slot_v)]
+    with pytest.raises(
+        RuntimeError, match=rf"the step hands layer {first} of '{cache.name}' another cache's host copy"
+    ):
+        torch.ops.kv_ops.prefetch_layer(*args, *loads.host_views[second], loads.saved[:1], loads.name, first)
+    with pytest.raises(RuntimeError, match="another cache's host copy"):
+        torch.ops.kv_ops.prefetch_layer(*args, *loads.host_views[first], loads.saved.clone()[:1], loads.name, first)
+    assert all(torch.equal(a, b) for a, b in zip(before, (slot_k, slot_v)))
+
+
 def beams(n: int, compile_config=None) -> GenerationConfig:
     return GenerationConfig(
         max_new_tokens=NEW, min_new_tokens=NEW, num_beams=n, do_sample=False, pad_token_id=0, eos_token_id=None,
@@ -688,6 +710,28 @@ def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens():
     got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config)
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
+
+
+@gpu
+def test_on_a_gpu_a_new_cache_per_request_under_cuda_graphs_gives_the_static_caches_tokens():
+    # Each request's cache takes the dropped one's name and compiled step; its slots may land where
+    # the last one's were, its host copies elsewhere: the step's recording must never replay with
+    # another cache's host addresses (they are the step's inputs, so the trees record again).
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    for seed in range(3):
+        ids = torch.randint(1, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(seed)).cuda()
+        length = 4 * (ids.shape[1] + NEW)
+        want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
+        ballast = torch.empty(
+            int(torch.randint(1, 64, (1,))) << 20, dtype=torch.uint8, device="cuda"
+        )  # moves the slots
+        cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+        got = generate(model, ids, cache, gen(config))
+        assert cache.name == "hf-cache-0" or seed == 0
+        assert torch.equal(got.sequences, want.sequences), seed
+        del cache, got, ballast
 
 
 @gpu
