@@ -49,7 +49,7 @@ FULL = "full_attention"
 WINDOWED = ("sliding_attention", "chunked_attention")
 NO_CACHE = ("dummy",) if DummyLayer is not None else ()
 
-# Cache name -> its SlotLoads, for as long as that lives (closed or not). The ops carry the name as
+# Cache name -> its SlotLoads, while that lives and is not closed. The ops carry the name as
 # a constant that the compiled step is specialised on, so a new cache takes the first name no
 # living cache holds: a cache made per request, once the last one is dropped, reuses its name and
 # the step compiled for it (StaticCache's compiled step serves every StaticCache alike).
@@ -446,9 +446,12 @@ class HostOffloadedCache(Cache):
         return sum(t.numel() * t.element_size() for pair in self.loads.slots for t in pair)
 
     def close(self) -> None:
-        """Drop the cache's name; a step on it afterwards raises ``ValueError``. Closing twice is
-        harmless."""
+        """Drop the cache's name, for the next cache to take; a step on it afterwards raises
+        ``ValueError`` (a compiled one ``RuntimeError``: it hands the op this cache's host copies,
+        which the name's new loads do not hold). Closing twice is harmless."""
         self.loads.close()
+        if _named.get(self.name) is self.loads:
+            del _named[self.name]
 
 
 def _check_static_cache_arguments(kwargs: dict) -> None:

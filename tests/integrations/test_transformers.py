@@ -145,7 +145,7 @@ def test_compiled_generate_is_bitwise_the_static_caches(backend):
     assert cache.loads.moved > 0  # the compiled steps ran the loads
 
 
-def test_a_new_cache_per_request_reuses_the_compiled_step_and_a_live_one_keeps_its_name():
+def test_a_new_cache_per_request_reuses_the_compiled_step_and_a_live_one_keeps_its_name_until_closed():
     # The ops carry the cache's name, which the compiled step is specialised on: a cache made per
     # request takes the name of the one dropped before it, so it is compiled once, as StaticCache
     # is (a name per cache recompiled every request, and ran eagerly past Dynamo's limit).
@@ -163,14 +163,16 @@ def test_a_new_cache_per_request_reuses_the_compiled_step_and_a_live_one_keeps_i
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         del cache
     assert len(set(names)) == 1 and graphs[0] == graphs[-1], (names, graphs)
-    # Caches alive together have names of their own, a closed one included until it is dropped.
+    # Caches alive together have names of their own; a closed one gives its name up.
     first, second = (HostOffloadedCache(config=cfg, max_cache_len=length) for _ in range(2))
+    assert first.name != second.name
+    generate(model, ids, first, gen(config))
     first.close()
     third = HostOffloadedCache(config=cfg, max_cache_len=length)
-    assert len({first.name, second.name, third.name}) == 3
-    name = first.name
-    del first
-    assert HostOffloadedCache(config=cfg, max_cache_len=length).name == name
+    assert third.name == first.name
+    with pytest.raises(ValueError, match=rf"'{first.name}' was closed"):  # the eager prefill refuses it
+        generate(model, ids, first, gen(config))
+    assert same(generate(model, ids, third, gen(config)), want)
 
 
 def test_a_prefetch_handed_another_caches_host_copy_is_refused():
