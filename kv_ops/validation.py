@@ -326,9 +326,6 @@ def _host_values(*sides: torch.Tensor) -> list[np.ndarray]:
 SMALL_IDS = 64
 
 
-_BOOLS = frozenset((bool, np.bool_))
-
-
 def check_host_ids(op: str, what: str, ids: np.ndarray | list | tuple, limit: int, unique: bool = False) -> None:
     """The id rule, for ids already on the host: every id lies in ``[0, limit)``; with ``unique``,
     no id repeats. ``ids`` is a 1-D integer numpy array or a list or tuple of ints. Up to
@@ -336,10 +333,6 @@ def check_host_ids(op: str, what: str, ids: np.ndarray | list | tuple, limit: in
     the message is made only if an id is bad."""
     if type(ids) in (list, tuple):
         values = ids
-        # A bool is an int to Python and numpy (True is block 1): refused, not taken as a block.
-        if not _BOOLS.isdisjoint(map(type, ids)):
-            i = next(i for i, v in enumerate(ids) if type(v) in _BOOLS)
-            raise ValueError(f"{op}: {what}[{i}] is {ids[i]!r}, a bool, not a block id")
     else:
         values = ids.tolist() if ids.size <= SMALL_IDS else None
     if values is not None:

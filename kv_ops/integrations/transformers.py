@@ -49,11 +49,10 @@ FULL = "full_attention"
 WINDOWED = ("sliding_attention", "chunked_attention")
 NO_CACHE = ("dummy",) if DummyLayer is not None else ()
 
-# Cache name -> its SlotLoads, while that lives and is not closed. The ops carry the name as
-# a constant that the compiled step is specialised on, so a new cache takes the first name no
-# living cache holds: a cache made per request, once the last one is dropped, reuses its name and
-# the step compiled for it (StaticCache's compiled step serves every StaticCache alike).
-_named: weakref.WeakValueDictionary[str, SlotLoads] = weakref.WeakValueDictionary()
+# The ops carry a cache's name as a constant that the compiled step is specialised on, so a new
+# cache takes the first name no living (unclosed) cache holds in in_step: a cache made per request,
+# once the last one is dropped, reuses its name and the step compiled for it (StaticCache's compiled
+# step serves every StaticCache alike).
 _minted: set[str] = set()  # every name a cache has had in this process
 
 
@@ -68,13 +67,12 @@ def _new_loads() -> SlotLoads:
         gc.collect()
         name = _first_free()
         _minted.add(name)
-    loads = _named[name] = SlotLoads(name)
-    return loads
+    return SlotLoads(name)
 
 
 def _first_free() -> str:
     names = (f"hf-cache-{n}" for n in itertools.count())
-    return next(name for name in names if name not in _named and not in_step.is_taken(name))
+    return next(name for name in names if not in_step.is_taken(name))
 
 
 class HostOffloadedLayer(StaticLayer):
@@ -450,8 +448,6 @@ class HostOffloadedCache(Cache):
         ``ValueError`` (a compiled one ``RuntimeError``: it hands the op this cache's host copies,
         which the name's new loads do not hold). Closing twice is harmless."""
         self.loads.close()
-        if _named.get(self.name) is self.loads:
-            del _named[self.name]
 
 
 def _check_static_cache_arguments(kwargs: dict) -> None:

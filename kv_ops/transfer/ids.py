@@ -28,6 +28,7 @@ from ..validation import SMALL_IDS, check_host_ids, ids_message, ids_ok, no_valu
 _INTEGER_KINDS = "iu"
 # The dtypes an id array may have, as the ops' id tensors (kv_ops.validation.ids_ok).
 _ARRAY_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_BOOLS = frozenset((bool, np.bool_))
 
 
 def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device) -> np.ndarray | torch.Tensor:
@@ -83,6 +84,10 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
             )
         if array.size == 0:
             return array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
+        # A bool is an int to numpy (True is block 1): among ints it is refused, not taken as a block.
+        if not _BOOLS.isdisjoint(map(type, ids)):
+            i = next(i for i, v in enumerate(ids) if type(v) in _BOOLS)
+            raise ValueError(f"{op}: {what}[{i}] is {list(ids)[i]!r}, a bool, not a block id")
         if type(ids) in (list, tuple):
             check_host_ids(op, what, ids, limit, unique)  # on the list itself: its fast form
             return array.astype(np.int64, copy=False)

@@ -7,6 +7,7 @@ the graph replays, copies, descriptor batches, event records, torch operations a
 one ``store`` of 16 blocks issues on each path.
 """
 
+import collections
 import functools
 import time
 import warnings
@@ -86,6 +87,7 @@ def test_an_empty_list_is_no_ids_not_a_float_tensor():
         ([True], r"op: ids must be integer block ids, got a list of bool: \[True\]"),
         ([3, True], r"op: ids\[1\] is True, a bool, not a block id"),
         ((np.int64(2), np.True_), r"op: ids\[1\] is np.True_, a bool, not a block id"),
+        (collections.deque([3, True]), r"op: ids\[1\] is True, a bool, not a block id"),
         ([2**63], r"op: ids must be integer block ids, got a list of uint64: \[9223372036854775808\]"),
         (np.array([1], dtype=np.uint64), r"op: ids must be a 1-D int32 or int64 array, got a numpy uint64 array"),
         (np.array([1, 2], dtype=np.uint8), r"op: ids must be a 1-D int32 or int64 array, got a numpy uint8 array"),
@@ -112,6 +114,7 @@ def test_an_empty_list_is_no_ids_not_a_float_tensor():
         "bool",
         "bool-among-ints",
         "numpy-bool-among-ints",
+        "bool-in-a-deque",
         "past-int64",
         "uint64",
         "uint8-array",
