@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import numbers
 import threading
 from collections.abc import Iterator
 
 import torch
 
-from kv_ops.cuda.arguments import text
+from kv_ops.cuda.arguments import index, text
 from kv_ops.cuda.capture import capturing
 from kv_ops.cuda.driver import check_driver
 from kv_ops.cuda.host_memory import device_view
@@ -100,16 +99,6 @@ def _refuse_unserved(op: str, out, name) -> None:
         shown = "a tensor on meta" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown}")
     text(op, "name", name)
-
-
-def _refuse_token_count(num_tokens) -> None:
-    """A ``ValueError`` unless ``num_tokens`` is an integer >= 0 or a ``SymInt`` (whose sign the
-    fake checks): the op would take ``True`` as 1 row, refuse a float with torch's own
-    ``RuntimeError``, and report -1 as more rows than the buffer has."""
-    if isinstance(num_tokens, torch.SymInt):
-        return
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0:
-        raise ValueError(f"ple_ops.wait_copy: num_tokens must be an integer >= 0, got {num_tokens!r}")
 
 
 def _refuse_non_tensor_dep(op: str, dep) -> None:
@@ -307,8 +296,9 @@ def wait_copy(out: torch.Tensor, dep: torch.Tensor, num_tokens: int, name: str) 
     Tensor
         ``out[:num_tokens]``.
     """
-    if type(num_tokens) is not int or num_tokens < 0:  # the common case costs one type check
-        _refuse_token_count(num_tokens)
+    # The common case costs one type check. A SymInt (compiled, dynamic) is the fake's to check.
+    if (type(num_tokens) is not int or num_tokens < 0) and not isinstance(num_tokens, torch.SymInt):
+        num_tokens = index("ple_ops.wait_copy", "num_tokens", num_tokens)  # True would be 1 row, -1 past the buffer
     _refuse_unserved("ple_ops.wait_copy", out, name)
     _refuse_non_tensor_dep("ple_ops.wait_copy", dep)
     torch.ops.ple_ops.wait_copy(out, dep, num_tokens, name)
