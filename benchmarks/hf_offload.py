@@ -7,7 +7,9 @@ sequence. Per shape, side by side: transformers' on-GPU ``static`` cache, its ``
 ``--graph-shapes`` also with CUDA graphs (``mode="reduce-overhead"``), static and ours alike, and
 ours with a GPU budget for half the layers (``max_gpu_bytes``). Decode tokens/s is
 ``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the prefill taken
-out), best of ``--reps``.
+out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so that a slow stretch of
+the host's time (an eager step is the host's launches) falls on every cache alike; the CUDA-graph
+runs go one after another, each compiled step warmed up and timed on its own.
 
 Floor: the bytes HostOffloadedCache streams per step (the positions in use of every streamed
 layer in, one new position of each out, at the decode's mean length) at the same run's pinned
@@ -85,21 +87,37 @@ def timed(model, ids, cache, gen) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t, out
 
 
-def decode(model, ids, make_cache, mode, reps) -> tuple[float, float]:
-    """Best decode seconds per step, peak GPU GiB (warm-up compiles and captures)."""
+def warmed(model, ids, make_cache, mode, held: int):
+    """A cache made by ``make_cache`` and warmed up (compiled, captured), a timer of one decode
+    rep (seconds per step), and the GPU GiB the warm-up peaked at, less ``held`` bytes that other
+    runs' live caches take."""
     full, one = make(mode, NEW), make(mode, 1)
     cache = make_cache()
     torch.cuda.reset_peak_memory_stats()
-    timed(model, ids, cache, full)  # warm-up: compiles, captures
+    timed(model, ids, cache, full)
     timed(model, ids, cache, one)
-    best = float("inf")
-    for _ in range(reps):
+    peak = (torch.cuda.max_memory_allocated() - held) / 2**30
+
+    def once() -> float:
         t_full, _ = timed(model, ids, cache, full)
         t_one, _ = timed(model, ids, cache, one)
-        best = min(best, (t_full - t_one) / (NEW - 1))
-    if hasattr(cache, "close"):
-        cache.close()
-    return best, torch.cuda.max_memory_allocated() / 2**30
+        return (t_full - t_one) / (NEW - 1)
+
+    return cache, once, peak
+
+
+def best_in_turns(timers: dict, reps: int) -> dict:
+    """The best of ``reps`` calls of each timer, the timers taking turns rep by rep. A timer that
+    raises is reported (:func:`common.guard`) and drops out; the others go on."""
+    best = dict.fromkeys(timers, float("inf"))
+    for _ in range(reps):
+        for key in list(best):
+            got = guard(str(key), timers[key])
+            if got is None:
+                del best[key]
+            else:
+                best[key] = min(best[key], got)
+    return best
 
 
 def make(mode, new):
@@ -161,6 +179,42 @@ def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> di
     }
 
 
+def facts(cache):
+    """(streamed layers, GPU bytes) of a HostOffloadedCache; None for another cache."""
+    return (len(cache.loads.plan.streamed), cache.gpu_bytes()) if isinstance(cache, HostOffloadedCache) else None
+
+
+def measure(model, ids, runs, reps, where) -> dict:
+    """``run -> (best seconds per step, peak GPU GiB, facts(cache))`` for each run that did not
+    fail. The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one
+    after them, each cache closed before the next (its compiled step then passes to the next
+    HostOffloadedCache, as in serving)."""
+    measured, warm, held, start = {}, {}, 0, torch.cuda.memory_allocated()
+    for run in [r for r in runs if r[1] != "cudagraphs"]:
+        got = guard(where(run), warmed, model, ids, run[2] or (lambda: None), run[1], held)
+        if got is not None:
+            warm[run] = got
+            held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
+    for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps).items():
+        measured[run] = (step, warm[run][2], facts(warm[run][0]))
+    for cache, _, _ in warm.values():
+        if hasattr(cache, "close"):
+            cache.close()
+    del warm  # the eager caches' memory is free for the graph runs
+    for run in [r for r in runs if r[1] == "cudagraphs"]:
+        got = guard(where(run), warmed, model, ids, run[2], run[1], 0)
+        if got is None:
+            continue
+        cache, once, peak = got
+        steps = [step for step in (guard(where(run), once) for _ in range(reps)) if step is not None]
+        if steps:
+            measured[run] = (min(steps), peak, facts(cache))
+        if hasattr(cache, "close"):
+            cache.close()
+        del cache, once
+    return measured
+
+
 def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
@@ -169,14 +223,12 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
     per_position = 2 * batch * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
     layer_bytes = per_position * context
     half = (layers // 2 + 2) * layer_bytes  # half the layers resident, beside the two shared slots
-    made = {}
 
     def factory(cls, **kw):
-        def make_cache():
-            made["cache"] = cls(config=cfg, max_cache_len=context, **kw)
-            return made["cache"]
+        return lambda: cls(config=cfg, max_cache_len=context, **kw)
 
-        return make_cache
+    def where(run) -> str:
+        return f"{run[0]} {run[1]} at {layers} layers, batch {batch}, sequence {sequence}, max_cache_len {context}"
 
     modes = ["eager", "cudagraphs"] if graphs else ["eager"]
     runs = [("static", m, factory(StaticCache)) for m in modes]
@@ -189,27 +241,25 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
     static_us = update_host_us(model, ids, StaticCache(config=cfg, max_cache_len=context))
     ours_us = update_host_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
     parts = update_parts_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
+    measured = measure(model, ids, runs, reps, where)
     all_bytes = layers * layer_bytes
     mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
     rows, reference = [], {}
-    for cache, mode, make_cache in runs:
-        where = f"{cache} {mode} at {layers} layers, batch {batch}, sequence {sequence}, max_cache_len {context}"
-        made.clear()
-        got = guard(where, decode, model, ids, make_cache or (lambda: None), mode, reps)
-        if got is None:
+    for run in runs:
+        if run not in measured:
             continue
-        step, peak = got
+        cache, mode, _ = run
+        step, peak, held = measured[run]
         shown = "eager" if mode.startswith("transformers:") else mode
         if cache == "static":
             reference[mode] = step
         base_step = reference.get(shown)
-        ours = made.get("cache") if cache.startswith("HostOffloadedCache") else None
-        streamed = len(ours.loads.plan.streamed) if ours is not None else 0
+        streamed = held[0] if held is not None else 0
         moved = streamed * (mean_positions + 1) * per_position
         if cache == "static":
             kv_gpu = all_bytes
-        elif ours is not None:
-            kv_gpu = ours.gpu_bytes()
+        elif held is not None:
+            kv_gpu = held[1]
         else:  # transformers' offloaded caches hold two layers on the GPU, at the sequence's length
             kv_gpu = 2 * per_position * sequence
         floor = moved / rate
@@ -221,7 +271,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
                 "cache": cache, "mode": shown, "memcpy_gbs": rate / 1e9, "decode_tok_s": batch / step,
                 "step_ms": step * 1e3,
                 "floor_ms": floor * 1e3, "target_ms": target * 1e3,
-                "step_vs_target": step / target if ours is not None else None,
+                "step_vs_target": step / target if held is not None else None,
                 "kv_gpu_mib": kv_gpu / 2**20, "kv_gpu_saved_mib": (all_bytes - kv_gpu) / 2**20,
                 "peak_gpu_gib": peak, "mib_per_step": moved / 2**20,
                 "update_host_us": ours_us if cache == "HostOffloadedCache" and shown == "eager" else None,
@@ -350,7 +400,7 @@ def main(argv=None) -> int:
         default="8x4x2048x1,8x4x2048x4,8x4x2048x8,32x4x2048x4",
         help="the shapes that also run with CUDA graphs, and with a budget for half the layers",
     )
-    p.add_argument("--reps", type=int, default=2, help="timed repetitions per cache (best is kept)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per cache (best is kept)")
     p.add_argument("--merge", type=Path, help="an earlier run's hf_offload.csv, whose rows join this run's table")
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()

@@ -149,6 +149,31 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
     )
 
 
+def test_hf_offload_eager_runs_take_turns_and_a_failing_one_drops_out(capsys):
+    pytest.importorskip("transformers")
+    hf, common = importlib.import_module("hf_offload"), importlib.import_module("common")
+    calls, steps = [], {"static": [0.012, 0.009, 0.011], "ours": [0.010, 0.013, 0.008], "bad": [0.005]}
+
+    def timer(name):
+        def once():
+            calls.append(name)
+            if not steps[name]:
+                raise RuntimeError(f"{name} broke")
+            return steps[name].pop(0)
+
+        return once
+
+    failures = len(common.FAILURES)
+    try:
+        best = hf.best_in_turns({name: timer(name) for name in ("static", "ours", "bad")}, 3)
+        assert common.FAILURES[failures:] == ["bad"]
+    finally:
+        del common.FAILURES[failures:]
+    assert best == {"static": 0.009, "ours": 0.008}
+    assert calls == ["static", "ours", "bad", "static", "ours", "bad", "static", "ours"]
+    assert "bad broke" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "layerwise_parts", "ple_latency"])
 def test_every_script_writes_and_plots_through_report(script):
     # Directly or through common.save: no script has a CSV writer or a figure of its own.

@@ -429,6 +429,8 @@ def test_on_the_gpu_the_state_dict_round_trips_through_the_host_rows_in_stream_o
     assert_bitwise(emb.weight.detach(), saved)
     ids = random_ids(4096, (2048,), 3).cuda()
     new = torch.randn(4096, 256, generator=torch.Generator().manual_seed(4))
+    host(ids)  # the gather's first call builds its kernel on the host: not inside the sleep below
+    torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # keeps the stream busy past the load's host work
     before = host(ids)  # queued before the load: it must see the old rows
     assert not torch.cuda.current_stream().query()  # still queued when the load is issued
