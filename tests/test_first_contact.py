@@ -208,7 +208,7 @@ def _closed_transfers(engine, objects):
     objects["transfers"].close()
     return (
         lambda host, gpu: objects["transfers"].stage(load=(host, gpu)),
-        f"StepTransfers.stage: {objects['transfers'].name!r} is closed",
+        f"StepTransfers.stage: {objects['transfers'].name!r} was closed",
     )
 
 

@@ -34,6 +34,7 @@ import torch
 from ..cuda import arguments
 from ..cuda.registration import check_new_name, find_named, register_op
 from ..validation import check_fake_values
+from .closed import ClosedError
 
 # name -> the live object an op's name resolves to in this process (an AOT-loaded step carries
 # only the name). Strong references for what the user closes (LayerwiseLoads, StepTransfers: an
@@ -92,6 +93,14 @@ def is_taken(name: str) -> bool:
 def is_live(obj) -> bool:
     """Whether ``obj`` holds its name (it was not closed)."""
     return _get(obj.name) is obj
+
+
+def check_live(obj, op: str) -> None:
+    """A :class:`ClosedError` from ``op`` unless ``obj`` holds its name: the one message of a
+    closed :class:`~kv_ops.LayerwiseLoads` or :class:`~kv_ops.StepTransfers`."""
+    if not is_live(obj):
+        kind = type(obj).__name__
+        raise ClosedError(f"{op}: {obj.name!r} was closed (close() was called); make a new {kind}")
 
 
 # The hint of a lookup for an object the user makes from an engine and a name before the step.

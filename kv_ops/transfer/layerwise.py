@@ -47,7 +47,6 @@ from ..layer_wait import wait_landed
 from ..validation import error_counter
 from . import dma, in_step, layerwise_ring
 from .blocks import Blocks, Direction, EventPath
-from .closed import ClosedError
 from .engine import check_engine
 from .ids import Pool
 from .in_step import wait_layer
@@ -334,8 +333,8 @@ class LayerwiseLoads:
             After the engine or this object was closed.
         """
         if not in_step.is_live(self):
-            self.engine.check_open("LayerwiseLoads.start")
-            raise ClosedError(f"LayerwiseLoads.start: {self.name!r} was closed; make a new LayerwiseLoads")
+            self.engine.check_open("LayerwiseLoads.start")  # a closed engine is the reason to give
+            in_step.check_live(self, "LayerwiseLoads.start")
         path = self._pick if self.copies == "auto" else self._paths[self.copies]
         return self.engine.load_through(path, self._side, host_ids, gpu_ids, after)
 
@@ -445,8 +444,7 @@ class LayerwiseLoads:
             self._staged = self._kernel_copies = self._launcher = None
 
     def __enter__(self) -> LayerwiseLoads:
-        if not in_step.is_live(self):  # as every call after close() does, not at the first one inside
-            raise ClosedError(f"LayerwiseLoads: {self.name!r} was closed; make a new LayerwiseLoads")
+        in_step.check_live(self, "LayerwiseLoads")  # as every call after close() does, not at the first one inside
         return self
 
     def __exit__(self, *exc) -> None:

@@ -30,7 +30,6 @@ from ..cuda.registration import register_op
 from ..validation import check_fake_values, error_counter
 from . import ids as ids_mod
 from . import in_step
-from .closed import ClosedError
 from .engine import check_engine
 
 # How long stage() waits for the step that reads the last staged ids before it gives up: that
@@ -158,8 +157,7 @@ class StepTransfers:
             After :meth:`close`, or the engine's.
         """
         op = "StepTransfers.stage"
-        if not in_step.is_live(self):
-            raise ClosedError(f"{op}: {self.name!r} is closed (close() was called); make a new StepTransfers")
+        in_step.check_live(self, op)
         capture.refuse_capture(
             op,
             "the ids are written on the host before the step, not recorded into a graph",
@@ -241,8 +239,7 @@ class StepTransfers:
         self._words[0] = self._words[self._load_at] = 0
 
     def __enter__(self) -> StepTransfers:
-        if not in_step.is_live(self):  # as every call after close() does, not at the first one inside
-            raise ClosedError(f"StepTransfers: {self.name!r} is closed (close() was called); make a new StepTransfers")
+        in_step.check_live(self, "StepTransfers")  # as every call after close() does, not at the first one inside
         return self
 
     def __exit__(self, *exc) -> None:

@@ -270,9 +270,12 @@ def test_close_drops_the_name_and_what_was_staged():
         before = State(engine, caches)
         transfers.stage(store=([2], [5]))
         transfers.close()
-        with pytest.raises(RuntimeError, match=r"'closing' is closed"):
+        with pytest.raises(RuntimeError, match=r"'closing' was closed"):
             transfers.stage(store=([2], [5]))
-        with pytest.raises(kv_ops.ClosedError, match=r"^StepTransfers: 'closing' is closed"):
+        with pytest.raises(
+            kv_ops.ClosedError,
+            match=r"^StepTransfers: 'closing' was closed \(close\(\) was called\); make a new StepTransfers$",
+        ):
             with transfers:
                 pytest.fail("entered a closed StepTransfers")
         with pytest.raises(ValueError, match=r"no StepTransfers named 'closing'"):
