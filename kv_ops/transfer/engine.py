@@ -84,7 +84,7 @@ class OffloadEngine:
     disk_tag : str, optional
         Names this rank's or device's file; ``"<device>"`` (e.g. ``cuda0``) by default. Only with ``disk_dir``.
     page_cache : bool
-        Buffered file I/O instead of ``O_DIRECT``.
+        Buffered file I/O instead of ``O_DIRECT``. Only with ``disk_dir``.
     staging_slots, staging_blocks : int
         Page-locked staging buffers of the disk tier (two: double buffering) and blocks in each;
         positive integers (checked with or without ``disk_dir``).
@@ -135,7 +135,7 @@ class OffloadEngine:
         non-empty string fit for a file name (no ``/``, no NUL) or given without ``disk_dir``, a
         ``crossover_file`` that is a directory or in no directory that exists, or a ``capacity_bytes`` whose
         file the disk cannot hold (out of space, too large a file, over quota); ``disk_dir`` or
-        ``crossover_file`` that is not a path, ``page_cache`` that is not a bool.
+        ``crossover_file`` that is not a path, ``page_cache`` that is not a bool, or True without ``disk_dir``.
 
     Notes
     -----

@@ -53,7 +53,11 @@ def check_files_and_device(kv_caches, disk_dir, disk_tag, crossover_file, page_c
         check_disk_dir(disk_dir)
     if crossover_file is not None:  # before the host memory and auto's measurement, not after
         check_kept_file("OffloadEngine", crossover_file)
-    flag("OffloadEngine", "page_cache", page_cache)
+    if flag("OffloadEngine", "page_cache", page_cache) and disk_dir is None:  # as disk_tag: a tier not there
+        raise ValueError(
+            "OffloadEngine: page_cache=True asks for buffered I/O on the disk tier's file, but no disk_dir was "
+            "given; pass disk_dir too, or leave page_cache False"
+        )
     devices = {t.device for t in kv_caches.values()}
     if len(devices) != 1:
         raise ValueError(f"OffloadEngine: the KV caches must sit on one device, got {sorted(map(str, devices))}")

@@ -439,6 +439,22 @@ def test_a_disk_tag_without_disk_dir_is_refused_as_it_names_no_file(monkeypatch)
     assert made == []  # refused before the mirror was sized, let alone allocated
 
 
+def test_page_cache_without_disk_dir_is_refused_as_there_is_no_file_to_buffer(monkeypatch):
+    made = []
+    monkeypatch.setattr(kv_ops.transfer.engine, "host_blocks", lambda *a: made.append(a))
+    kv = {f"layer{i}": torch.randn(2, 16, 4, 2, 8).bfloat16() for i in range(2)}
+    with pytest.raises(ValueError, match=r"^OffloadEngine: page_cache=True asks for buffered I/O on the disk tier's"):
+        kv_ops.OffloadEngine(kv, 16, capacity_bytes=64 << 10, page_cache=True)
+    assert made == []  # refused before the mirror was sized
+    monkeypatch.undo()
+    with kv_ops.OffloadEngine(kv, 16, capacity_bytes=64 << 10, page_cache=False) as engine:  # the default, said
+        engine.store([3], [0])
+        engine.flush()
+        engine.load([0], [10])
+        engine.flush()
+    assert all(torch.equal(t[:, 10], t[:, 3]) for t in kv.values())
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EDQUOT], ids=["ENOSPC", "EFBIG", "EDQUOT"])
 @pytest.mark.parametrize("tmpfile", [True, False], ids=["o_tmpfile", "create-then-unlink"])
 def test_a_capacity_the_disk_cannot_hold_is_refused_naming_capacity_bytes_and_disk_dir(
