@@ -1,6 +1,6 @@
 """Shared by tests/ and compile_tests/ conftests: Triton's interpreter where no GPU exists (set
 before any kernel module is imported), the `gpu` marker, whose tests skip without CUDA, and,
-under a sanitizer, cells standing in for `path="auto"`'s measurement and attention off cuDNN."""
+under a sanitizer, cells standing in for `path="auto"`'s measurement and SDPA's math attention."""
 
 import os
 
@@ -42,12 +42,19 @@ def stand_ins_under_a_sanitizer():
         ]
         return crossover.Crossover(crossover.shape_key(device, list(widths), ring_bytes), cells)
 
-    # cuDNN's fused attention (what SDPA picks for the transformers tests' models on an H200)
-    # draws racecheck hazard reports from inside its own kernel, which is not what is checked here
-    # and drowns the report: the sanitized runs attend with SDPA's other kernels.
-    cudnn_attention = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    # SDPA's fused attention kernels (cuDNN's, then the memory-efficient one once cuDNN's is off)
+    # draw racecheck hazard reports from inside themselves by the tens of thousands, which is not
+    # what is checked here: they drown the report and slowed racecheck over the transformers tests
+    # past a whole device call. The sanitized runs attend with SDPA's math kernels.
+    fused = {
+        torch.backends.cuda.enable_cudnn_sdp: torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.backends.cuda.enable_mem_efficient_sdp: torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.enable_flash_sdp: torch.backends.cuda.flash_sdp_enabled(),
+    }
+    for enable in fused:
+        enable(False)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(crossover, "measured_once", stand_in)
         yield
-    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+    for enable, was in fused.items():
+        enable(was)
