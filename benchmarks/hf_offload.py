@@ -106,13 +106,13 @@ def warmed(model, ids, make_cache, mode, held: int):
     return cache, once, peak
 
 
-def best_in_turns(timers: dict, reps: int) -> dict:
+def best_in_turns(timers: dict, reps: int, what=str) -> dict:
     """The best of ``reps`` calls of each timer, the timers taking turns rep by rep. A timer that
-    raises is reported (:func:`common.guard`) and drops out; the others go on."""
+    raises is reported as ``what(key)`` (:func:`common.guard`) and drops out; the others go on."""
     best = dict.fromkeys(timers, float("inf"))
     for _ in range(reps):
         for key in list(best):
-            got = guard(str(key), timers[key])
+            got = guard(what(key), timers[key])
             if got is None:
                 del best[key]
             else:
@@ -195,7 +195,7 @@ def measure(model, ids, runs, reps, where) -> dict:
         if got is not None:
             warm[run] = got
             held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
-    for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps).items():
+    for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where).items():
         measured[run] = (step, warm[run][2], facts(warm[run][0]))
     for cache, _, _ in warm.values():
         if hasattr(cache, "close"):
