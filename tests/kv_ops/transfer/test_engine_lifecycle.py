@@ -66,7 +66,9 @@ def read_slots(fd, first, count, stride, width):
 
 @pytest.mark.parametrize("tier", ["mirror", "disk"])
 def test_close_reports_what_is_left_frees_everything_and_is_idempotent(tmp_path, tier):
-    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=True, staging_blocks=2)
+    engine = make_engine(
+        disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=tier == "disk", staging_blocks=2
+    )
     first = engine.store([0, 1, 2], [0, 1, 2])
     assert engine.flush().stores == [first]
     rest = [engine.store([3, 4, 5], [3, 4, 5]), engine.load([0, 1], [10, 11]), engine.store([6], [6])]
@@ -94,7 +96,7 @@ def test_close_reports_what_is_left_frees_everything_and_is_idempotent(tmp_path,
     ids=["store", "load", "poll", "flush", "store-bad-ids"],
 )
 def test_every_call_after_close_raises_a_clear_error(tmp_path, tier, name, call):
-    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=True)
+    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=tier == "disk")
     engine.close()
     with pytest.raises(EngineClosedError, match=rf"OffloadEngine\.{name}: the engine is closed"):
         call(engine)
@@ -103,7 +105,7 @@ def test_every_call_after_close_raises_a_clear_error(tmp_path, tier, name, call)
 
 @pytest.mark.parametrize("tier", ["mirror", "disk"])
 def test_entering_a_closed_engine_raises_as_every_call_does(tmp_path, tier):
-    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=True, seed=7)
+    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=tier == "disk", seed=7)
     engine.close()
     entered = []
     with pytest.raises(EngineClosedError, match=r"^OffloadEngine\.__enter__: the engine is closed"):
@@ -214,7 +216,9 @@ def test_after_flush_the_stored_copy_is_the_block_as_it_was_at_store(tmp_path, t
     # store is reported is stored as it was at the call, while other blocks change meanwhile; a
     # write after the report does not reach the stored copy. Both tiers, the same rule.
     gen = torch.Generator().manual_seed(21)
-    engine = make_engine(disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=True, staging_blocks=2)
+    engine = make_engine(
+        disk_dir=str(tmp_path) if tier == "disk" else None, page_cache=tier == "disk", staging_blocks=2
+    )
     stored = [3, 8, 9, 14, 30]
     want = packed(engine, stored)
     tid = engine.store(stored, [7, 0, 1, 2, 39])
