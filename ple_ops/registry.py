@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kv_ops.cuda.arguments import seconds, text
+from kv_ops.cuda.arguments import seconds, shown, text
 from kv_ops.cuda.registration import find_named
 
 from .semaphore import CpuGpuSemaphore
@@ -110,23 +110,16 @@ _armed: dict[str, ArmedLayer] = {}
 _gone: dict[str, Callable[[], BaseException]] = {}
 
 
-def _shown(value) -> str:
-    """``value`` as an error message shows it: a tensor by its kind, anything else by its repr."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-    return repr(value)
-
-
 def _check_layer(layer: ArmedLayer) -> None:
     """Each field of ``layer`` is what :class:`ArmedLayer` says it is, else a ``ValueError`` from
     ``ple_ops.arm`` naming the field, the layer and the value (its name was checked first)."""
     of = f"of {layer.name!r} must be"
     if not isinstance(layer.flag, CpuGpuSemaphore):
-        raise ValueError(f"ple_ops.arm: layer.flag {of} a CpuGpuSemaphore, got {_shown(layer.flag)}")
+        raise ValueError(f"ple_ops.arm: layer.flag {of} a CpuGpuSemaphore, got {shown(layer.flag)}")
     slot = layer.slot
     if not isinstance(slot, torch.Tensor) or slot.device.type != "cpu" or slot.dtype != torch.uint8 or slot.dim() != 2:
         raise ValueError(
-            f"ple_ops.arm: layer.slot {of} a uint8 [max_tokens, row_bytes] tensor in host memory, got {_shown(slot)}"
+            f"ple_ops.arm: layer.slot {of} a uint8 [max_tokens, row_bytes] tensor in host memory, got {shown(slot)}"
         )
     if not slot.is_contiguous():
         raise ValueError(
@@ -136,7 +129,7 @@ def _check_layer(layer: ArmedLayer) -> None:
     if bound != (slot.data_ptr(), *slot.shape):  # the ops read these, not the slot
         raise ValueError(
             f"ple_ops.arm: layer.slot of {layer.name!r} was replaced after the layer was made, which binds its "
-            f"address and shape: make a new ArmedLayer with the slot {_shown(slot)}"
+            f"address and shape: make a new ArmedLayer with the slot {shown(slot)}"
         )
     if not callable(layer.check):
         raise ValueError(
@@ -145,9 +138,9 @@ def _check_layer(layer: ArmedLayer) -> None:
     if layer.out is not None and not isinstance(layer.out, torch.Tensor):
         raise ValueError(f"ple_ops.arm: layer.out {of} a tensor or None, got {layer.out!r}")
     if layer.waiting is not None and not isinstance(layer.waiting, CpuGpuSemaphore):
-        raise ValueError(f"ple_ops.arm: layer.waiting {of} a CpuGpuSemaphore or None, got {_shown(layer.waiting)}")
+        raise ValueError(f"ple_ops.arm: layer.waiting {of} a CpuGpuSemaphore or None, got {shown(layer.waiting)}")
     if layer.guard is not None and not isinstance(layer.guard, StepGuard):
-        raise ValueError(f"ple_ops.arm: layer.guard {of} a StepGuard or None, got {_shown(layer.guard)}")
+        raise ValueError(f"ple_ops.arm: layer.guard {of} a StepGuard or None, got {shown(layer.guard)}")
     seconds("ple_ops.arm", f"layer.timeout of {layer.name!r}", layer.timeout)
 
 
@@ -160,7 +153,7 @@ def arm(layer: ArmedLayer) -> None:
     word semaphores, its check callable.
     """
     if not isinstance(layer, ArmedLayer):
-        raise ValueError(f"ple_ops.arm: layer must be an ArmedLayer, got {_shown(layer)}")
+        raise ValueError(f"ple_ops.arm: layer must be an ArmedLayer, got {shown(layer)}")
     text("ple_ops.arm", "layer.name", layer.name)
     if layer.name in _armed:
         raise ValueError(

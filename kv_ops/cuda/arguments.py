@@ -50,11 +50,11 @@ def flag(owner: str, what: str, value) -> bool:
 
 
 def shown(value) -> str:
-    """``value`` as an error message names it: a tensor by its shape, a collection by its type and
-    length, anything else by a repr cut short. Never a tensor's values: a KV cache's repr is
-    thousands of numbers, and on a GPU printing them syncs the device."""
+    """``value`` as an error message names it: a tensor by its dtype, shape and device, a collection
+    by its type and length, anything else by a repr cut short. Never a tensor's values: a KV
+    cache's repr is thousands of numbers, and on a GPU printing them syncs the device."""
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
     if isinstance(value, (list, tuple, Mapping, set, frozenset)):
         return f"{type(value).__name__} with {len(value)} entr{'y' if len(value) == 1 else 'ies'}"
     return reprlib.repr(value)

@@ -176,7 +176,7 @@ def test_byte_regions_takes_a_list_or_a_mapping_of_uint8_regions_in_order():
         ("x", "regions must be a list or mapping of uint8 regions, got 'x'"),
         (
             torch.randint(0, 256, (8, 256), dtype=torch.uint8),
-            r"regions must be a list or mapping of uint8 regions, got a tensor of shape \(8, 256\)",
+            r"regions must be a list or mapping of uint8 regions, got a torch.uint8 tensor of shape \(8, 256\) on cpu",
         ),
     ],
     ids=["caches", "1-d", "float-2d", "not-a-tensor", "empty", "none", "string", "one-tensor"],
@@ -192,7 +192,7 @@ def test_tensor_list_names_a_wrong_value_by_its_type_never_by_a_tensors_values()
         (caches, r"got dict with 2 entries; pass its tensors, list\(caches.values\(\)\)$"),
         ([caches["layer0"], None], r"got caches\[1\] = None$"),
         ([caches["layer0"], list(caches.values())], r"got caches\[1\] = list with 2 entries$"),
-        (caches["layer0"], r"got a tensor of shape \(2, 16, 4, 2, 8\)$"),
+        (caches["layer0"], r"got a torch.bfloat16 tensor of shape \(2, 16, 4, 2, 8\) on cpu$"),
         (None, "got None$"),
     ]
     for value, message in cases:

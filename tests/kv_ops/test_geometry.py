@@ -425,7 +425,7 @@ def test_block_bytes_sums_the_block_of_every_region_in_a_list_or_a_mapping():
         ("x", "regions must be a list or mapping of uint8 regions, got 'x'"),
         (
             torch.randint(0, 256, (8, 256), dtype=torch.uint8),
-            r"regions must be a list or mapping of uint8 regions, got a tensor of shape \(8, 256\)",
+            r"regions must be a list or mapping of uint8 regions, got a torch.uint8 tensor of shape \(8, 256\) on cpu",
         ),
         ([torch.randint(0, 256, (4,), dtype=torch.uint8)], r"regions\[0\] must be a 2-D uint8 region .*\(4,\)"),
     ],
