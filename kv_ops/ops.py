@@ -29,6 +29,7 @@ from .cuda import capture
 from .cuda.registration import register_op
 
 Regions = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+_CPU = torch.device("cpu")
 
 
 def _kernel_device(*groups: Sequence[torch.Tensor]) -> torch.device:
@@ -226,15 +227,19 @@ def _check_copy_values(entry: _RegionSet, src_ids, dst_ids) -> None:
         V.check_disjoint_ids(op, src_ids, dst_ids)
 
 
-def _copy_blocks_cpu(src, dst, src_ids, dst_ids) -> None:
-    device = torch.device("cpu")
-    entry = _copy_set(src, dst, device)
-    _check_ids("kv_ops.copy_blocks", device, [("src_ids", src_ids), ("dst_ids", dst_ids)], None)
-    if V.should_check_ids(device):
-        _check_copy_values(entry, src_ids, dst_ids)
-    skipped = reference.copy_blocks(src, dst, src_ids, dst_ids)
+def _count_skipped(skipped: int) -> None:
+    """Add the ids a CPU copy skipped (out of range, checks off) to the CPU's error counter, as
+    the kernels add theirs on the device."""
     if skipped:
-        V.error_counter(device).add_(skipped)
+        V.error_counter(_CPU).add_(skipped)
+
+
+def _copy_blocks_cpu(src, dst, src_ids, dst_ids) -> None:
+    entry = _copy_set(src, dst, _CPU)
+    _check_ids("kv_ops.copy_blocks", _CPU, [("src_ids", src_ids), ("dst_ids", dst_ids)], None)
+    if V.should_check_ids(_CPU):
+        _check_copy_values(entry, src_ids, dst_ids)
+    _count_skipped(reference.copy_blocks(src, dst, src_ids, dst_ids))
 
 
 def _copy_blocks_cuda(src, dst, src_ids, dst_ids) -> None:
@@ -352,11 +357,8 @@ def _check_packed_call(kind: str, regions, ids, packed, device: torch.device) ->
 
 
 def _gather_blocks_cpu(regions, ids, out) -> None:
-    device = torch.device("cpu")
-    _check_packed_call("gather", regions, ids, out, device)
-    skipped = reference.gather_blocks(regions, ids, out)
-    if skipped:
-        V.error_counter(device).add_(skipped)
+    _check_packed_call("gather", regions, ids, out, _CPU)
+    _count_skipped(reference.gather_blocks(regions, ids, out))
 
 
 def _gather_blocks_cuda(regions, ids, out) -> None:
@@ -411,11 +413,8 @@ def _scatter_blocks_fake(packed, ids, regions):
 
 
 def _scatter_blocks_cpu(packed, ids, regions) -> None:
-    device = torch.device("cpu")
-    _check_packed_call("scatter", regions, ids, packed, device)
-    skipped = reference.scatter_blocks(packed, ids, regions)
-    if skipped:
-        V.error_counter(device).add_(skipped)
+    _check_packed_call("scatter", regions, ids, packed, _CPU)
+    _count_skipped(reference.scatter_blocks(packed, ids, regions))
 
 
 def _scatter_blocks_cuda(packed, ids, regions) -> None:
