@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kv_ops.cuda.arguments import index, text
+from kv_ops.cuda.arguments import index, shown, text
 from kv_ops.cuda.capture import capturing
 from kv_ops.cuda.driver import check_driver
 from kv_ops.cuda.host_memory import device_view
@@ -96,9 +96,9 @@ def _refuse_unserved(op: str, out, name) -> None:
     check, whose error names neither the op's wrapper nor the rule."""
     # is_meta, not out.device: every call pays this, and a device object is built per read.
     if not isinstance(out, torch.Tensor) or out.is_meta:
-        shown = "a tensor on meta" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown}")
-    text(op, "name", name)
+        raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown(out)}")
+    if type(name) is not str or not name:  # the common case: one type check
+        text(op, "name", name)
 
 
 def _refuse_non_tensor_dep(op: str, dep) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kv_ops.cuda.arguments import cuda_device, positive_int, seconds
+from kv_ops.cuda.arguments import cuda_device, positive_int, seconds, shown
 from kv_ops.cuda.driver import check_driver, device_pointer, driver
 from kv_ops.cuda.host_memory import device_view
 from kv_ops.cuda.torch_internals import current_raw_stream_reader
@@ -195,8 +195,7 @@ class CpuGpuSemaphore:
         """
         owner = "CpuGpuSemaphore.in_host_memory"
         if not isinstance(flag, torch.Tensor) or flag.device.type != "cpu":
-            shown = f"a tensor on {flag.device}" if isinstance(flag, torch.Tensor) else repr(flag)
-            raise ValueError(f"{owner}: flag must be a one-element int32 view of host memory, got {shown}")
+            raise ValueError(f"{owner}: flag must be a one-element int32 view of host memory, got {shown(flag)}")
         if map_for_gpu is not None and not isinstance(map_for_gpu, bool):
             raise ValueError(f"{owner}: map_for_gpu must be True, False or None, got {map_for_gpu!r}")
         if map_for_gpu and not torch.cuda.is_available():

@@ -86,8 +86,8 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
             return array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
         # A bool is an int to numpy (True is block 1): among ints it is refused, not taken as a block.
         if not _BOOLS.isdisjoint(map(type, ids)):
-            i = next(i for i, v in enumerate(ids) if type(v) in _BOOLS)
-            raise ValueError(f"{op}: {what}[{i}] is {list(ids)[i]!r}, a bool, not a block id")
+            i, v = next((i, v) for i, v in enumerate(ids) if type(v) in _BOOLS)
+            raise ValueError(f"{op}: {what}[{i}] is {v!r}, a bool, not a block id")
         if type(ids) in (list, tuple):
             check_host_ids(op, what, ids, limit, unique)  # on the list itself: its fast form
             return array.astype(np.int64, copy=False)

@@ -85,8 +85,7 @@ class HostEmbedding(CastGuard):
         cast = fn(torch.empty(0, dtype=self.dtype, device=self.host_rows.device)).dtype
         if cast != self.dtype:
             rows = self.host_rows
-            device = rows.device
-            self.host_rows = pin_rows(rows.view(self.dtype), device, cast)
+            self.host_rows = pin_rows(rows.view(self.dtype), rows.device, cast)
             self.dtype = cast
 
     def extra_repr(self) -> str:

@@ -147,7 +147,11 @@ def test_bad_pull_is_rejected_before_waiting_or_copying(armed, out, num_tokens, 
 )
 @pytest.mark.parametrize(
     "out, shown",
-    [(torch.empty(16, 32, device="meta"), "a tensor on meta"), (None, "NoneType"), ([1.5, 2.5], "list")],
+    [
+        (torch.empty(16, 32, device="meta"), r"a torch.float32 tensor of shape \(16, 32\) on meta"),
+        (None, "None"),
+        ([1.5, 2.5], "list with 2 entries"),
+    ],
     ids=["meta", "none", "list"],
 )
 def test_an_out_that_is_no_cpu_or_cuda_tensor_is_a_value_error_and_the_flag_is_left_alone(armed, op, call, out, shown):

@@ -122,7 +122,7 @@ def test_a_semaphore_over_no_int32_flag_is_a_value_error(flag, address, message)
         (
             torch.zeros(1, dtype=torch.int32, device="meta"),
             False,
-            r"in_host_memory: flag must be .* host memory, got a tensor on meta",
+            r"in_host_memory: flag must be .* host memory, got a torch.int32 tensor of shape \(1,\) on meta",
         ),
         (
             torch.zeros(1, dtype=torch.int32),
