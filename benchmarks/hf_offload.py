@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--graph-shapes",
-        default="8x4x2048x1,8x4x2048x4,8x4x2048x8,32x4x2048x4",
+        default="8x1x2048x4,8x4x2048x1,8x4x2048x4,8x4x2048x8,8x16x2048x4,32x4x2048x4",
         help="the shapes that also run with CUDA graphs, and with a budget for half the layers",
     )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per cache (best is kept)")
