@@ -286,26 +286,12 @@ class BoundCopy:
         dst_ids = self.table if dst_ids is None else dst_ids if dst_ids.is_contiguous() else dst_ids.contiguous()
         src_limit = num_pairs if self.src_packed else self.src_limit
         dst_limit = num_pairs if self.dst_packed else self.dst_limit
+        # In _block_copy_kernel's order.
         args = (
-            self.table,
-            self.anchor,
-            packed,
-            packed_stride,
-            len(self.widths),
-            src_ids,
-            dst_ids,
-            num_pairs,
-            src_limit,
-            dst_limit,
-            errors,
-            self.cols,
-            self.rows,
-            align,
-            self.src_packed,
-            self.dst_packed,
-            CHECK_LANES,
-            in_block,
-        )
+            self.table, self.anchor, packed, packed_stride, len(self.widths), src_ids, dst_ids, num_pairs,
+            src_limit, dst_limit, errors, self.cols, self.rows, align, self.src_packed, self.dst_packed,
+            CHECK_LANES, in_block,
+        )  # fmt: skip
         key = specialisation(
             align, in_block, src_ids, dst_ids, packed, (packed_stride, num_pairs, src_limit, dst_limit)
         )

@@ -43,54 +43,66 @@ def take(op: str, what: str, ids, limit: int, unique: bool, device: torch.device
     The array may share memory with the caller's; the engine copies what it keeps beyond the call.
     """
     if isinstance(ids, torch.Tensor):
-        # is_meta / is_cpu, not device.type: each device query builds a new torch.device object,
-        # host time on every call of the hot path.
-        if ids.is_meta:
-            raise ValueError(no_values_message(op, what))
-        if not ids_ok(ids):
-            raise ValueError(ids_message(op, what, ids))
-        if ids.is_cpu:
-            # A short list is cheaper to make and to check than an array: numpy's fixed cost per
-            # call outweighs the work (docs/measurements.md, "Short id lists are checked as lists").
-            if ids.numel() <= SMALL_IDS:
-                values = ids.tolist()
-                check_host_ids(op, what, values, limit, unique)
-                return np.array(values, dtype=np.int64)
-            array = ids.numpy()
-        elif ids.device == device:
-            # int64 and contiguous, what the kernel path's compiled kernel was made for; each
-            # conversion only where needed (a no-op .to is still a dispatched operation).
-            if ids.dtype != torch.int64:
-                ids = ids.to(torch.int64)
-            return ids.contiguous()
-        else:
-            raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
-    elif isinstance(ids, np.ndarray):
+        return _take_tensor(op, what, ids, limit, unique, device)
+    if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or ids.dtype not in _ARRAY_DTYPES:
             raise ValueError(
                 f"{op}: {what} must be a 1-D int32 or int64 array, got a numpy {ids.dtype} array of shape {ids.shape}"
             )
-        array = ids
-    else:
-        try:
-            array = np.asarray(ids)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
-        if array.size and (array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64):
-            _refuse(op, what, ids, array)
-        if array.ndim != 1:
-            raise ValueError(
-                f"{op}: {what} must be a flat sequence of ids, got {type(ids).__name__} of shape {array.shape}"
-            )
-        if array.size == 0:
-            return array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
-        # A bool is an int to numpy (True is block 1): among ints it is refused, not taken as a block.
-        if not _BOOLS.isdisjoint(map(type, ids)):
-            i, v = next((i, v) for i, v in enumerate(ids) if type(v) in _BOOLS)
-            raise ValueError(f"{op}: {what}[{i}] is {v!r}, a bool, not a block id")
-        if type(ids) in (list, tuple):
-            check_host_ids(op, what, ids, limit, unique)  # on the list itself: its fast form
-            return array.astype(np.int64, copy=False)
+        return _checked(op, what, ids, limit, unique)
+    return _take_sequence(op, what, ids, limit, unique)
+
+
+def _take_tensor(op: str, what: str, ids: torch.Tensor, limit: int, unique: bool, device: torch.device):
+    """:func:`take` for a tensor: checked int64 numpy from the CPU, int64 unchecked on ``device``."""
+    # is_meta / is_cpu, not device.type: each device query builds a new torch.device object,
+    # host time on every call of the hot path.
+    if ids.is_meta:
+        raise ValueError(no_values_message(op, what))
+    if not ids_ok(ids):
+        raise ValueError(ids_message(op, what, ids))
+    if ids.is_cpu:
+        # A short list is cheaper to make and to check than an array: numpy's fixed cost per
+        # call outweighs the work (docs/measurements.md, "Short id lists are checked as lists").
+        if ids.numel() <= SMALL_IDS:
+            values = ids.tolist()
+            check_host_ids(op, what, values, limit, unique)
+            return np.array(values, dtype=np.int64)
+        return _checked(op, what, ids.numpy(), limit, unique)
+    if ids.device == device:
+        # int64 and contiguous, what the kernel path's compiled kernel was made for; each
+        # conversion only where needed (a no-op .to is still a dispatched operation).
+        if ids.dtype != torch.int64:
+            ids = ids.to(torch.int64)
+        return ids.contiguous()
+    raise ValueError(f"{op}: {what} is on {ids.device}, but the engine's cache is on {device}")
+
+
+def _take_sequence(op: str, what: str, ids, limit: int, unique: bool) -> np.ndarray:
+    """:func:`take` for a list, tuple or other sequence of ints."""
+    try:
+        array = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"{op}: {what} must be integer block ids, got {type(ids).__name__} ({e})") from None
+    if array.size and (array.dtype.kind not in _INTEGER_KINDS or array.dtype == np.uint64):
+        _refuse(op, what, ids, array)
+    if array.ndim != 1:
+        raise ValueError(
+            f"{op}: {what} must be a flat sequence of ids, got {type(ids).__name__} of shape {array.shape}"
+        )
+    if array.size == 0:
+        return array.astype(np.int64)  # [] is float64 to numpy, but holds no value to truncate
+    # A bool is an int to numpy (True is block 1): among ints it is refused, not taken as a block.
+    if not _BOOLS.isdisjoint(map(type, ids)):
+        i, v = next((i, v) for i, v in enumerate(ids) if type(v) in _BOOLS)
+        raise ValueError(f"{op}: {what}[{i}] is {v!r}, a bool, not a block id")
+    if type(ids) in (list, tuple):
+        check_host_ids(op, what, ids, limit, unique)  # on the list itself: its fast form
+        return array.astype(np.int64, copy=False)
+    return _checked(op, what, array, limit, unique)
+
+
+def _checked(op: str, what: str, array: np.ndarray, limit: int, unique: bool) -> np.ndarray:
     array = array.astype(np.int64, copy=False)
     check_host_ids(op, what, array, limit, unique)
     return array

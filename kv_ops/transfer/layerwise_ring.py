@@ -135,16 +135,7 @@ def plan(
     n = host.size
     if n == 0:
         return []
-    begins = np.ones(n + 1, dtype=bool)
-    np.not_equal(np.diff(host), 1, out=begins[1:n])
-    begins[:n:chunk] = True  # a run never crosses into the next chunk
-    edges = np.flatnonzero(begins)
-    starts, lengths = edges[:-1], np.diff(edges)
-    long = lengths >= RUN_2D
-    short = np.ones(n, dtype=bool)
-    for s, length in zip(starts[long].tolist(), lengths[long].tolist()):
-        short[s : s + length] = False
-    runs = list(zip(starts[long].tolist(), lengths[long].tolist()))
+    short, runs = _runs(host, chunk)
     source = host * row + mirror  # each pair's mirror row
     layers = len(table.pieces)
     chunks = -(-n // chunk)
@@ -182,6 +173,23 @@ def plan(
             ]
             out.append(ChunkPlan(layer, lo, hi, slot, descriptors, strided))
     return out
+
+
+def _runs(host: np.ndarray, chunk: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Which pairs of ``host`` ids go one descriptor each (``short``), and the (start, length) of
+    every run of at least :data:`RUN_2D` consecutive ids within a chunk, which go as one 2-D copy."""
+    n = host.size
+    begins = np.ones(n + 1, dtype=bool)
+    np.not_equal(np.diff(host), 1, out=begins[1:n])
+    begins[:n:chunk] = True  # a run never crosses into the next chunk
+    edges = np.flatnonzero(begins)
+    starts, lengths = edges[:-1], np.diff(edges)
+    long = lengths >= RUN_2D
+    short = np.ones(n, dtype=bool)
+    runs = list(zip(starts[long].tolist(), lengths[long].tolist()))
+    for s, length in runs:
+        short[s : s + length] = False
+    return short, runs
 
 
 _NO_COPIES = dma.Plan(*(np.empty(0, dtype=np.int64) for _ in range(3)))

@@ -165,9 +165,14 @@ class SlotLoads:
         for k in range(plan.layers):
             if k not in plan.evicts:  # resident: the slot is its own
                 self.holder[plan.slot[k]] = k
-        if device.type != "cuda":
+        if device.type == "cuda":
+            self._bind_loads(lengths, device)
+        else:
             self.host_views = self.host
-            return
+
+    def _bind_loads(self, lengths: list[torch.Tensor], device: torch.device) -> None:
+        """The load stream, and per streamed layer its copy, the copy's captured graph and its events."""
+        plan = self.plan
         # Low priority: a load must never delay the layer that computes beside it.
         self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
         views = {k: tuple(device_view(t, device) for t in pair) for k, pair in self.host.items()}
