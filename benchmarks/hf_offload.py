@@ -18,7 +18,9 @@ and mode). Host time per layer update, eager: ``Cache.update`` of a decode token
 layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours in the same run;
 and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` on the cache's
 layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
-graph launch).
+graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
+around each call of the compiled step): the step's call, and generate()'s own work between calls,
+which no load inside a captured step can overlap.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
 references) to this run's table, for a sweep split over several processes.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
@@ -58,7 +60,7 @@ COLUMNS = [
     "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
-    "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers",
+    "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "call_ms", "between_ms",
 ]  # fmt: skip
 PARTS = ("layer", "check", "wait", "issue")
 
@@ -104,6 +106,43 @@ def warmed(model, ids, make_cache, mode, held: int):
         return (t_full - t_one) / (NEW - 1)
 
     return cache, once, peak
+
+
+def cuda_timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def step_split(model, ids, cache, gen, event=cuda_timing_event) -> tuple[float, float]:
+    """Seconds per decode step of one generate() on ``cache``, medians: the compiled step's call,
+    from before it is launched to its end on the GPU, and the time from one call's end to the next
+    one's start, when only generate()'s own work runs. Events (``event()``) are recorded around
+    each call of the step transformers compiled (``model.get_compiled_call``), in stream order."""
+    marks, compiled_call = [], model.get_compiled_call
+
+    def clocked(compile_config):
+        step = compiled_call(compile_config)
+
+        def call(*args, **kwargs):
+            before, after = event(), event()
+            before.record()
+            out = step(*args, **kwargs)
+            after.record()
+            marks.append((before, after))
+            return out
+
+        return call
+
+    model.get_compiled_call = clocked  # generate() asks for its compiled step here
+    try:
+        generate(model, ids, cache, gen)
+    finally:
+        del model.get_compiled_call
+    if len(marks) < 2:
+        raise RuntimeError(f"generate() called a compiled step {len(marks)} times: no decode step to split")
+    marks[-1][1].synchronize()
+    calls = [before.elapsed_time(after) for before, after in marks]
+    between = [after.elapsed_time(before) for (_, after), (before, _) in zip(marks, marks[1:])]
+    return statistics.median(calls) / 1e3, statistics.median(between) / 1e3
 
 
 def best_in_turns(timers: dict, reps: int, what=str) -> dict:
@@ -185,8 +224,8 @@ def facts(cache):
 
 
 def measure(model, ids, runs, reps, where) -> dict:
-    """``run -> (best seconds per step, peak GPU GiB, facts(cache))`` for each run that did not
-    fail. The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one
+    """``run -> (best seconds per step, peak GPU GiB, facts(cache), step_split or None)`` for each
+    run that did not fail; the split for the CUDA-graph runs. The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one
     after them, each cache closed before the next (its compiled step then passes to the next
     HostOffloadedCache, as in serving)."""
     measured, warm, held, start = {}, {}, 0, torch.cuda.memory_allocated()
@@ -196,7 +235,7 @@ def measure(model, ids, runs, reps, where) -> dict:
             warm[run] = got
             held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
     for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where).items():
-        measured[run] = (step, warm[run][2], facts(warm[run][0]))
+        measured[run] = (step, warm[run][2], facts(warm[run][0]), None)
     for cache, _, _ in warm.values():
         if hasattr(cache, "close"):
             cache.close()
@@ -207,8 +246,11 @@ def measure(model, ids, runs, reps, where) -> dict:
             continue
         cache, once, peak = got
         steps = [step for step in (guard(where(run), once) for _ in range(reps)) if step is not None]
+        split = guard(
+            f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
+        )
         if steps:
-            measured[run] = (min(steps), peak, facts(cache))
+            measured[run] = (min(steps), peak, facts(cache), split)
         if hasattr(cache, "close"):
             cache.close()
         del cache, once
@@ -249,7 +291,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         if run not in measured:
             continue
         cache, mode, _ = run
-        step, peak, held = measured[run]
+        step, peak, held, split = measured[run]
         shown = "eager" if mode.startswith("transformers:") else mode
         if cache == "static":
             reference[mode] = step
@@ -278,6 +320,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
                 "static_update_host_us": static_us if cache == "static" and shown == "eager" else None,
                 **{f"part_{name}_us": parts[name] if pieces else None for name in PARTS},
                 "streamed_layers": streamed if pieces else None,
+                "call_ms": split[0] * 1e3 if split else None, "between_ms": split[1] * 1e3 if split else None,
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -359,7 +402,37 @@ def markdown(rows) -> str:
             f"| {r['part_layer_us']:.1f} | {r['part_check_us']:.1f} | {r['part_wait_us']:.1f} "
             f"| {r['part_issue_us']:.1f} | {r['streamed_layers']} | {fmt(excess, '.1f')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + split_table(rows)) + "\n"
+
+
+def split_table(rows) -> list[str]:
+    """The CUDA-graph steps split in two: the compiled step's call and generate()'s work between calls."""
+    static = {
+        (r["layers"], r["batch"], r["context"]): r["call_ms"]
+        for r in rows
+        if r["cache"] == "static" and r.get("call_ms") is not None
+    }
+    lines = [
+        "",
+        "CUDA graphs, per decode step, median of one generate(): the compiled step's call (from before it is "
+        "launched to its end on the GPU) and the time from its end to the next call, when only generate()'s own "
+        "work runs.",
+        "",
+        "| layers | batch | max_cache_len | cache | step ms | call ms | between ms | floor ms | call / floor "
+        "| call / static's |",
+        "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r.get("call_ms") is None:
+            continue
+        base = static.get((r["layers"], r["batch"], r["context"]))
+        ours = r["cache"] != "static" and r["floor_ms"] > 0
+        lines.append(
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['call_ms']:.2f} "
+            f"| {r['between_ms']:.2f} | {r['floor_ms']:.2f} | {fmt(r['call_ms'] / r['floor_ms'] if ours else None, '.2f')} "
+            f"| {fmt(r['call_ms'] / base if ours and base else None, '.2f')} |"
+        )
+    return lines
 
 
 def plot(rows, path) -> None:

@@ -6,10 +6,12 @@ import csv
 import importlib
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours by name, as when run
@@ -140,13 +142,64 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
     path = tmp_path / "hf_offload.csv"
     report.write_csv(path, earlier, hf.COLUMNS)
     assert hf.read_rows(path) == earlier  # typed back as written: ints, floats, strings, None
-    now = [hf_row(hf, "HostOffloadedCache", "cudagraphs", 8, 55.1, step_vs_target=1.11)]
+    now = [
+        hf_row(hf, "static", "cudagraphs", 8, 55.1, step_ms=4.0, call_ms=2.0, between_ms=1.9),
+        hf_row(hf, "HostOffloadedCache", "cudagraphs", 8, 55.1, step_vs_target=1.11, call_ms=4.5, between_ms=2.0),
+    ]
     lines = hf.markdown(hf.read_rows(path) + now).splitlines()
     assert "memcpy 54.4-55.1 GB/s, measured in each shape's own run" in lines[2]
-    assert lines[-1] == "| 8 | 4 | 2048 | 42.7 | 90.5 | 40.5 | 1.2 | 3.0 | 12.0 | 7 | 47.8 |"
+    split = lines.index("| 8 | 4 | 2048 | 42.7 | 90.5 | 40.5 | 1.2 | 3.0 | 12.0 | 7 | 47.8 |") + 1
+    # The split: only the CUDA-graph rows; ours over its floor (4.25 ms) and over static's call.
+    assert lines[split + 5 :] == [
+        "| 8 | 4 | 16384 | static | 4.00 | 2.00 | 1.90 | 4.25 | - | - |",
+        "| 8 | 4 | 16384 | HostOffloadedCache | 10.00 | 4.50 | 2.00 | 4.25 | 1.06 | 2.25 |",
+    ]
     assert "| 8 | 4 | 2048 | 16384 | HostOffloadedCache | cudagraphs | 400 | 10.00 | 1.05 | 4.25 | 1.11 |" in "\n".join(
         lines
     )
+
+
+class HostEvent:
+    """A CUDA event's interface on the host clock, for the CPU."""
+
+    records = 0
+
+    def record(self):
+        self.at = time.perf_counter()
+        HostEvent.records += 1
+
+    def elapsed_time(self, end) -> float:
+        return (end.at - self.at) * 1e3
+
+    def synchronize(self):
+        pass
+
+
+def test_hf_offload_splits_each_compiled_step_of_a_real_generate_from_the_work_between():
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    from transformers import CompileConfig, GenerationConfig, StaticCache
+
+    cfg = hf.config("tiny", 2)
+    model = hf.build(cfg, torch.device("cpu"), torch.float32)
+    ids = torch.randint(1, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    compiled = CompileConfig(fullgraph=True, backend="eager")
+    compiled._compile_all_devices = True
+    gen = GenerationConfig(
+        max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None, compile_config=compiled
+    )
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    HostEvent.records = 0
+    call, between = hf.step_split(model, ids, cache, gen, event=HostEvent)
+    assert call > 0 and between > 0
+    # Two events around each compiled call: every decode step (5), and the prefill where the
+    # transformers version runs it compiled too.
+    assert HostEvent.records in (2 * 5, 2 * 6)
+    assert "get_compiled_call" not in vars(model)  # generate() compiles as before afterwards
+    eager = GenerationConfig(**{**gen.to_dict(), "compile_config": None, "disable_compile": True})
+    with pytest.raises(RuntimeError, match="called a compiled step 0 times"):
+        hf.step_split(model, ids, cache, eager, event=HostEvent)
+    assert "get_compiled_call" not in vars(model)
 
 
 def test_hf_offload_eager_runs_take_turns_and_a_failing_one_drops_out(capsys):
