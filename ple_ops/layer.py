@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import reprlib
 from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
 
+from kv_ops.cuda.arguments import shown
 from kv_ops.cuda.torch_internals import CastGuard
 
 from . import ops
@@ -131,12 +131,9 @@ class PleOffloadLayer(CastGuard, ABC):
         """Either transport serves one row per id of a 1-D tensor: a 0-d tensor or a list would
         fail inside the op with an ``IndexError`` or ``AttributeError`` that names neither."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
-            shown = (
-                f"a tensor of shape {tuple(input_ids.shape)}"
-                if isinstance(input_ids, torch.Tensor)
-                else f"{type(input_ids).__name__} {reprlib.repr(input_ids)}"
+            raise ValueError(
+                f"{type(self).__name__}: input_ids must be a 1-D tensor of token ids, got {shown(input_ids)}"
             )
-            raise ValueError(f"{type(self).__name__}: input_ids must be a 1-D tensor of token ids, got {shown}")
 
     def before_apply(self, fn) -> None:
         # Served rows have the dtype the offload process makes them in (an armed layer's output

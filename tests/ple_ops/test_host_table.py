@@ -139,8 +139,8 @@ def test_a_layer_that_is_not_a_pure_lookup_is_refused_before_any_table_moves():
 @pytest.mark.parametrize(
     "ids, shown",
     [
-        (lambda gen: torch.randint(0, VOCAB, (), generator=gen), r"a tensor of shape \(\)"),
-        (lambda gen: torch.randint(0, VOCAB, (3,), generator=gen).tolist(), r"list \["),
+        (lambda gen: torch.randint(0, VOCAB, (), generator=gen), r"a torch.int64 tensor of shape \(\) on cpu"),
+        (lambda gen: torch.randint(0, VOCAB, (3,), generator=gen).tolist(), r"list with 3 entries"),
     ],
     ids=["0-d", "list"],
 )

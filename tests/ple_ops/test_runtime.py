@@ -387,7 +387,7 @@ def test_a_forward_with_ids_that_are_not_a_1d_tensor_is_a_value_error_and_the_ru
     gen = torch.Generator().manual_seed(15)
     ids, hidden = random_step(gen, 5)
     runtime.prepare(ids)
-    for bad, shown in ((ids[0], r"a tensor of shape \(\)"), (ids.tolist(), r"list \[")):
+    for bad, shown in ((ids[0], r"a torch.int64 tensor of shape \(\) on cpu"), (ids.tolist(), r"list with 5 entries")):
         with pytest.raises(ValueError, match=rf"TablePle: input_ids must be a 1-D tensor of token ids, got {shown}"):
             runtime.model(hidden, bad)
     runtime.release()
