@@ -224,10 +224,11 @@ def facts(cache):
 
 
 def measure(model, ids, runs, reps, where) -> dict:
-    """``run -> (best seconds per step, peak GPU GiB, facts(cache), step_split or None)`` for each
-    run that did not fail; the split for the CUDA-graph runs. The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one
-    after them, each cache closed before the next (its compiled step then passes to the next
-    HostOffloadedCache, as in serving)."""
+    """``run -> (best seconds per step, peak GPU GiB, facts(cache), split)`` for each run that did
+    not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None. The eager runs
+    are all warmed up, then take turns; the CUDA-graph runs go one by one after them, each cache
+    closed before the next (its compiled step then passes to the next HostOffloadedCache, as in
+    serving)."""
     measured, warm, held, start = {}, {}, 0, torch.cuda.memory_allocated()
     for run in [r for r in runs if r[1] != "cudagraphs"]:
         got = guard(where(run), warmed, model, ids, run[2] or (lambda: None), run[1], held)
