@@ -97,8 +97,7 @@ def _refuse_unserved(op: str, out, name) -> None:
     # is_meta, not out.device: every call pays this, and a device object is built per read.
     if not isinstance(out, torch.Tensor) or out.is_meta:
         raise ValueError(f"{op}: out must be the layer's buffer on the CPU or a CUDA device, got {shown(out)}")
-    if type(name) is not str or not name:  # the common case: one type check
-        text(op, "name", name)
+    text(op, "name", name)
 
 
 def _refuse_non_tensor_dep(op: str, dep) -> None:

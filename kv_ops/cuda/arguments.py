@@ -34,6 +34,8 @@ def index(owner: str, what: str, value) -> int:
 
 def text(owner: str, what: str, value) -> str:
     """``value`` when it is a non-empty ``str`` (a name an op carries), else a ``ValueError``."""
+    if type(value) is str and value:  # the common case first: ops check their name on every call
+        return value
     if not isinstance(value, str) or not value:
         raise ValueError(f"{owner}: {what} must be a non-empty string, got {value!r}")
     return value
