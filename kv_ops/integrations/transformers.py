@@ -213,12 +213,16 @@ class HostOffloadedCache(Cache):
     Each step moves, per streamed layer, the positions written so far host-to-GPU and its new
     positions GPU-to-host (:meth:`bytes_per_step`), whatever ``max_cache_len`` is.
 
+    ``load_ahead`` (on by default) queues a step's first loads when transformers builds its
+    attention mask, before the step, where the GPU would otherwise wait for the host; off, every
+    load is queued by the step itself. Tokens are the same either way.
+
     Raises
     ------
     TypeError
         At construction: a ``config`` that is not a transformers config (a model, say).
     ValueError
-        At construction: a bad ``max_cache_len``, ``max_batch_size`` or ``max_gpu_bytes``, or
+        At construction: a bad ``max_cache_len``, ``max_batch_size``, ``max_gpu_bytes`` or ``load_ahead``, or
         a layer type other than full, sliding or chunked attention (a model with no full-attention
         layer is served as ``StaticCache`` serves it, with nothing streamed). At the first update: keys on another device than ``device``, a batch over
         ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
@@ -239,6 +243,7 @@ class HostOffloadedCache(Cache):
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         max_gpu_bytes: int | None = None,
+        load_ahead: bool = True,
         **kwargs,
     ):
         _check_static_cache_arguments(kwargs)
@@ -259,6 +264,7 @@ class HostOffloadedCache(Cache):
             else arguments.positive_int("HostOffloadedCache", "max_gpu_bytes", max_gpu_bytes)
         )
         self.device = None if device is None else arguments.device("HostOffloadedCache", device)
+        self.load_ahead = arguments.flag("HostOffloadedCache", "load_ahead", load_ahead)
         text = config.get_text_config(decoder=True)
         layer_types, kwargs_ = get_layer_types_and_kwargs(text)
         # One dict for every layer (transformers < 5.19) or one per layer.
@@ -284,6 +290,7 @@ class HostOffloadedCache(Cache):
             for i, (t, kw) in enumerate(zip(layer_types, per_layer, strict=True))
         ]
         super().__init__(layers=layers)
+        self._first_full = self.offloaded[0] if self.offloaded else None
         self._seen = 0  # tokens so far, counted eagerly only (a compiled step cannot read it back)
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -306,6 +313,23 @@ class HostOffloadedCache(Cache):
             mark_static_address(layer_.cumulative_length)
         lengths = [layer_.cumulative_length for layer_ in full]
         self.loads.allocate(plan_slots(count, slots), keys, values, self.max_cache_len_, lengths)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """Cache's, and where the full-attention mask is being built, the next step's first loads
+        (:meth:`SlotLoads.load_ahead`): transformers builds the mask on the host before every
+        forward, outside a compiled step, while the GPU waits for the host (generate() syncs each
+        step), so the loads move their bytes in that gap instead of inside the step. Not while
+        compiling or capturing (then the step's own loads do it), nor on a closed cache."""
+        if (
+            layer_idx == self._first_full
+            and self.load_ahead
+            and self.loads.plan is not None
+            and not torch.compiler.is_compiling()
+            and in_step.is_live(self.loads)
+            and not capturing(self.loads.saved.device)
+        ):
+            self.loads.load_ahead()
+        return super().get_mask_sizes(query_length, layer_idx)
 
     # Cache's update, with the checks an eager first call can make before anything is allocated.
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -464,7 +488,7 @@ def _check_static_cache_arguments(kwargs: dict) -> None:
     if unknown:
         raise ValueError(
             f"HostOffloadedCache: unknown keyword argument(s) {unknown}; it takes config, max_cache_len, "
-            "max_batch_size, device and max_gpu_bytes"
+            "max_batch_size, device, max_gpu_bytes and load_ahead"
         )
 
 

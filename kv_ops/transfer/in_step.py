@@ -10,7 +10,9 @@ Three objects move bytes that a compiled, captured step reads. They answer the s
 * :class:`~kv_ops.transfer.slot_loads.SlotLoads` (the transformers cache): the step issues a
   layer's load at an earlier layer (``prefetch_layer``), on a load stream forked from the step
   (nodes of its graph when captured). The layer waits on the load's event (an edge of the
-  graph). The slot is free at the event the issuing layer records.
+  graph). The slot is free at the event the issuing layer records. The host may queue the
+  first layers' loads before the step too (``load_ahead``, between two steps): each load claims
+  its slot on the GPU, so whichever of the two runs first moves the bytes.
 * :class:`~kv_ops.StepTransfers`: the step issues its stores and loads first thing
   (``step_transfers``), on its own stream. No layer waits: stream order puts every layer after
   them. The id words are free once the host sees the counts back at zero.

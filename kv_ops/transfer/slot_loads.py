@@ -13,6 +13,12 @@ use: one launch of :class:`kv_ops.prefix_copy.PrefixCopy` writes the evicted lay
 positions back to its host copy, then loads the target's written positions, both lengths read on
 the GPU. A layer's new positions are written to its slot only, as a GPU-resident cache writes
 them; they reach the host when the slot is next taken.
+
+The loads a step queues at its first layer can also be queued before the step
+(:meth:`SlotLoads.load_ahead`), while the host prepares it and the GPU has nothing else to do. Each
+load first claims its slot on the GPU (:class:`~kv_ops.prefix_copy.PrefixCopy`'s claim), so
+the step's own load of a layer whose slot already holds it moves nothing: the same step, eager
+or replayed from a graph, is right whether or not a load ran ahead of it.
 """
 
 from __future__ import annotations
@@ -114,7 +120,12 @@ class SlotLoads:
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # streamed layer -> (K, V) copies
         self.host_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # as the loads' device reads them
-        self.saved: torch.Tensor | None = None  # int64 [layers]: positions of each layer on the host
+        # int64 [3, layers] on the device, one allocation (a compiled step's input, saved_base,
+        # names it whole): per layer its positions on the host (saved) and its load's go word;
+        # per slot the layer whose keys it holds as the loads ran (held, what a claim reads).
+        self.counts: torch.Tensor | None = None
+        self.saved: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None
         self.copies: dict[int, PrefixCopy] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
         self.execs: dict[int, int] = {}  # and their executable graphs' handles
@@ -158,17 +169,20 @@ class SlotLoads:
                 self.host[k] = (pinned_empty(k_shape, dtype=keys.dtype), pinned_empty(v_shape, dtype=values.dtype))
             else:
                 self.host[k] = (torch.empty(k_shape, dtype=keys.dtype), torch.empty(v_shape, dtype=values.dtype))
-        self.saved = torch.zeros(plan.layers, dtype=torch.int64, device=device)
-        mark_static_address(self.saved)
+        self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
+        self.saved, self.held = self.counts[0], self.counts[2]
+        mark_static_address(self.saved)  # the object a compiled step takes as input: read in place
         self.lengths = lengths
-        self.holder = [-1] * plan.slots
-        for k in range(plan.layers):
-            if k not in plan.evicts:  # resident: the slot is its own
-                self.holder[plan.slot[k]] = k
         if device.type == "cuda":
             self._bind_loads(lengths, device)
         else:
             self.host_views = self.host
+        # After binding, whose first launches claimed the slots: every slot empty but a resident's.
+        self.holder = [-1] * plan.slots
+        for k in range(plan.layers):
+            if k not in plan.evicts:  # resident: the slot is its own
+                self.holder[plan.slot[k]] = k
+        self.held[: plan.slots] = torch.tensor(self.holder)
 
     def _bind_loads(self, lengths: list[torch.Tensor], device: torch.device) -> None:
         """The load stream, and per streamed layer its copy, the copy's captured graph and its events."""
@@ -182,9 +196,11 @@ class SlotLoads:
         load = self.stream.cuda_stream
         for k in plan.streamed:
             e = plan.evicts[k]
+            s = plan.slot[k]
             copy = PrefixCopy(
-                self.slots[plan.slot[k]], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k]
-            )
+                self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k],
+                claim=(self.held[s], self.counts[1, k], k),
+            )  # fmt: skip
             # An eager load replays its launch, captured once: one driver call where Triton's
             # launcher costs several times more host time. Every count is still zero here, so the
             # first launch (which compiles) moves nothing.
@@ -204,7 +220,7 @@ class SlotLoads:
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""
         if self.saved is not None:
-            self.saved.zero_()
+            self.saved.zero_()  # the slots keep what they hold (held), with nothing on the host
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Put row ``rows[i]`` of every layer's keys and values at row i, in place (beam search):
@@ -223,12 +239,12 @@ class SlotLoads:
 
     def copy_from(self, other: SlotLoads) -> None:
         """Take ``other``'s keys and values, ``self`` allocated by the same plan and shapes: the
-        slots and saved counts on the current stream, then each streamed layer's written
-        positions on the host (the owner copies the lengths)."""
+        slots and counts on the current stream, then each streamed layer's written positions on
+        the host (the owner copies the lengths)."""
         for mine, theirs in zip(self.slots, other.slots, strict=True):
             for a, b in zip(mine, theirs, strict=True):
                 a.copy_(b)
-        self.saved.copy_(other.saved)
+        self.counts.copy_(other.counts)
         self.holder = list(other.holder)
         written = other.written()
         for k, pair in self.host.items():
@@ -244,6 +260,26 @@ class SlotLoads:
         step waits for every load it issues, so the loads and write-backs into them are done
         once the current stream is. Only beam search and copying a cache pay it."""
         return torch.stack(self.lengths).tolist()
+
+    def load_ahead(self) -> None:
+        """Queue now the loads the next step queues at its first layer (``plan.issues[0]``), and
+        make the current stream wait for them: called between steps, where the GPU is idle
+        while the host prepares the next one, they move their bytes then. The step's own loads
+        of these layers then move nothing (the claim). Does nothing before :meth:`allocate`.
+
+        The current stream waits because a step replayed from a CUDA graph orders its reads
+        after its own load nodes only, not after a load queued outside it."""
+        plan = self.plan
+        first = () if plan is None else plan.issues.get(0, ())
+        if self.stream is None:
+            for k in first:
+                self.load_now(k, *self.slots[plan.slot[k]], int(self.lengths[k]), int(self.lengths[plan.evicts[k]]))
+            return
+        for k in first:
+            self.issue(k)
+        compute = driver.current_stream_handle(self.saved.device.index)
+        for k in first:
+            driver.wait_event(compute, self.loaded[k])
 
     # --- the two steps of a load, on a CUDA device --------------------------------------------
 
@@ -284,9 +320,13 @@ class SlotLoads:
     # --- on the CPU: the same, at once ---------------------------------------------------------
 
     def load_now(self, k: int, slot_k: torch.Tensor, slot_v: torch.Tensor, length: int, out_length: int) -> None:
-        """What layer k's load does, done now by :func:`kv_ops.reference.prefix_copy`: the CPU path."""
-        e = self.plan.evicts[k]
-        self.holder[self.plan.slot[k]] = k
+        """What layer k's load does, done now by :func:`kv_ops.reference.prefix_copy`: the CPU path,
+        with the claim (nothing moves where the slot holds layer k already)."""
+        e, s = self.plan.evicts[k], self.plan.slot[k]
+        self.holder[s] = k
+        if int(self.held[s]) == k:
+            return
+        self.held[s] = k
         self.moved += reference.prefix_copy(
             (slot_k, slot_v), self.host[k], length, self.host[e], out_length, int(self.saved[e])
         )

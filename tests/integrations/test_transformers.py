@@ -369,6 +369,62 @@ def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
     assert moved[1] == moved[8] == streamed * (ids.shape[1] + 1 + 1) * per_position
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_first_loads_run_when_the_mask_is_built_and_the_step_moves_their_bytes_once(ahead):
+    # What generate() does before each step: build the full-attention mask, which asks the cache
+    # for its sizes. With load_ahead the first loads of the step run then (twice asked, once
+    # moved), and the step's own loads of those layers move nothing: the step's bytes are the same.
+    cfg = llama(layers=5)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    want = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=False)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=ahead)
+    first = cache.offloaded[0]
+    per_position = 2 * 3 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, batch 3, float32
+    with torch.no_grad():
+        for c in (want, cache):
+            token = model(ids, past_key_values=c, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(token, past_key_values=c, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            predicted, before = sum(cache.bytes_per_step()), cache.loads.moved
+            for _ in range(2):
+                assert cache.get_mask_sizes(1, first) == want.get_mask_sizes(1, first)
+            ahead_bytes = cache.loads.moved - before
+            logits = model(token, past_key_values=cache, use_cache=True).logits
+            assert cache.loads.moved - before == predicted
+            assert torch.equal(logits, model(token, past_key_values=want, use_cache=True).logits)
+            token = logits[:, -1:].argmax(-1)
+            held = int(cache.loads.lengths[1]) - 1  # the positions the step before wrote
+            # The two layers loaded first (one per shared slot), each writing back its slot's last
+            # layer's new position; nothing without load_ahead.
+            assert ahead_bytes == (2 * (held + 1) * per_position if ahead else 0)
+
+
+def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
+    # The mask built, then no step: a reset, or a deep copy (which loads ahead again). The slots
+    # hold the layers loaded ahead, and every later step is still StaticCache's, bit for bit.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    static = StaticCache(config=cfg, max_cache_len=length)
+    want = generate(model, ids, static, gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    generate(model, ids.flip(1), cache, gen())
+    first = cache.offloaded[0]
+    before = cache.loads.moved
+    cache.get_mask_sizes(1, first)
+    assert cache.loads.moved > before  # the control: it did load ahead
+    cache.reset()
+    assert same(generate(model, ids, cache, gen()), want)
+    cache.get_mask_sizes(1, first)
+    twin = copy.deepcopy(cache)
+    twin.get_mask_sizes(1, first)
+    last = want.sequences[:, -1:]
+    with torch.no_grad():
+        expected = model(last, past_key_values=static, use_cache=True).logits
+        for c in (twin, cache):
+            assert torch.equal(model(last, past_key_values=c, use_cache=True).logits, expected)
+
+
 def test_the_decode_steps_read_the_host_copy():
     # The control: after the prefill, overwrite one streamed layer's host copy; the next steps read it
     # (the slot is refilled from it), so the logits change. A cache that kept layers on the GPU would not.
@@ -458,6 +514,12 @@ def test_a_max_gpu_bytes_that_is_not_a_positive_integer_is_refused(value):
         ValueError, match=f"HostOffloadedCache: max_gpu_bytes must be a positive integer, got {value!r}"
     ):
         HostOffloadedCache(config=llama(), max_cache_len=32, max_gpu_bytes=value)
+
+
+@pytest.mark.parametrize("value", [1, "no", None, torch.tensor(True)])
+def test_a_load_ahead_that_is_not_a_bool_is_refused(value):
+    with pytest.raises(ValueError, match="HostOffloadedCache: load_ahead must be True or False, got "):
+        HostOffloadedCache(config=llama(), max_cache_len=32, load_ahead=value)
 
 
 @pytest.mark.parametrize(
@@ -706,12 +768,37 @@ def test_on_a_gpu_a_delayed_load_is_waited_for():
 
 
 @gpu
-def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens():
+@pytest.mark.parametrize("ahead", [True, False])
+def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(ahead):
     config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config)
+    got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config, load_ahead=ahead)
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
+
+
+@gpu
+@pytest.mark.parametrize("ahead", [True, False])
+def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
+    # A step replayed from a CUDA graph orders its reads after its own nodes only, so the loads
+    # queued ahead must hold back the current stream itself. The load stream sleeps first: work
+    # queued on the current stream once the mask is built must not finish before it wakes.
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
+    ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=ahead)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+    slept, after = torch.cuda.Event(), torch.cuda.Event()
+    with torch.cuda.stream(cache.loads.stream):
+        torch.cuda._sleep(100_000_000)
+        slept.record()
+    cache.get_mask_sizes(1, cache.offloaded[0])
+    after.record()
+    after.synchronize()
+    assert slept.query() == ahead  # without load_ahead nothing joined the load stream (the control)
+    torch.cuda.synchronize()
 
 
 @gpu

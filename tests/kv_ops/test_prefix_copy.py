@@ -81,6 +81,50 @@ def test_any_lengths_move_exactly_the_reference_bytes(seed, batch, heads, max_le
     run_case(seed, batch, heads, max_len, *dims, dtype, length, out_length, out_saved)
 
 
+def test_a_claimed_load_moves_its_bytes_once_until_another_layer_takes_the_slot():
+    # The claim reads the slot's holder word: a second launch of the same load (queued ahead of a
+    # step, then by the step) must move nothing, even with the host copy changed in between.
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, 3, 64, 16)
+    slot = tuple(torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
+    host, out = host_pair(shape, shape, torch.float32, gen), host_pair(shape, shape, torch.float32, gen)
+    views = (lambda p: tuple(device_view(t) for t in p)) if CUDA else (lambda p: p)
+    # length, evicted length, evicted saved, target saved, the slot's holder, the go word
+    counts = torch.tensor([40, 12, 5, -7, -1, -3], dtype=torch.int64, device=DEVICE)
+    claim = (counts[4], counts[5], 3)
+    copy = PrefixCopy(slot, views(host), counts[0], views(out), counts[1], counts[2], counts[3], claim=claim)
+    stream = torch.cuda.current_stream().cuda_stream if CUDA else 0
+    want_slot, want_out = [t.clone() for t in slot], [t.clone() for t in out]
+    reference.prefix_copy(want_slot, host, 40, want_out, 12, 5)
+
+    def check(slot_want, out_want, saved, go):
+        if CUDA:
+            torch.cuda.synchronize()
+        for got, want in zip((*slot, *out), (*slot_want, *out_want)):
+            assert torch.equal(got.cpu(), want)
+        assert counts.tolist() == [40, 12, 5, saved, 3, go]
+
+    copy(stream)
+    check([t.cpu() for t in want_slot], want_out, 40, 1)
+    for t in host:  # what a second load would bring in, were it to move anything
+        t.copy_(torch.randn(shape, generator=gen))
+    copy(stream)
+    check([t.cpu() for t in want_slot], want_out, 40, 0)
+    counts[4] = 1  # another layer took the slot: the next load of layer 3 moves its bytes again
+    copy(stream)
+    reference.prefix_copy(want_slot, host, 40, want_out, 12, 5)
+    check([t.cpu() for t in want_slot], want_out, 40, 1)
+
+
+@pytest.mark.parametrize(("batch", "heads", "dim", "align"), [(1, 3, 16, 16), (1, 1, 2, 8), (3, 5, 1, 4)])
+def test_the_alignment_is_the_addresses_and_byte_counts_not_the_row_count(batch, heads, dim, align):
+    # A row count (batch x heads, odd at batch 1 with an odd head count) never enters an address
+    # but through a row's bytes: it must not lower the accesses' width (float32: 4 B a value).
+    pair = tuple(torch.empty(batch, heads, 64, dim) for _ in range(2))
+    n = torch.zeros((), dtype=torch.int64)
+    assert PrefixCopy(pair, pair, n, pair, n, n, n).constexprs["ALIGN"] == align
+
+
 @pytest.mark.skipif(CUDA, reason="the refusal is of CPU tensors without the interpreter")
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
