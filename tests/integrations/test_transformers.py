@@ -399,6 +399,31 @@ def test_the_first_loads_run_when_the_mask_is_built_and_the_step_moves_their_byt
             assert ahead_bytes == (2 * (held + 1) * per_position if ahead else 0)
 
 
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_generate_loads_ahead_once_before_every_decode_step(backend):
+    # The mechanism stands on transformers building the mask on the host before each step (also
+    # when the step is compiled): count the loads ahead in a real generate(), and what they move.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    config = None
+    if backend is not None:
+        config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+        config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    length = 4 * (ids.shape[1] + NEW)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    ahead, load_ahead = [], cache.loads.load_ahead
+
+    def counted():
+        before = cache.loads.moved
+        load_ahead()
+        ahead.append(cache.loads.moved - before)
+
+    cache.loads.load_ahead = counted
+    assert same(generate(model, ids, cache, gen(config)), want)
+    assert len(ahead) == NEW - 1 and all(moved > 0 for moved in ahead)  # not before the prefill
+
+
 def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
     # The mask built, then no step: a reset, or a deep copy (which loads ahead again). The slots
     # hold the layers loaded ahead, and every later step is still StaticCache's, bit for bit.
