@@ -159,6 +159,27 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
     )
 
 
+def test_readmes_hf_table_keeps_the_default_and_budget_rows_and_leaves_the_load_ahead_comparison_out(
+    tmp_path, monkeypatch
+):
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    rows = [
+        hf_row(hf, "static", "cudagraphs", 4, 55.0, decode_tok_s=900.0),
+        hf_row(hf, "offloaded", "eager", 4, 55.0, decode_tok_s=300.0),
+        hf_row(hf, "HostOffloadedCache", "cudagraphs", 4, 55.0, decode_tok_s=700.0, step_vs_target=1.2),
+        hf_row(hf, "HostOffloadedCache, half resident", "cudagraphs", 4, 55.0, decode_tok_s=800.0),
+        hf_row(hf, "HostOffloadedCache, no load ahead", "cudagraphs", 4, 55.0, decode_tok_s=500.0),
+    ]
+    report.write_csv(tmp_path / "hf_offload.csv", rows, hf.COLUMNS)
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    table = [line for line in report.hf_offload() if line.startswith("| 8 x 4 x 2k, 4x")]
+    assert [line.split(" | ")[2:6] for line in table] == [
+        ["", "900", "300", "700"],
+        ["half resident", "900", "300", "800"],
+    ]
+
+
 class HostEvent:
     """A CUDA event's interface on the host clock, for the CPU."""
 
