@@ -75,6 +75,19 @@ def _first_free() -> str:
     return next(name for name in names if not in_step.is_taken(name))
 
 
+def _held_tensor(name: str) -> property:
+    """A layer's ``keys`` or ``values``: set as StaticLayer sets them, read through ``_held``."""
+    stored = "_" + name
+
+    def read(self: HostOffloadedLayer) -> torch.Tensor | None:
+        return self._held(getattr(self, stored))
+
+    def write(self: HostOffloadedLayer, tensor: torch.Tensor | None) -> None:
+        setattr(self, stored, tensor)
+
+    return property(read, write)
+
+
 class HostOffloadedLayer(StaticLayer):
     """One full-attention layer: its K and V in a GPU slot, its own or one it shares with others."""
 
@@ -94,21 +107,8 @@ class HostOffloadedLayer(StaticLayer):
     # read at another time (an encoder-decoder's cross-attention reading them a step later, code
     # that inspects a layer) they may be another layer's, so such a read is refused. Compiled,
     # only the update reads them.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._held(self._keys)
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._keys = tensor
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._held(self._values)
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._values = tensor
+    keys = _held_tensor("keys")
+    values = _held_tensor("values")
 
     def _held(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         loads = self.loads
