@@ -320,11 +320,12 @@ class HostOffloadedCache(Cache):
         forward, outside a compiled step, while the GPU waits for the host (generate() syncs each
         step), so the loads move their bytes in that gap instead of inside the step. Not while
         compiling or capturing (then the step's own loads do it), nor on a closed cache."""
+        # Compiling first: a traced mask then reads nothing of the cache's state (no guard on it).
         if (
-            layer_idx == self._first_full
+            not torch.compiler.is_compiling()
+            and layer_idx == self._first_full
             and self.load_ahead
             and self.loads.plan is not None
-            and not torch.compiler.is_compiling()
             and in_step.is_live(self.loads)
             and not capturing(self.loads.saved.device)
         ):

@@ -424,6 +424,28 @@ def test_generate_loads_ahead_once_before_every_decode_step(backend):
     assert len(ahead) == NEW - 1 and all(moved > 0 for moved in ahead)  # not before the prefill
 
 
+def test_a_step_compiled_with_its_mask_inside_loads_nothing_ahead_and_gives_the_static_caches_logits():
+    # Called as a model, not through generate(), the step builds its mask inside the compiled
+    # graph: the cache's sizes are traced there, and the step's own loads do all the moving.
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    static, cache = StaticCache(config=cfg, max_cache_len=length), HostOffloadedCache(config=cfg, max_cache_len=length)
+    ahead = []
+    step = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        token = model(ids, past_key_values=static, use_cache=True).logits[:, -1:].argmax(-1)
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.loads.load_ahead = lambda: ahead.append(1)
+        for _ in range(2):
+            before = cache.loads.moved
+            want = step(token, past_key_values=static, use_cache=True).logits
+            assert torch.equal(step(token, past_key_values=cache, use_cache=True).logits, want)
+            assert cache.loads.moved > before  # the compiled step loaded
+            token = want[:, -1:].argmax(-1)
+    assert ahead == []
+
+
 def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
     # The mask built, then no step: a reset, or a deep copy (which loads ahead again). The slots
     # hold the layers loaded ahead, and every later step is still StaticCache's, bit for bit.
