@@ -383,6 +383,7 @@ class HostOffloadedCache(Cache):
         """As ``StaticCache.crop``: ``-n`` forgets the last n tokens (assisted generation's
         rejected ones); they no longer count against ``max_cache_len``."""
         super().crop(max_length)
+        self.loads.crop()
         if max_length < 0:
             self._seen = max(0, self._seen + max_length)
 

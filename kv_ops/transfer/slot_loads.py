@@ -222,6 +222,13 @@ class SlotLoads:
         if self.saved is not None:
             self.saved.zero_()  # the slots keep what they hold (held), with nothing on the host
 
+    def crop(self) -> None:
+        """After the owner shortened the lengths (a crop): no saved count past its length, so
+        that positions written again from there go back to the host when the slot is taken. A
+        load ahead of the step saves a layer's positions that a crop before the step gives up."""
+        if self.saved is not None:
+            torch.minimum(self.saved, torch.stack(self.lengths), out=self.saved)
+
     def reorder(self, rows: torch.Tensor) -> None:
         """Put row ``rows[i]`` of every layer's keys and values at row i, in place (beam search):
         each slot once, for whichever layer holds it, then each streamed layer's positions on

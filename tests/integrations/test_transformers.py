@@ -671,6 +671,29 @@ def test_a_crop_gives_back_its_tokens_to_max_cache_len():
     assert torch.equal(logits[HostOffloadedCache], logits[StaticCache])
 
 
+def test_a_crop_between_a_load_ahead_and_its_step_keeps_the_positions_written_again():
+    # The layers loaded ahead have all their positions on the host; a crop then gives two of them
+    # up, and the next steps write those positions again: they must reach the host when the slots
+    # are taken, or the steps after read the cropped values back.
+    if not hasattr(transformers.cache_utils.StaticLayer, "crop"):
+        pytest.skip(f"transformers {transformers.__version__}'s static layers cannot be cropped")
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    caches = (StaticCache(config=cfg, max_cache_len=length), HostOffloadedCache(config=cfg, max_cache_len=length))
+    tokens = torch.randint(1, cfg.vocab_size, (ids.shape[0], 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for c in caches:
+            model(ids, past_key_values=c, use_cache=True)
+        for i in range(6):
+            if i == 3:
+                caches[1].get_mask_sizes(1, caches[1].offloaded[0])
+                for c in caches:
+                    c.crop(-2)
+            want, got = (model(tokens[:, i : i + 1], past_key_values=c, use_cache=True).logits for c in caches)
+            assert torch.equal(got, want), i
+
+
 def test_a_model_where_the_config_goes_is_refused_with_a_hint():
     model = model_of(llama(), LlamaForCausalLM)
     with pytest.raises(

@@ -1,0 +1,137 @@
+"""A hypothesis state machine drives SlotLoads on the CPU: decode steps of one to three positions,
+loads ahead of a step (as the cache's mask hook queues them, once or more), crops and resets, in
+any order. Two sets of slot loads take the same steps, one with the loads ahead and one without,
+checked against a plain model of what every layer has written.
+
+Invariants:
+
+* every layer reads, in its slot, exactly the positions it has written so far;
+* a streamed layer whose slot holds another layer has every written position on its host copy;
+* loads ahead and then a step move the bytes of the step alone (the claim lets no load move
+  twice), where nothing changed the lengths in between.
+
+Every written position is fresh random values, never zeros, so a stale or misplaced one shows.
+"""
+
+import itertools
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kv_ops.transfer.slot_loads import SlotLoads, plan_slots
+
+MAX_LEN = 12
+_names = itertools.count()
+
+
+class Decoder:
+    """One set of slot loads and the lengths its layers advance, as HostOffloadedCache drives them."""
+
+    def __init__(self, plan, keys, values):
+        self.plan = plan
+        self.lengths = [torch.zeros((), dtype=torch.int64) for _ in range(plan.layers)]
+        self.loads = SlotLoads(f"slot-machine-{next(_names)}")
+        self.loads.allocate(plan, keys, values, MAX_LEN, self.lengths)
+
+    def load(self, k: int) -> None:
+        """What the step's prefetch op does on the CPU."""
+        slot_k, slot_v = self.loads.slots[self.plan.slot[k]]
+        self.loads.load_now(k, slot_k, slot_v, int(self.lengths[k]), int(self.lengths[self.plan.evicts[k]]))
+
+    def step(self, truth, fresh) -> None:
+        """Each layer queues its loads, reads its slot (checked against ``truth``), then writes
+        ``fresh[j]`` (keys, values) after its positions."""
+        for j in range(self.plan.layers):
+            for target in self.plan.issues.get(j, ()):
+                self.load(target)
+            n = int(self.lengths[j])
+            for got, want, new in zip(self.loads.slots[self.plan.slot[j]], truth[j], fresh[j], strict=True):
+                assert torch.equal(got[:, :, :n], want[:, :, :n]), f"layer {j} reads stale positions"
+                got[:, :, n : n + new.shape[2]] = new
+            self.lengths[j] += fresh[j][0].shape[2]
+
+    def shorten(self, back: int) -> None:
+        for n in self.lengths:
+            n.sub_(back)
+        self.loads.crop()
+
+    def reset(self) -> None:
+        for n in self.lengths:
+            n.zero_()
+        self.loads.reset()
+
+    def check_host(self, truth, length: int) -> None:
+        for k in self.plan.streamed:
+            if int(self.loads.held[self.plan.slot[k]]) != k:
+                for got, want in zip(self.loads.host[k], truth[k], strict=True):
+                    assert torch.equal(got[:, :, :length], want[:, :, :length]), f"layer {k}'s host copy is stale"
+
+
+class SlotMachine(RuleBasedStateMachine):
+    @initialize(layers=st.integers(2, 7), extra=st.integers(0, 3), shape=st.sampled_from([(1, 1, 4), (2, 3, 2)]))
+    def allocate(self, layers, extra, shape):
+        batch, heads, dim = shape
+        plan = plan_slots(layers, min(layers, 2 + extra))
+        keys, values = torch.randn(batch, heads, 1, dim), torch.randn(batch, heads, 1, dim + 1)
+        self.ahead, self.alone = Decoder(plan, keys, values), Decoder(plan, keys, values)
+        self.truth = [tuple(torch.full_like(t, float("nan")) for t in self.ahead.loads.slots[0]) for _ in range(layers)]
+        self.gen = torch.Generator().manual_seed(layers * 10 + extra)
+        self.moved_ahead = 0  # bytes the loads ahead moved since the last step
+        self.comparable = True  # no crop or reset since those loads
+
+    def teardown(self):
+        for decoder in (self.ahead, self.alone):
+            decoder.loads.close()
+
+    @property
+    def length(self) -> int:
+        return int(self.alone.lengths[0])  # a decoder's layers all hold the same positions
+
+    @precondition(lambda self: self.length < MAX_LEN)
+    @rule(new=st.integers(1, 3))
+    def step(self, new):
+        new = min(new, MAX_LEN - self.length)
+        fresh = [tuple(torch.randn(t[:, :, :new].shape, generator=self.gen) for t in pair) for pair in self.truth]
+        moved = {}
+        for decoder in (self.ahead, self.alone):
+            before = decoder.loads.moved
+            decoder.step(self.truth, fresh)
+            moved[decoder] = decoder.loads.moved - before
+        if self.comparable:
+            assert moved[self.ahead] + self.moved_ahead == moved[self.alone], "a load moved twice, or not at all"
+        for pair, new_pair in zip(self.truth, fresh, strict=True):
+            for want, values in zip(pair, new_pair, strict=True):
+                want[:, :, self.length - new : self.length] = values
+        self.moved_ahead, self.comparable = 0, True
+
+    @rule()
+    def load_ahead(self):
+        before = self.ahead.loads.moved
+        self.ahead.loads.load_ahead()
+        self.moved_ahead += self.ahead.loads.moved - before
+
+    @precondition(lambda self: self.length > 0)
+    @rule(back=st.integers(1, 3))
+    def crop(self, back):
+        back = min(back, self.length)
+        for decoder in (self.ahead, self.alone):
+            decoder.shorten(back)
+        self.comparable = self.moved_ahead == 0
+
+    @rule()
+    def reset(self):
+        for decoder in (self.ahead, self.alone):
+            decoder.reset()
+        self.comparable = self.moved_ahead == 0
+
+    @invariant()
+    def evicted_layers_are_whole_on_the_host(self):
+        if hasattr(self, "alone"):
+            for decoder in (self.ahead, self.alone):
+                decoder.check_host(self.truth, self.length)
+
+
+TestSlotLoads = SlotMachine.TestCase
+TestSlotLoads.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
