@@ -1,6 +1,6 @@
 """A hypothesis state machine drives SlotLoads on the CPU: decode steps of one to three positions,
-loads ahead of a step (as the cache's mask hook queues them, once or more), crops and resets, in
-any order. Two sets of slot loads take the same steps, one with the loads ahead and one without,
+loads ahead of a step (as the cache's mask hook queues them, once or more), crops, resets, beam
+reorders and copies (prefix caching), in any order. Two sets of slot loads take the same steps, one with the loads ahead and one without,
 checked against a plain model of what every layer has written.
 
 Invariants:
@@ -30,10 +30,18 @@ class Decoder:
     """One set of slot loads and the lengths its layers advance, as HostOffloadedCache drives them."""
 
     def __init__(self, plan, keys, values):
-        self.plan = plan
+        self.plan, self.keys, self.values = plan, keys, values
         self.lengths = [torch.zeros((), dtype=torch.int64) for _ in range(plan.layers)]
         self.loads = SlotLoads(f"slot-machine-{next(_names)}")
         self.loads.allocate(plan, keys, values, MAX_LEN, self.lengths)
+
+    def copied(self) -> "Decoder":
+        """A new set allocated alike, holding what this one holds (the cache's deep copy)."""
+        new = Decoder(self.plan, self.keys, self.values)
+        for mine, theirs in zip(new.lengths, self.lengths, strict=True):
+            mine.copy_(theirs)
+        new.loads.copy_from(self.loads)
+        return new
 
     def load(self, k: int) -> None:
         """What the step's prefetch op does on the CPU."""
@@ -125,6 +133,22 @@ class SlotMachine(RuleBasedStateMachine):
         for decoder in (self.ahead, self.alone):
             decoder.reset()
         self.comparable = self.moved_ahead == 0
+
+    @rule(data=st.data())
+    def reorder(self, data):
+        batch = self.truth[0][0].shape[0]
+        rows = torch.tensor(data.draw(st.lists(st.integers(0, batch - 1), min_size=batch, max_size=batch)))
+        for decoder in (self.ahead, self.alone):
+            decoder.loads.reorder(rows)
+        for pair in self.truth:
+            for want in pair:
+                want.copy_(want.index_select(0, rows))
+
+    @rule()
+    def copy(self):
+        # The copy goes on in place of the one with the loads ahead, whose claims it inherits.
+        old, self.ahead = self.ahead, self.ahead.copied()
+        old.loads.close()
 
     @invariant()
     def evicted_layers_are_whole_on_the_host(self):
