@@ -1,7 +1,8 @@
 """A hypothesis state machine drives SlotLoads on the CPU: decode steps of one to three positions,
 loads ahead of a step (as the cache's mask hook queues them, once or more), crops, resets, beam
-reorders and copies (prefix caching), in any order. Two sets of slot loads take the same steps, one with the loads ahead and one without,
-checked against a plain model of what every layer has written.
+reorders and copies (prefix caching), in any order. Two sets of slot loads take the same steps,
+one with the loads ahead and one without, checked against a plain model of what every layer has
+written.
 
 Invariants:
 
