@@ -183,8 +183,8 @@ class PrefixCopy:
             "ALIGN": alignment([t.data_ptr() for t in byte_tensors] + list(self.args[12:])),
         }
         self.copy = _Kernel(_prefix_copy_kernel, NUM_PROGRAMS, NUM_WARPS, self.device)
-        self.claim = None if claim is None else (claim[0], claim[1], int(claim[2]))
-        self.claim_kernel = _Kernel(_claim_kernel, 1, 1, self.device)
+        # (launcher, arguments) of the claim, or None: every call then moves its bytes.
+        self.claim = None if claim is None else (_Kernel(_claim_kernel, 1, 1, self.device), (*claim[:2], int(claim[2])))
 
     def __call__(self, stream: int, tensors: tuple | None = None) -> None:
         """Launch on the raw ``stream`` handle (the current stream's under the interpreter).
@@ -197,7 +197,8 @@ class PrefixCopy:
             else (*tensors[:2], *self.args[2:4], tensors[2], *self.args[5:7], tensors[3], *self.args[8:])
         )
         if self.claim is not None:
-            self.claim_kernel(stream, self.claim, {})
+            launch, claim_args = self.claim
+            launch(stream, claim_args, {})
         self.copy(stream, args, self.constexprs)
 
 
