@@ -16,7 +16,7 @@ Floor: the bytes HostOffloadedCache streams per step (the positions in use of ev
 layer in, one new position of each out, at the decode's mean length) at the same run's pinned
 host-to-GPU memcpy rate; target: max(floor, the on-GPU static step at the same ``max_cache_len``
 and mode). Host time per layer update, eager: ``Cache.update`` of a decode token over every
-layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours in the same run;
+layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours taking turns step by step;
 and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` on the cache's
 layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
 graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
@@ -193,17 +193,23 @@ def decode_token(model, ids, cache) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def update_host_us(model, ids, cache, reps: int = 20) -> float:
-    """Host microseconds per layer of ``cache.update`` with a decode token (p50 over ``reps``
-    steps of every layer), after a prefill through the model."""
-    k, v = decode_token(model, ids, cache)
+def update_host_us(model, ids, caches: dict, reps: int = 20) -> dict[str, float]:
+    """Host microseconds per layer of each cache's ``update`` with a decode token (p50 over
+    ``reps`` steps of every layer), after a prefill through the model. The caches take turns step
+    by step, so that a slow stretch of the host's time falls on each alike."""
     layers = model.config.num_hidden_layers
+    tokens = {name: decode_token(model, ids, cache) for name, cache in caches.items()}
+    times = {name: [] for name in caches}
+    for _ in range(reps):
+        for name, cache in caches.items():
+            k, v = tokens[name]
 
-    def step():
-        for layer in range(layers):
-            cache.update(k, v, layer)
+            def step(cache=cache, k=k, v=v):
+                for layer in range(layers):
+                    cache.update(k, v, layer)
 
-    return host_p50_us(step, reps) / layers
+            times[name].append(host_p50_us(step, 1))
+    return {name: statistics.median(t) / layers for name, t in times.items()}
 
 
 def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> dict[str, float]:
@@ -285,8 +291,11 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         runs += [
             ("HostOffloadedCache, half resident", m, factory(HostOffloadedCache, max_gpu_bytes=half)) for m in modes
         ]
-    static_us = update_host_us(model, ids, StaticCache(config=cfg, max_cache_len=context))
-    ours_us = update_host_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
+    update_us = update_host_us(
+        model, ids,
+        {"static": StaticCache(config=cfg, max_cache_len=context), "ours": HostOffloadedCache(config=cfg, max_cache_len=context)},
+    )  # fmt: skip
+    static_us, ours_us = update_us["static"], update_us["ours"]
     parts = update_parts_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
     measured = measure(model, ids, runs, reps, where)
     all_bytes = layers * layer_bytes
