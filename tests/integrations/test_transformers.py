@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
+from packaging.version import Version
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -127,6 +129,21 @@ def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, capacity):
     # All but the first, except that three slots hold three layers, and three streamed would leave
     # one alone in a slot (it stays resident).
     assert len(streamed) == {2: 0, 3: 0, 4: 2}.get(len(full), len(full) - 1)
+
+
+def test_generate_takes_the_cache_by_this_transformers_name_for_it_without_a_warning():
+    # transformers 5.24 renames generate()'s past_key_values to cache (the old name warns there).
+    name = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=64), gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=64)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        got = model.generate(ids, generation_config=gen(), **{name: cache})
+    assert same(got, want)
+    assert cache.get_seq_length() == ids.shape[1] + NEW - 1  # generate() wrote into this cache
+    assert cache.loads.moved > 0
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
