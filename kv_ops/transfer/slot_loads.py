@@ -204,16 +204,17 @@ class SlotLoads:
             # An eager load replays its launch, captured once: one driver call where Triton's
             # launcher costs several times more host time. Every count is still zero here, so the
             # first launch (which compiles) moves nothing.
-            with torch.cuda.stream(self.stream):
+            self.free[k], self.loaded[k] = torch.cuda.Event(), torch.cuda.Event()
+            with torch.cuda.stream(self.stream):  # the cache's device current, whichever was
                 copy(load)
                 graph = torch.cuda.CUDAGraph()
                 with captured_into(graph):
                     copy(load)
+                # driver.record_event needs events that exist: a torch event is made at its first
+                # record, on the current device, which must be the streams' it is recorded on.
+                self.free[k].record()
+                self.loaded[k].record()
             self.copies[k], self.graphs[k], self.execs[k] = copy, graph, graph.raw_cuda_graph_exec()
-            self.free[k], self.loaded[k] = torch.cuda.Event(), torch.cuda.Event()
-            # driver.record_event needs events that exist: a torch event is made at its first record.
-            self.free[k].record()
-            self.loaded[k].record()
         self.stream.synchronize()
         self.host_views = views  # the copies and graphs hold their addresses; the op names them
 

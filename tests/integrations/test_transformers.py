@@ -841,6 +841,20 @@ def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
 
 
 @gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_on_a_gpu_a_model_on_another_device_than_the_current_one_is_bitwise_the_static_caches():
+    # The slots, streams, events and launches must all be cuda:1's while cuda:0 is current.
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM, "cuda:1", torch.bfloat16)
+    ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda:1")
+    torch.cuda.set_device(0)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=160), gen())
+    cache = HostOffloadedCache(config=cfg, max_cache_len=160)
+    assert same(generate(model, ids, cache, gen()), want)
+    assert cache.loads.slots[0][0].device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+
+
+@gpu
 def test_on_a_gpu_a_delayed_load_is_waited_for():
     # The load stream sleeps 50 ms before the first prefetch: the layer that reads the slot must wait.
     def delay(cache, model, ids):
