@@ -68,8 +68,9 @@ def _block_copy_kernel(
     lanes = tl.arange(0, COLS).to(tl.int64)
     first = tl.full([], 0, tl.int64)  # global index of region r's first tile
     for r in range(num_regions):
-        src_off, dst_off, src_stride, dst_stride, width, column = _region(table_ptr, num_regions, r)
-        width = tl.multiple_of(width, ALIGN)
+        src_off, dst_off, src_stride, dst_stride, column = _region(table_ptr, num_regions, r)
+        # The hint goes on the load itself: Triton 3.6 drops it from a value a helper returns.
+        width = tl.multiple_of(tl.load(table_ptr + 4 * num_regions + r), ALIGN)
         chunks = (width + COLS - 1) // COLS  # tile rows per block
         items = n * chunks
         tiles = (items + ROWS - 1) // ROWS
@@ -95,14 +96,13 @@ def _block_copy_kernel(
 
 @triton.jit
 def _region(table_ptr, num_regions, r):
-    """Region r's row of the table: src and dst offsets, src and dst block strides, block bytes
-    and column in the packed buffer."""
+    """Region r's row of the table but its block bytes: src and dst offsets, src and dst block
+    strides, and column in the packed buffer."""
     return (
         tl.load(table_ptr + r),
         tl.load(table_ptr + num_regions + r),
         tl.load(table_ptr + 2 * num_regions + r),
         tl.load(table_ptr + 3 * num_regions + r),
-        tl.load(table_ptr + 4 * num_regions + r),
         tl.load(table_ptr + 5 * num_regions + r),
     )
 
