@@ -68,9 +68,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BEGIN = "<!-- performance: written by benchmarks/report.py from benchmarks/results/; do not edit by hand -->"
 END = "<!-- performance: end -->"
-# The results in benchmarks/results/ were all measured on this machine (the scripts record the
-# GPU and torch, not the link or the driver).
+# The machine each benchmark's results in benchmarks/results/ were measured on (the scripts record
+# the GPU and torch, not the link or the driver): MACHINE, or the one named here.
 MACHINE = "NVIDIA H200 (PCIe Gen5 x16, driver 580), torch 2.11, triton 3.6, CUDA 13"
+MACHINE_OF = {"hf_offload": "NVIDIA H100 80GB HBM3 (PCIe Gen5 x16, driver 580), torch 2.11, triton 3.6, CUDA 13"}
 
 
 def _rows(name: str) -> list[dict]:
@@ -409,7 +410,7 @@ def hf_offload() -> list[str]:
         "step's call alone (from before its launch to its end on the GPU, without generate()'s work between steps) "
         "over the floor. Budget: `max_gpu_bytes` for half the layers. The same run with `load_ahead=False` is in "
         "hf_offload.md. "
-        f"Results: {_links('hf_offload')}.",
+        f"Measured on {MACHINE_OF['hf_offload']}. Results: {_links('hf_offload')}.",
         "",
         *_table(head, "lllrrrrrrrrrr", body),
     ]
@@ -420,7 +421,7 @@ def section() -> str:
     parts = [
         "## Performance",
         "",
-        f"Measured on one machine: {MACHINE}. Every figure is a ratio to a baseline measured in the same run "
+        f"Measured on {MACHINE}, except where a benchmark names another. Every figure is a ratio to a baseline measured in the same run "
         "(contiguous pinned memcpy for bandwidth, the flag ping-pong for latency, a bare `copy_` for host time). "
         "How each benchmark measures: [docs/measurements.md](docs/measurements.md). On a GPU machine `bash .ci/gpu` "
         "runs them all, with the `gpu` tests and `compute-sanitizer` (its header says how to narrow it); "
