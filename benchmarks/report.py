@@ -420,7 +420,6 @@ def section() -> str:
     """README's Performance section, from benchmarks/results/."""
     parts = [
         "## Performance",
-        "",
         f"Measured on {MACHINE}, except where a benchmark names another. Every figure is a ratio to a baseline measured in the same run "
         "(contiguous pinned memcpy for bandwidth, the flag ping-pong for latency, a bare `copy_` for host time). "
         "How each benchmark measures: [docs/measurements.md](docs/measurements.md). On a GPU machine `bash .ci/gpu` "
