@@ -205,7 +205,7 @@ class SlotLoads:
             # launcher costs several times more host time. Every count is still zero here, so the
             # first launch (which compiles) moves nothing.
             self.free[k], self.loaded[k] = torch.cuda.Event(), torch.cuda.Event()
-            with torch.cuda.stream(self.stream):  # makes the cache's device current, whichever was
+            with torch.cuda.stream(self.stream):  # the cache's device is current in here, whatever was outside
                 copy(load)
                 graph = torch.cuda.CUDAGraph()
                 with captured_into(graph):
