@@ -47,6 +47,7 @@ from kv_ops.cuda.capture import capturing
 from kv_ops.integrations.transformers import HostOffloadedCache
 
 from common import finish, guard, parse, parser, save  # this script's own directory
+from report import card
 
 # The example's model and generate() settings, loaded by path (it shares this script's name);
 # examples/ goes on sys.path for what the example imports from its neighbours, as when it runs.
@@ -59,7 +60,7 @@ build, config, generate, generation = example.build, example.config, example.gen
 
 NEW = 32
 COLUMNS = [
-    "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
+    "gpu", "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
     "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "call_ms", "between_ms",
@@ -323,8 +324,8 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         target = max(floor, base_step) if base_step is not None else floor
         rows.append(
             {
-                "layers": layers, "batch": batch, "sequence": sequence, "capacity": capacity, "context": context,
-                "cache": cache, "mode": shown, "memcpy_gbs": rate / 1e9, "decode_tok_s": batch / step,
+                "gpu": torch.cuda.get_device_name(), "layers": layers, "batch": batch, "sequence": sequence,
+                "capacity": capacity, "context": context, "cache": cache, "mode": shown, "memcpy_gbs": rate / 1e9, "decode_tok_s": batch / step,
                 "step_ms": step * 1e3,
                 "floor_ms": floor * 1e3, "target_ms": target * 1e3,
                 "step_vs_target": step / target if held is not None else None,
@@ -379,14 +380,15 @@ def markdown(rows) -> str:
         "target: max(floor, static's step at the same max_cache_len and mode); update us: host time per layer "
         "update, eager.",
         "",
-        "| layers | batch | sequence | max_cache_len | cache | mode | tokens/s | step ms | vs offload | floor ms "
-        "| step / target | MiB per step | KV on GPU MiB | update us |",
-        "| ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| GPU | layers | batch | sequence | max_cache_len | cache | mode | tokens/s | step ms | vs offload "
+        "| floor ms | step / target | MiB per step | KV on GPU MiB | update us |",
+        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         update = r["update_host_us"] if r["update_host_us"] is not None else r["static_update_host_us"]
         lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['sequence']} | {r['context']} | {r['cache']} | {r['mode']} "
+            f"| {card(r['gpu'])} | {r['layers']} | {r['batch']} | {r['sequence']} | {r['context']} | {r['cache']} "
+            f"| {r['mode']} "
             f"| {r['decode_tok_s']:.0f} | {r['step_ms']:.2f} | {fmt(r['vs_best_transformers_offload'], '.2f')} "
             f"| {r['floor_ms']:.2f} | {fmt(r['step_vs_target'], '.2f')} | {r['mib_per_step']:.0f} "
             f"| {r['kv_gpu_mib']:.0f} | {fmt(update, '.1f')} |"
@@ -465,8 +467,10 @@ def plot(rows, path) -> None:
         xs = [j + i * width for j, s in enumerate(shapes) if s in got]
         ax.bar(xs, [got[s] for s in shapes if s in got], width, label=f"{cache} ({mode})")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels([f"{n} layers\nbatch {b}, {c // 1024}k" for n, b, c in shapes])
+    cards = {(r["layers"], r["batch"], r["context"]): card(r.get("gpu")) for r in rows}
+    ax.set_xticklabels([f"{n} layers\nbatch {b}, {c // 1024}k\n{cards[n, b, c]}" for n, b, c in shapes])
     ax.set_ylabel("decode tokens/s")
+    ax.set_title("each shape's own run, on the GPU named below it", fontsize=9)
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.tight_layout()

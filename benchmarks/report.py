@@ -68,15 +68,25 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 BEGIN = "<!-- performance: written by benchmarks/report.py from benchmarks/results/; do not edit by hand -->"
 END = "<!-- performance: end -->"
-# The machine each benchmark's results in benchmarks/results/ were measured on (the scripts record
-# the GPU and torch, not the link or the driver): MACHINE, or the one named here.
-MACHINE = "NVIDIA H200 (PCIe Gen5 x16, driver 580), torch 2.11, triton 3.6, CUDA 13"
-MACHINE_OF = {"hf_offload": "NVIDIA H100 80GB HBM3 (PCIe Gen5 x16, driver 580), torch 2.11, triton 3.6, CUDA 13"}
+# The machine the results in benchmarks/results/ were measured on (the scripts record the GPU and
+# torch, not the link or the driver). hf_offload.csv names each row's GPU: its sweep is split over
+# processes, which may run on different cards.
+LINK = "PCIe Gen5 x16, driver 580, torch 2.11, triton 3.6, CUDA 13"
+MACHINE = f"NVIDIA H200 ({LINK})"
 
 
 def _rows(name: str) -> list[dict]:
     with open(RESULTS / name, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def card(gpu: str | None) -> str:
+    """The GPU's short name ("NVIDIA H100 80GB HBM3": "H100"); each shape's row keeps its own run's
+    card, since a sweep split over several processes may run on more than one kind."""
+    if not gpu:
+        return "?"
+    words = gpu.split()
+    return words[1] if words[0] == "NVIDIA" and len(words) > 1 else gpu
 
 
 def _size(n: int | str) -> str:
@@ -388,14 +398,14 @@ def hf_offload() -> list[str]:
                     update = f"{float(ours['update_host_us']):.0f} ({float(static['static_update_host_us']):.0f})"
                 name = "" if cache == "HostOffloadedCache" else cache.split(", ", 1)[1]
                 body.append(
-                    [f"{layers} x {batch} x {int(sequence) // 1024}k, {int(context) // int(sequence)}x", mode, name,
+                    [card(ours.get("gpu")), f"{layers} x {batch} x {int(sequence) // 1024}k, {int(context) // int(sequence)}x", mode, name,
                      _f(static.get("decode_tok_s"), 0), "-" if offload is None else f"{offload:.0f}",
                      _f(ours["decode_tok_s"], 0), _f(ours["vs_best_transformers_offload"]), _f(ours["step_ms"]),
                      _f(ours["floor_ms"]), _f(ours["step_vs_target"]), _call_vs_floor(ours),
                      f"{float(ours['kv_gpu_saved_mib']):.0f}", update]
                 )  # fmt: skip
     head = [
-        "layers x batch x sequence, max_cache_len", "mode", "budget", "static tok/s", "best transformers offload tok/s",
+        "GPU", "layers x batch x sequence, max_cache_len", "mode", "budget", "static tok/s", "best transformers offload tok/s",
         "HostOffloadedCache tok/s", "vs offload", "step ms", "floor ms", "step / target", "call / floor", "GPU MiB saved",
         "update us (static)",
     ]  # fmt: skip
@@ -410,9 +420,9 @@ def hf_offload() -> list[str]:
         "step's call alone (from before its launch to its end on the GPU, without generate()'s work between steps) "
         "over the floor. Budget: `max_gpu_bytes` for half the layers. The same run with `load_ahead=False` is in "
         "hf_offload.md. "
-        f"Measured on {MACHINE_OF['hf_offload']}. Results: {_links('hf_offload')}.",
+        f"Each row's GPU is named in its first column ({LINK}). Results: {_links('hf_offload')}.",
         "",
-        *_table(head, "lllrrrrrrrrrr", body),
+        *_table(head, "llllrrrrrrrrrr", body),
     ]
 
 

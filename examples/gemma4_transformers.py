@@ -231,6 +231,7 @@ def verdict(tokens, device, table_bytes, table_freed) -> int:
     for r, out in enumerate(tokens["stock"]):
         if not torch.equal(want, out):
             print(f"gemma4 transformers: the reference does not repeat (stock run {r} gives other tokens)")
+            print_classes(tokens)
             return 1
     for name in RUNS[1:]:
         for r, out in enumerate(tokens[name]):
@@ -245,6 +246,23 @@ def verdict(tokens, device, table_bytes, table_freed) -> int:
         return 1
     print(f"gemma4 transformers: tokens match ({want.numel()} tokens)")
     return 0
+
+
+def print_classes(tokens) -> None:
+    """Where the reference does not repeat: each run's tokens by class (runs giving equal tokens share
+    a letter, run 0 is the warm-up), which tells a warm-up that differs from its replays apart from
+    runs that drift."""
+    seen: list[torch.Tensor] = []
+
+    def letter(out):
+        for i, t in enumerate(seen):
+            if torch.equal(t, out):
+                return chr(ord("a") + i)
+        seen.append(out)
+        return chr(ord("a") + len(seen) - 1)
+
+    for name in RUNS:
+        print(f"  {name}: runs 0-{len(tokens[name]) - 1} give tokens {' '.join(letter(out) for out in tokens[name])}")
 
 
 if __name__ == "__main__":

@@ -124,7 +124,16 @@ def test_layerwise_parts_table_from_fake_rows():
 
 def hf_row(hf, cache, mode, capacity, rate, **values):
     row = dict.fromkeys(hf.COLUMNS)
-    row.update(layers=8, batch=4, sequence=2048, capacity=capacity, context=2048 * capacity, cache=cache, mode=mode)
+    row.update(
+        gpu="NVIDIA H100 80GB HBM3",
+        layers=8,
+        batch=4,
+        sequence=2048,
+        capacity=capacity,
+        context=2048 * capacity,
+        cache=cache,
+        mode=mode,
+    )
     row.update(memcpy_gbs=rate, decode_tok_s=400.0, step_ms=10.0, floor_ms=4.25, target_ms=9.5, kv_gpu_mib=256.0)
     row.update(kv_gpu_saved_mib=0.0, peak_gpu_gib=2.5, mib_per_step=222.0, vs_best_transformers_offload=1.05)
     row.update(values)
@@ -154,8 +163,9 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
         "| 8 | 4 | 16384 | static | 4.00 | 2.00 | 1.90 | 4.25 | - | - |",
         "| 8 | 4 | 16384 | HostOffloadedCache | 10.00 | 4.50 | 2.00 | 4.25 | 1.06 | 2.25 |",
     ]
-    assert "| 8 | 4 | 2048 | 16384 | HostOffloadedCache | cudagraphs | 400 | 10.00 | 1.05 | 4.25 | 1.11 |" in "\n".join(
-        lines
+    assert (
+        "| H100 | 8 | 4 | 2048 | 16384 | HostOffloadedCache | cudagraphs | 400 | 10.00 | 1.05 | 4.25 | 1.11 |"
+        in "\n".join(lines)
     )
 
 
@@ -173,8 +183,8 @@ def test_readmes_hf_table_keeps_the_default_and_budget_rows_and_leaves_the_load_
     ]
     report.write_csv(tmp_path / "hf_offload.csv", rows, hf.COLUMNS)
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    table = [line for line in report.hf_offload() if line.startswith("| 8 x 4 x 2k, 4x")]
-    assert [line.split(" | ")[2:6] for line in table] == [
+    table = [line for line in report.hf_offload() if line.startswith("| H100 | 8 x 4 x 2k, 4x")]
+    assert [line.split(" | ")[3:7] for line in table] == [
         ["", "900", "300", "700"],
         ["half resident", "900", "300", "800"],
     ]

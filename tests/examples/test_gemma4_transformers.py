@@ -104,3 +104,17 @@ def test_parse_fills_in_the_defaults_and_returns_the_config(example):
     args, device, cfg = example.parse(["--config", "tiny", "--device", "cpu"])
     assert (args.batch, args.new_tokens, args.repeats, args.max_cache_len) == (2, 12, 2, 4 * (16 + 12))
     assert device == torch.device("cpu") and cfg.model_type == "gemma4_text"
+
+
+def test_a_reference_that_does_not_repeat_fails_and_says_which_runs_agree(example, capsys):
+    # Run 0 is the warm-up: here it alone differs, and every timed run of every model agrees.
+    a, b = torch.randint(0, 9, (2, 4)), torch.randint(10, 19, (2, 4))
+    tokens = {"stock": [a, b, b.clone()], "host": [b, b.clone()], "host+kv": [a.clone(), b]}
+    assert example.verdict(tokens, torch.device("cpu"), 1, 1) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "gemma4 transformers: the reference does not repeat (stock run 1 gives other tokens)",
+        "  stock: runs 0-2 give tokens a b b",
+        "  host: runs 0-1 give tokens b b",
+        "  host+kv: runs 0-1 give tokens a b",
+    ]
