@@ -5,8 +5,8 @@ random prompt, sized the way a static cache is sized: ``max_cache_len`` at 1x, 4
 sequence. Per shape, side by side: transformers' on-GPU ``static`` cache, its ``offloaded`` and
 ``offloaded_static`` caches (eager: neither keeps CUDA graphs), ``HostOffloadedCache``, and at the
 ``--graph-shapes`` also with CUDA graphs (``mode="reduce-overhead"``), static and ours alike, and
-ours with a GPU budget for half the layers (``max_gpu_bytes``), and ours with ``load_ahead=False``
-(every load queued by the step itself: what loading ahead gains, in the same run). Decode tokens/s is
+ours with a GPU budget for half the layers (``max_gpu_bytes``), and ours with ``load_ahead=True``
+(the first loads queued before the step: what loading ahead gains, in the same run). Decode tokens/s is
 ``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the prefill taken
 out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so that a slow stretch of
 the host's time (an eager step is the host's launches) falls on every cache alike; the CUDA-graph
@@ -286,8 +286,8 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
     runs = [("static", m, factory(StaticCache)) for m in modes]
     runs += [("offloaded", "transformers:offloaded", None), ("offloaded_static", "transformers:offloaded_static", None)]
     runs += [("HostOffloadedCache", m, factory(HostOffloadedCache)) for m in modes]
-    # The same cache with every load queued by the step itself: what loading ahead gains, same run.
-    runs += [("HostOffloadedCache, no load ahead", m, factory(HostOffloadedCache, load_ahead=False)) for m in modes]
+    # The same cache with the first loads queued before the step: what loading ahead gains, same run.
+    runs += [("HostOffloadedCache, load ahead", m, factory(HostOffloadedCache, load_ahead=True)) for m in modes]
     if graphs:
         runs += [
             ("HostOffloadedCache, half resident", m, factory(HostOffloadedCache, max_gpu_bytes=half)) for m in modes

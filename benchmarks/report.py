@@ -387,7 +387,7 @@ def hf_offload() -> list[str]:
         )
         # The cache as users run it, and under a budget; the load-ahead comparison stays in hf_offload.md.
         ours_caches = [r["cache"] for r in rows if r["cache"].startswith("HostOffloadedCache")]
-        for cache in dict.fromkeys(c for c in ours_caches if not c.endswith("no load ahead")):
+        for cache in dict.fromkeys(c for c in ours_caches if c != "HostOffloadedCache, load ahead"):
             for mode in dict.fromkeys(r["mode"] for r in rows):
                 ours = cells.get((*key, cache, mode))
                 if ours is None:
@@ -418,7 +418,7 @@ def hf_offload() -> list[str]:
         "at the same run's pinned memcpy rate; target: max(floor, static's step in the same mode); update us: host "
         "time of one eager layer update, StaticCache's in brackets; call / floor: with CUDA graphs, the compiled "
         "step's call alone (from before its launch to its end on the GPU, without generate()'s work between steps) "
-        "over the floor. Budget: `max_gpu_bytes` for half the layers. The same run with `load_ahead=False` is in "
+        "over the floor. Budget: `max_gpu_bytes` for half the layers. The same run with `load_ahead=True` is in "
         "hf_offload.md. "
         f"Each row's GPU is named in its first column ({LINK}). Results: {_links('hf_offload')}.",
         "",

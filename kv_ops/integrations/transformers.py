@@ -213,9 +213,11 @@ class HostOffloadedCache(Cache):
     Each step moves, per streamed layer, the positions written so far host-to-GPU and its new
     positions GPU-to-host (:meth:`bytes_per_step`), whatever ``max_cache_len`` is.
 
-    ``load_ahead`` (on by default) queues a step's first loads when transformers builds its
-    attention mask, before the step, where the GPU would otherwise wait for the host; off, every
-    load is queued by the step itself. Tokens are the same either way.
+    ``load_ahead`` (off by default) queues a step's first loads when transformers builds its
+    attention mask, before the step; off, every load is queued by the step itself, beside the
+    layers before it. Tokens are the same either way. transformers builds the mask late in its
+    work between steps, so the loads queued there overlap little of it, and the step waits for
+    them: measured, the step is no shorter with them, and longer at batch 16 (docs/design.md).
 
     Raises
     ------
@@ -243,7 +245,7 @@ class HostOffloadedCache(Cache):
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         max_gpu_bytes: int | None = None,
-        load_ahead: bool = True,
+        load_ahead: bool = False,
         **kwargs,
     ):
         _check_static_cache_arguments(kwargs)

@@ -179,7 +179,7 @@ def test_readmes_hf_table_keeps_the_default_and_budget_rows_and_leaves_the_load_
         hf_row(hf, "offloaded", "eager", 4, 55.0, decode_tok_s=300.0),
         hf_row(hf, "HostOffloadedCache", "cudagraphs", 4, 55.0, decode_tok_s=700.0, step_vs_target=1.2),
         hf_row(hf, "HostOffloadedCache, half resident", "cudagraphs", 4, 55.0, decode_tok_s=800.0),
-        hf_row(hf, "HostOffloadedCache, no load ahead", "cudagraphs", 4, 55.0, decode_tok_s=500.0),
+        hf_row(hf, "HostOffloadedCache, load ahead", "cudagraphs", 4, 55.0, decode_tok_s=500.0),
     ]
     report.write_csv(tmp_path / "hf_offload.csv", rows, hf.COLUMNS)
     monkeypatch.setattr(report, "RESULTS", tmp_path)

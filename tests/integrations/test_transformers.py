@@ -386,7 +386,7 @@ def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
     assert moved[1] == moved[8] == streamed * (ids.shape[1] + 1 + 1) * per_position
 
 
-@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("ahead", [True, False, None])  # None: the default, off
 def test_the_first_loads_run_when_the_mask_is_built_and_the_step_moves_their_bytes_once(ahead):
     # What generate() does before each step: build the full-attention mask, which asks the cache
     # for its sizes. With load_ahead the first loads of the step run then (twice asked, once
@@ -394,7 +394,8 @@ def test_the_first_loads_run_when_the_mask_is_built_and_the_step_moves_their_byt
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
     want = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=False)
-    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=ahead)
+    chosen = {} if ahead is None else {"load_ahead": ahead}
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), **chosen)
     first = cache.offloaded[0]
     per_position = 2 * 3 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, batch 3, float32
     with torch.no_grad():
@@ -428,7 +429,7 @@ def test_generate_loads_ahead_once_before_every_decode_step(backend):
         config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
     length = 4 * (ids.shape[1] + NEW)
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True)
     ahead, load_ahead = [], cache.loads.load_ahead
 
     def counted():
@@ -447,7 +448,10 @@ def test_a_step_compiled_with_its_mask_inside_loads_nothing_ahead_and_gives_the_
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
-    static, cache = StaticCache(config=cfg, max_cache_len=length), HostOffloadedCache(config=cfg, max_cache_len=length)
+    static, cache = (
+        StaticCache(config=cfg, max_cache_len=length),
+        HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True),
+    )
     ahead = []
     step = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
@@ -471,7 +475,7 @@ def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
     length = 4 * (ids.shape[1] + NEW)
     static = StaticCache(config=cfg, max_cache_len=length)
     want = generate(model, ids, static, gen())
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True)
     generate(model, ids.flip(1), cache, gen())
     first = cache.offloaded[0]
     before = cache.loads.moved
@@ -697,7 +701,10 @@ def test_a_crop_between_a_load_ahead_and_its_step_keeps_the_positions_written_ag
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
-    caches = (StaticCache(config=cfg, max_cache_len=length), HostOffloadedCache(config=cfg, max_cache_len=length))
+    caches = (
+        StaticCache(config=cfg, max_cache_len=length),
+        HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True),
+    )
     tokens = torch.randint(1, cfg.vocab_size, (ids.shape[0], 6), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         for c in caches:
