@@ -1,6 +1,7 @@
 """Shared by tests/ and compile_tests/ conftests: Triton's interpreter where no GPU exists (set
 before any kernel module is imported), the `gpu` marker, whose tests skip without CUDA, and,
-under a sanitizer, cells standing in for `path="auto"`'s measurement and SDPA's math attention."""
+under a sanitizer, cells standing in for `path="auto"`'s measurement, SDPA's math attention and
+CUDA-graph trees recording where each pool block was allocated."""
 
 import os
 
@@ -53,8 +54,13 @@ def stand_ins_under_a_sanitizer():
     }
     for enable in fused:
         enable(False)
+    # Under memcheck, CUDA-graph trees once found blocks in their pool that no output holds, in a
+    # test that passes without the sanitizer: the pool check then names each block's allocation.
+    import torch._inductor.config as inductor_config
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(crossover, "measured_once", stand_in)
+        patch.setattr(inductor_config.triton, "cudagraph_trees_history_recording", True)
         yield
     for enable, was in fused.items():
         enable(was)
