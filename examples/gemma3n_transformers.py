@@ -32,6 +32,8 @@ import sys
 import time
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, GenerationConfig
 from transformers.generation import CompileConfig
 
@@ -214,6 +216,13 @@ def decode_rate(model, ids, configs) -> tuple[torch.Tensor, float]:
     t_one = timed_generate(model, ids, one)[1]
     decoded = ids.shape[0] * (full.max_new_tokens - 1)
     return out[:, ids.shape[1] :].cpu(), decoded / max(t_full - t_one, 1e-9)
+
+
+def with_cache(cache) -> dict:
+    """generate()'s keyword argument for a cache object: ``cache`` from transformers 5.24 on (the
+    old ``past_key_values`` warns there), ``past_key_values`` before it."""
+    name = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    return {name: cache}
 
 
 def allocated(device) -> int:

@@ -37,7 +37,15 @@ import time
 import torch
 
 # examples/ is first on sys.path when this file runs as a script
-from gemma3n_transformers import allocated, at_least, build, generation_config, run_arguments, run_defaults
+from gemma3n_transformers import (
+    allocated,
+    at_least,
+    build,
+    generation_config,
+    run_arguments,
+    run_defaults,
+    with_cache,
+)
 from transformers import StaticCache
 
 import ple_ops
@@ -60,7 +68,7 @@ def generate(model, ids, cache, gen) -> tuple[torch.Tensor, float]:
     sync()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, generation_config=gen)
+        out = model.generate(ids, **with_cache(cache), generation_config=gen)
     sync()
     return out[:, ids.shape[1] :].cpu(), time.perf_counter() - start
 

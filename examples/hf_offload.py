@@ -23,7 +23,7 @@ import sys
 import torch
 
 # examples/ is first on sys.path when this file runs as a script
-from gemma3n_transformers import at_least
+from gemma3n_transformers import at_least, with_cache
 from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from kv_ops.integrations.transformers import HostOffloadedCache
@@ -85,7 +85,7 @@ def generate(model, ids: torch.Tensor, cache, gen: GenerationConfig) -> torch.Te
     if hasattr(cache, "reset"):
         cache.reset()
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, generation_config=gen)
+        out = model.generate(ids, **with_cache(cache), generation_config=gen)
     return out[:, ids.shape[1] :]
 
 
