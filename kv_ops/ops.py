@@ -18,6 +18,7 @@ call (:meth:`kv_ops.kernels.BoundCopy.launch_kernel`).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -32,12 +33,15 @@ Regions = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 _CPU = torch.device("cpu")
 
 
-def _kernel_device(*groups: Sequence[torch.Tensor]) -> torch.device:
-    """The CUDA device the kernel runs on: that of the first CUDA tensor among the arguments."""
+def _kernel_device(*groups: Sequence[torch.Tensor], default: torch.device | None = None) -> torch.device:
+    """The CUDA device the kernel runs on: that of the first CUDA tensor among the arguments, else
+    ``default`` (an op whose one implementation serves the CPU too)."""
     for group in groups:
         for t in group:
             if t.device.type == "cuda":
                 return t.device
+    if default is not None:
+        return default
     raise AssertionError("CUDA kernel dispatched without a CUDA tensor")
 
 
@@ -61,12 +65,22 @@ def _check_id_tensors(op: str, **ids) -> None:
             )
 
 
+def _call(name: str, op, args: tuple, sides: dict) -> None:
+    """Run the op ``name`` (``op(*args)``), as every wrapper does; where it fails, the type error
+    of :func:`_refuse_types` first, else the op's own. The ``try`` costs a call that succeeds
+    nothing."""
+    try:
+        op(*args)
+    except (TypeError, RuntimeError, AttributeError):
+        _refuse_types(name, **sides)
+        raise
+
+
 def _refuse_types(op: str, **sides) -> None:
     """After the op refused a call: a ``TypeError`` naming the side that is not a tensor (``out``,
     ``packed``) or not a list or mapping of tensors (regions), which torch's own error words as a
     schema mismatch or an attribute missing from ``None``; nothing if every side is well typed
-    (the error was about something else). Only a failed call gets here: the wrappers run the op
-    in a ``try``, which costs a call that succeeds nothing."""
+    (the error was about something else). Only a failed call gets here (:func:`_call`)."""
     for what, side in sides.items():
         if what in ("out", "packed"):
             items = [(what, side)]
@@ -310,11 +324,8 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
             raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {sorted(src)} vs {sorted(dst)}")
         dst = {name: dst[name] for name in src}  # paired by name, whatever order each was built in
     _check_id_tensors("kv_ops.copy_blocks", src_ids=src_ids, dst_ids=dst_ids)
-    try:
-        torch.ops.kv_ops.copy_blocks(_region_list(src), _region_list(dst), src_ids, dst_ids)
-    except (TypeError, RuntimeError, AttributeError):
-        _refuse_types("kv_ops.copy_blocks", src=src, dst=dst)
-        raise
+    args = (_region_list(src), _region_list(dst), src_ids, dst_ids)
+    _call("kv_ops.copy_blocks", torch.ops.kv_ops.copy_blocks, args, {"src": src, "dst": dst})
 
 
 # --- gather_blocks -------------------------------------------------------------------------------
@@ -343,36 +354,34 @@ def _packed_set(kind: str, op: str, regions, device: torch.device) -> _RegionSet
     return _sets.add(key, regions, entry)
 
 
-def _check_packed_call(kind: str, regions, ids, packed, device: torch.device) -> _RegionSet:
-    """Per call of a gather or scatter: the ids, and the packed side against the regions' width.
-    A scatter's ids are destinations, so they must not repeat."""
+def _packed_call(kind: str, regions, ids, packed) -> None:
+    """One gather or scatter, the op's CPU and CUDA implementation alike: the ids, and the packed
+    side against the regions' width (a scatter's ids are destinations, so they must not repeat),
+    then the reference where every tensor is on the CPU, else the regions' bound kernel."""
     op, what = ("kv_ops.gather_blocks", "out") if kind == "gather" else ("kv_ops.scatter_blocks", "packed")
+    device = _kernel_device([ids, packed], regions, default=_CPU)
     entry = _packed_set(kind, op, regions, device)
     _check_ids(op, device, [("ids", ids)], None)
     V.check_packed(op, what, packed, ids.shape[0], entry.width)
     V.check_devices(op, device, ids=[], data=[(what, packed)])
     if V.should_check_ids(device):
         V.check_ids_values(op, "ids", ids, entry.src_limit, unique=kind == "scatter")
-    return entry
-
-
-def _gather_blocks_cpu(regions, ids, out) -> None:
-    _check_packed_call("gather", regions, ids, out, _CPU)
-    _count_skipped(reference.gather_blocks(regions, ids, out))
-
-
-def _gather_blocks_cuda(regions, ids, out) -> None:
-    device = _kernel_device([ids, out], regions)
-    entry = _check_packed_call("gather", regions, ids, out, device)
-    entry.bound(out, ids, None, ids.shape[0], V.error_counter(device))
+    gather = kind == "gather"
+    if device.type == "cpu":
+        skipped = (
+            reference.gather_blocks(regions, ids, packed) if gather else reference.scatter_blocks(packed, ids, regions)
+        )
+        _count_skipped(skipped)
+    else:
+        src_ids, dst_ids = (ids, None) if gather else (None, ids)
+        entry.bound(packed, src_ids, dst_ids, ids.shape[0], V.error_counter(device))
 
 
 register_op(
     "kv_ops",
     "gather_blocks(Tensor[] regions, Tensor ids, Tensor(a!) out) -> ()",
     fake=_gather_blocks_fake,
-    cpu=_gather_blocks_cpu,
-    cuda=_gather_blocks_cuda,
+    cpu=functools.partial(_packed_call, "gather"),  # serves CUDA too
 )
 
 
@@ -397,11 +406,8 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
     >>> kv_ops.gather_blocks(regions, ids, staging)       # GPU regions -> one host buffer
     """
     _check_id_tensors("kv_ops.gather_blocks", ids=ids)
-    try:
-        torch.ops.kv_ops.gather_blocks(_region_list(regions), ids, out)
-    except (TypeError, RuntimeError, AttributeError):
-        _refuse_types("kv_ops.gather_blocks", regions=regions, out=out)
-        raise
+    args = (_region_list(regions), ids, out)
+    _call("kv_ops.gather_blocks", torch.ops.kv_ops.gather_blocks, args, {"regions": regions, "out": out})
 
 
 # --- scatter_blocks ------------------------------------------------------------------------------
@@ -412,23 +418,15 @@ def _scatter_blocks_fake(packed, ids, regions):
     _check_fake_packed("kv_ops.scatter_blocks", regions, ids, "packed", packed)
 
 
-def _scatter_blocks_cpu(packed, ids, regions) -> None:
-    _check_packed_call("scatter", regions, ids, packed, _CPU)
-    _count_skipped(reference.scatter_blocks(packed, ids, regions))
-
-
-def _scatter_blocks_cuda(packed, ids, regions) -> None:
-    device = _kernel_device([ids, packed], regions)
-    entry = _check_packed_call("scatter", regions, ids, packed, device)
-    entry.bound(packed, None, ids, ids.shape[0], V.error_counter(device))
+def _scatter_blocks_impl(packed, ids, regions) -> None:
+    _packed_call("scatter", regions, ids, packed)
 
 
 register_op(
     "kv_ops",
     "scatter_blocks(Tensor packed, Tensor ids, Tensor(a!)[] regions) -> ()",
     fake=_scatter_blocks_fake,
-    cpu=_scatter_blocks_cpu,
-    cuda=_scatter_blocks_cuda,
+    cpu=_scatter_blocks_impl,  # serves CUDA too
 )
 
 
@@ -452,11 +450,8 @@ def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Regions) ->
     >>> kv_ops.scatter_blocks(staging, new_ids, regions)  # one host buffer -> GPU regions
     """
     _check_id_tensors("kv_ops.scatter_blocks", ids=ids)
-    try:
-        torch.ops.kv_ops.scatter_blocks(packed, ids, _region_list(regions))
-    except (TypeError, RuntimeError, AttributeError):
-        _refuse_types("kv_ops.scatter_blocks", packed=packed, regions=regions)
-        raise
+    args = (packed, ids, _region_list(regions))
+    _call("kv_ops.scatter_blocks", torch.ops.kv_ops.scatter_blocks, args, {"packed": packed, "regions": regions})
 
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
