@@ -15,7 +15,7 @@ the GPU. A layer's new positions are written to its slot only, as a GPU-resident
 them; they reach the host when the slot is next taken.
 
 The loads a step queues at its first layer can also be queued before the step
-(:meth:`SlotLoads.load_ahead`), while the host prepares it and the GPU has nothing else to do. Each
+(:meth:`SlotLoads.load_ahead`, the cache's ``load_ahead``), while the host prepares it. Each
 load first claims its slot on the GPU (:class:`~kv_ops.prefix_copy.PrefixCopy`'s claim), so
 the step's own load of a layer whose slot already holds it moves nothing: the same step, eager
 or replayed from a graph, is right whether or not a load ran ahead of it.
