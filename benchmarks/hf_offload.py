@@ -22,7 +22,8 @@ layer, the capture check, a streamed layer's event wait, and one queued load (tw
 graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
 around each call of the compiled step): the step's call, and generate()'s own work between calls,
 which no load inside a captured step can overlap (the loads queued ahead, when the mask is built,
-can).
+can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`): the
+copies' own rate, against the memcpy's.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
 references) to this run's table, for a sweep split over several processes.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
@@ -56,14 +57,20 @@ sys.path.append(str(_examples))
 _spec = importlib.util.spec_from_file_location("hf_offload_example", _examples / "hf_offload.py")
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
-build, config, generate, generation = example.build, example.config, example.generate, example.generation
+build, config, generate, generation, with_cache = (
+    example.build,
+    example.config,
+    example.generate,
+    example.generation,
+    example.with_cache,
+)
 
 NEW = 32
 COLUMNS = [
     "gpu", "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
-    "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "call_ms", "between_ms",
+    "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "loads_alone_ms", "loads_alone_mib", "call_ms", "between_ms",
 ]  # fmt: skip
 PARTS = ("layer", "check", "wait", "issue")
 
@@ -186,7 +193,7 @@ def host_p50_us(piece, reps: int) -> float:
 def decode_token(model, ids, cache) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode token's keys and values for ``cache``, after a prefill of ``ids`` through the model."""
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **with_cache(cache), use_cache=True)
     cfg = model.config
     shape = (ids.shape[0], cfg.num_key_value_heads, 1, cfg.head_dim)
     return torch.randn(shape, device="cuda", dtype=torch.bfloat16), torch.randn(
@@ -225,6 +232,43 @@ def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> di
         "wait": host_p50_us(lambda: loads.wait(streamed), reps),
         "issue": host_p50_us(lambda: loads.issue(streamed), reps),
     }
+
+
+def loads_alone(model, ids, cache: HostOffloadedCache, reps: int = 5, event=cuda_timing_event) -> tuple[float, int]:
+    """One step's loads with no layer computing beside them, after a prefill of ``ids``: every
+    streamed layer's positions in use moved by its bound copy, back to back on the load stream
+    (on the CPU by the reference); the best seconds of ``reps`` and the bytes they move. Each rep
+    first empties the shared slots' holder words, or a load's claim would find its layer there
+    and move nothing; an untimed first rep also writes back what the prefill left in the slots."""
+    with torch.no_grad():
+        model(ids, **with_cache(cache), use_cache=True)
+    loads = cache.loads
+    plan = loads.plan
+    shared = sorted({plan.slot[k] for k in plan.streamed})
+    lengths = [int(n) for n in loads.lengths]
+    slot_k, slot_v = loads.slots[shared[0]]
+    per_position = sum(t[:, :, :1].numel() * t.element_size() for t in (slot_k, slot_v))
+    best = float("inf")
+    for rep in range(reps + 1):
+        loads.held[shared] = -1
+        start, end = event(), event()
+        if loads.stream is None:
+            start.record()
+            for k in plan.streamed:
+                loads.load_now(k, *loads.slots[plan.slot[k]], lengths[k], lengths[plan.evicts[k]])
+            end.record()
+        else:
+            torch.cuda.synchronize()
+            with torch.cuda.stream(loads.stream):
+                start.record()
+            for k in plan.streamed:
+                loads.issue(k)
+            with torch.cuda.stream(loads.stream):
+                end.record()
+        end.synchronize()
+        if rep:
+            best = min(best, start.elapsed_time(end) / 1e3)
+    return best, sum(lengths[k] for k in plan.streamed) * per_position
 
 
 def facts(cache):
@@ -298,6 +342,10 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
     )  # fmt: skip
     static_us, ours_us = update_us["static"], update_us["ours"]
     parts = update_parts_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
+    alone = guard(
+        f"the loads alone at {layers} layers, batch {batch}, max_cache_len {context}",
+        loads_alone, model, ids, HostOffloadedCache(config=cfg, max_cache_len=context),
+    )  # fmt: skip
     measured = measure(model, ids, runs, reps, where)
     all_bytes = layers * layer_bytes
     mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
@@ -335,6 +383,8 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
                 "static_update_host_us": static_us if cache == "static" and shown == "eager" else None,
                 **{f"part_{name}_us": parts[name] if pieces else None for name in PARTS},
                 "streamed_layers": streamed if pieces else None,
+                "loads_alone_ms": alone[0] * 1e3 if pieces and alone else None,
+                "loads_alone_mib": alone[1] / 2**20 if pieces and alone else None,
                 "call_ms": split[0] * 1e3 if split else None, "between_ms": split[1] * 1e3 if split else None,
             }
         )  # fmt: skip
@@ -418,7 +468,31 @@ def markdown(rows) -> str:
             f"| {r['part_layer_us']:.1f} | {r['part_check_us']:.1f} | {r['part_wait_us']:.1f} "
             f"| {r['part_issue_us']:.1f} | {r['streamed_layers']} | {fmt(excess, '.1f')} |"
         )
-    return "\n".join(lines + split_table(rows)) + "\n"
+    return "\n".join(lines + loads_table(rows) + split_table(rows)) + "\n"
+
+
+def loads_table(rows) -> list[str]:
+    """The step's loads alone (:func:`loads_alone`), against the same run's memcpy; nothing where no
+    row has them (a run from before they were measured)."""
+    if all(r.get("loads_alone_ms") is None for r in rows):
+        return []
+    lines = [
+        "",
+        "One step's loads alone, with no layer computing beside them (best of 5, after a prefill of the "
+        "prompt): the bound copies of every streamed layer back to back, against the same run's memcpy.",
+        "",
+        "| layers | batch | max_cache_len | MiB | ms | GB/s | ratio to memcpy |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r.get("loads_alone_ms") is None:
+            continue
+        gbs = r["loads_alone_mib"] * 2**20 / r["loads_alone_ms"] / 1e6
+        lines.append(
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['loads_alone_mib']:.0f} | {r['loads_alone_ms']:.2f} "
+            f"| {gbs:.1f} | {gbs / r['memcpy_gbs']:.2f} |"
+        )
+    return lines
 
 
 def split_table(rows) -> list[str]:

@@ -219,8 +219,8 @@ def decode_rate(model, ids, configs) -> tuple[torch.Tensor, float]:
 
 
 def with_cache(cache) -> dict:
-    """generate()'s keyword argument for a cache object: ``cache`` from transformers 5.24 on (the
-    old ``past_key_values`` warns there), ``past_key_values`` before it."""
+    """The keyword argument of generate() and of a model's forward for a cache object: ``cache``
+    from transformers 5.24 on (the old ``past_key_values`` warns there), ``past_key_values`` before."""
     name = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
     return {name: cache}
 

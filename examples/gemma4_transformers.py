@@ -78,7 +78,7 @@ def prefill_bytes(model, ids, cache, device) -> int:
     here (generate() runs its prefill eagerly too), whose activations are freed by its end."""
     before = allocated(device)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **with_cache(cache), use_cache=True)
     grown = allocated(device) - before
     cache.reset()
     return grown

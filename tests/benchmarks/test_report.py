@@ -148,6 +148,7 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
         hf_row(hf, "static", "eager", 1, 54.4, static_update_host_us=42.7),
         hf_row(hf, "HostOffloadedCache", "eager", 1, 54.4, update_host_us=90.5, step_vs_target=1.13, **parts),
     ]
+    earlier[1].update(loads_alone_ms=4.0, loads_alone_mib=200.0)
     path = tmp_path / "hf_offload.csv"
     report.write_csv(path, earlier, hf.COLUMNS)
     assert hf.read_rows(path) == earlier  # typed back as written: ints, floats, strings, None
@@ -157,7 +158,10 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
     ]
     lines = hf.markdown(hf.read_rows(path) + now).splitlines()
     assert "memcpy 54.4-55.1 GB/s, measured in each shape's own run" in lines[2]
-    split = lines.index("| 8 | 4 | 2048 | 42.7 | 90.5 | 40.5 | 1.2 | 3.0 | 12.0 | 7 | 47.8 |") + 1
+    update = lines.index("| 8 | 4 | 2048 | 42.7 | 90.5 | 40.5 | 1.2 | 3.0 | 12.0 | 7 | 47.8 |")
+    # The loads alone: 200 MiB in 4 ms, 52.4 GB/s, over the run's 54.4.
+    assert lines[update + 6] == "| 8 | 4 | 2048 | 200 | 4.00 | 52.4 | 0.96 |"
+    split = update + 7
     # The split: only the CUDA-graph rows; ours over its floor (4.25 ms) and over static's call.
     assert lines[split + 5 :] == [
         "| 8 | 4 | 16384 | static | 4.00 | 2.00 | 1.90 | 4.25 | - | - |",
@@ -206,14 +210,24 @@ class HostEvent:
         pass
 
 
+def tiny_llama(layers: int, batch: int, length: int, seed: int):
+    """hf_offload, and its tiny Llama on the CPU with a random prompt: (hf_offload, config, model, ids)."""
+    hf = importlib.import_module("hf_offload")
+    cfg = hf.config("tiny", layers)
+    model = hf.build(cfg, torch.device("cpu"), torch.float32)
+    return (
+        hf,
+        cfg,
+        model,
+        torch.randint(1, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)),
+    )
+
+
 def test_hf_offload_splits_each_compiled_step_of_a_real_generate_from_the_work_between():
     pytest.importorskip("transformers")
-    hf = importlib.import_module("hf_offload")
     from transformers import CompileConfig, GenerationConfig, StaticCache
 
-    cfg = hf.config("tiny", 2)
-    model = hf.build(cfg, torch.device("cpu"), torch.float32)
-    ids = torch.randint(1, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    hf, cfg, model, ids = tiny_llama(layers=2, batch=1, length=5, seed=3)
     compiled = CompileConfig(fullgraph=True, backend="eager")
     compiled._compile_all_devices = True
     gen = GenerationConfig(
@@ -231,6 +245,30 @@ def test_hf_offload_splits_each_compiled_step_of_a_real_generate_from_the_work_b
     with pytest.raises(RuntimeError, match="called a compiled step 0 times"):
         hf.step_split(model, ids, cache, eager, event=HostEvent)
     assert "get_compiled_call" not in vars(model)
+
+
+def test_hf_offload_times_one_steps_loads_alone_and_every_load_moves_its_bytes():
+    pytest.importorskip("transformers")
+    from kv_ops.integrations.transformers import HostOffloadedCache
+
+    hf, cfg, model, ids = tiny_llama(layers=6, batch=2, length=7, seed=4)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=64)
+    per_position = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, batch 2, float32
+    moved, load_now = [], cache.loads.load_now
+
+    def counted(*args):
+        before = cache.loads.moved
+        load_now(*args)
+        moved.append(cache.loads.moved - before)
+
+    cache.loads.load_now = counted  # the prefill's loads come first, then loads_alone's
+    seconds, nbytes = hf.loads_alone(model, ids, cache, reps=2, event=HostEvent)
+    streamed = len(cache.loads.plan.streamed)
+    assert seconds > 0 and nbytes == streamed * ids.shape[1] * per_position
+    # Three reps (the first untimed) of every streamed layer's load, none skipped by its claim:
+    # each timed rep moves the step's bytes, no write-back left.
+    ours = moved[-3 * streamed :]
+    assert len(moved) >= 3 * streamed and sum(ours[streamed:]) == 2 * nbytes
 
 
 def test_hf_offload_eager_runs_take_turns_and_a_failing_one_drops_out(capsys):
