@@ -117,7 +117,12 @@ def parse(argv):
     parser.add_argument(
         "--kv-layers", type=at_least(2), default=2, help="full-attention layers the offloaded cache's GPU budget holds"
     )
-    parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa", help="transformers' attention")
+    # Eager by default: the tokens are compared bit for bit, and sdpa's logits on the GPU need not
+    # repeat from one run of the same model to the next with a cache longer than the sequence
+    # (the reference itself gave other tokens).
+    parser.add_argument(
+        "--attention", choices=["eager", "sdpa"], default="eager", help="transformers' attention (default eager)"
+    )
     args = parser.parse_args(argv)
     device, cfg = run_defaults(parser, args, "gemma4")
     if args.max_cache_len is None:

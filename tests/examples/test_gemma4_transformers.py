@@ -103,7 +103,7 @@ def test_what_the_run_cannot_do_is_a_usage_error_in_parse(example, capsys, args,
 def test_parse_fills_in_the_defaults_and_returns_the_config(example):
     args, device, cfg = example.parse(["--config", "tiny", "--device", "cpu"])
     assert (args.batch, args.new_tokens, args.repeats, args.max_cache_len) == (2, 12, 2, 4 * (16 + 12))
-    assert device == torch.device("cpu") and cfg.model_type == "gemma4_text"
+    assert device == torch.device("cpu") and cfg.model_type == "gemma4_text" and args.attention == "eager"
 
 
 def test_a_reference_that_does_not_repeat_fails_and_says_which_runs_agree(example, capsys):
