@@ -1,9 +1,11 @@
 """What the benchmark scripts share: the command line, the CUDA requirement, failure capture, sizes,
-timing a GPU call from CUDA-graph replays, and writing the results (CSV, Markdown table, figure)."""
+timing a GPU call from CUDA-graph replays, matmuls that leave SMs to copies, and writing the
+results (CSV, Markdown table, figure)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import traceback
@@ -152,6 +154,26 @@ def time_graph(fn, reps: int = 15) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     del graph
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def matmuls_leave_sms(sms: int | None):
+    """Inside the block, matmuls go through cuBLASLt and leave ``sms`` SMs to other kernels (the
+    copy kernels beside them); None changes nothing. The carveout is read when a matmul is
+    launched, so it must hold while a step is captured; cuBLASLt honours it, cuBLAS's own
+    heuristics do not. Both settings are put back on the way out, also where setting one failed
+    (a torch built without cuBLASLt)."""
+    if sms is None:
+        yield
+        return
+    blas = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(sms)
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(blas)
 
 
 # --- the results -------------------------------------------------------------------------------

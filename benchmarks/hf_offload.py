@@ -5,8 +5,10 @@ random prompt, sized the way a static cache is sized: ``max_cache_len`` at 1x, 4
 sequence. Per shape, side by side: transformers' on-GPU ``static`` cache, its ``offloaded`` and
 ``offloaded_static`` caches (eager: neither keeps CUDA graphs), ``HostOffloadedCache``, and at the
 ``--graph-shapes`` also with CUDA graphs (``mode="reduce-overhead"``), static and ours alike, and
-ours with a GPU budget for half the layers (``max_gpu_bytes``), and ours with ``load_ahead=True``
-(the first loads queued before the step: what loading ahead gains, in the same run). Decode tokens/s is
+ours with a GPU budget for half the layers (``max_gpu_bytes``), ours with its step captured while
+the matmuls leave the copy kernels their SMs (cuBLASLt's SM carveout, as README's layer-wise
+section offers: what SM sharing costs the loads), and ours with ``load_ahead=True`` (the first
+loads queued before the step: what loading ahead gains, in the same run). Decode tokens/s is
 ``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the prefill taken
 out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so that a slow stretch of
 the host's time (an eager step is the host's launches) falls on every cache alike; the CUDA-graph
@@ -45,9 +47,10 @@ from transformers import GenerationConfig, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from kv_ops.cuda.capture import capturing
+from kv_ops.cuda.launch import NUM_PROGRAMS
 from kv_ops.integrations.transformers import HostOffloadedCache
 
-from common import finish, guard, parse, parser, save  # this script's own directory
+from common import finish, guard, matmuls_leave_sms, parse, parser, save  # this script's own directory
 from report import card
 
 # The example's model and generate() settings, loaded by path (it shares this script's name);
@@ -66,6 +69,7 @@ build, config, generate, generation, with_cache = (
 )
 
 NEW = 32
+CARVEOUT = ", matmuls leave the copies' SMs"  # the run captured with cuBLASLt's SM carveout
 COLUMNS = [
     "gpu", "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
@@ -295,14 +299,15 @@ def measure(model, ids, runs, reps, where) -> dict:
             cache.close()
     del warm  # the eager caches' memory is free for the graph runs
     for run in [r for r in runs if r[1] == "cudagraphs"]:
-        got = guard(where(run), warmed, model, ids, run[2], run[1], 0)
-        if got is None:
-            continue
-        cache, once, peak = got
-        steps = [step for step in (guard(where(run), once) for _ in range(reps)) if step is not None]
-        split = guard(
-            f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
-        )
+        with matmuls_leave_sms(NUM_PROGRAMS if run[0].endswith(CARVEOUT) else None):  # captured under it
+            got = guard(where(run), warmed, model, ids, run[2], run[1], 0)
+            if got is None:
+                continue
+            cache, once, peak = got
+            steps = [step for step in (guard(where(run), once) for _ in range(reps)) if step is not None]
+            split = guard(
+                f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
+            )
         if steps:
             measured[run] = (min(steps), peak, facts(cache), split)
         if hasattr(cache, "close"):
@@ -336,6 +341,9 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         runs += [
             ("HostOffloadedCache, half resident", m, factory(HostOffloadedCache, max_gpu_bytes=half)) for m in modes
         ]
+        # Last, since a later cache's step may replay its recording: the same cache, its step
+        # captured with the matmuls leaving the copy kernels their SMs (what SM sharing costs).
+        runs += [(f"HostOffloadedCache{CARVEOUT}", "cudagraphs", factory(HostOffloadedCache))]
     update_us = update_host_us(
         model, ids,
         {"static": StaticCache(config=cfg, max_cache_len=context), "ours": HostOffloadedCache(config=cfg, max_cache_len=context)},

@@ -46,7 +46,17 @@ import torch
 import kv_ops
 import kv_ops.cuda.launch
 
-from common import at_least, figure, finish, parse, parser, save, save_figure, table_head  # this script's own directory
+from common import (  # this script's own directory
+    at_least,
+    figure,
+    finish,
+    matmuls_leave_sms,
+    parse,
+    parser,
+    save,
+    save_figure,
+    table_head,
+)
 from layerwise import READS, Captured, PrefillStep, add_step_arguments, make_cache
 
 NAME = "benchmark-layerwise-parts"
@@ -80,17 +90,9 @@ def measure(args) -> list[dict]:
         "layer-wise step": (graph, waiting),
     }
     if args.sm_carveout:
-        # The carveout is read when a matmul is launched, so it must hold while the steps are
-        # captured; cuBLASLt honours it, cuBLAS's own heuristics do not (measured: no change).
-        blas = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        torch._C._set_sm_carveout_experimental(args.sm_carveout)
-        try:
+        with matmuls_leave_sms(args.sm_carveout):  # held while the steps are captured
             carved = Captured(PrefillStep(layers, args.hidden, args.mlp, None, like=plain.model), h, read_ids)
             carved_waiting = Captured(PrefillStep(layers, args.hidden, args.mlp, NAME, like=plain.model), h, read_ids)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library(blas)
         leave = f"matmuls leave {args.sm_carveout} SMs"
         cases[f"step, {leave}"] = (None, carved)
         cases[f"layer-wise step, {leave}"] = (graph, carved_waiting)

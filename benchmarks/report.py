@@ -405,7 +405,7 @@ def hf_offload() -> list[str]:
                      f"{float(ours['kv_gpu_saved_mib']):.0f}", update]
                 )  # fmt: skip
     head = [
-        "GPU", "layers x batch x sequence, max_cache_len", "mode", "budget", "static tok/s", "best transformers offload tok/s",
+        "GPU", "layers x batch x sequence, max_cache_len", "mode", "variant", "static tok/s", "best transformers offload tok/s",
         "HostOffloadedCache tok/s", "vs offload", "step ms", "floor ms", "step / target", "call / floor", "GPU MiB saved",
         "update us (static)",
     ]  # fmt: skip
@@ -418,7 +418,9 @@ def hf_offload() -> list[str]:
         "at the same run's pinned memcpy rate; target: max(floor, static's step in the same mode); update us: host "
         "time of one eager layer update, StaticCache's in brackets; call / floor: with CUDA graphs, the compiled "
         "step's call alone (from before its launch to its end on the GPU, without generate()'s work between steps) "
-        "over the floor. Budget: `max_gpu_bytes` for half the layers. The same run with `load_ahead=True` is in "
+        "over the floor. Variants: `max_gpu_bytes` for half the layers (half resident); the step captured while "
+        "the matmuls leave the copy kernels their SMs (`kv_ops.cuda.launch.NUM_PROGRAMS`, with "
+        "`torch._C._set_sm_carveout_experimental` and cuBLASLt, as for layer-wise loads). The same run with `load_ahead=True` is in "
         "hf_offload.md. "
         f"Each row's GPU is named in its first column ({LINK}). Results: {_links('hf_offload')}.",
         "",

@@ -4,6 +4,7 @@ benchmark refuses a machine without CUDA with the one line and status of benchma
 Each script imports torch (seconds), so all of them run at once, in subprocesses started by one
 fixture, and the tests read their results."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -101,3 +102,23 @@ def test_a_gpu_only_benchmark_without_cuda_says_so_in_one_line(results, script, 
 def test_a_gpu_only_benchmark_lists_out_in_its_help(results, script):
     stdout = results[script, "--help"][1]
     assert re.search(r"^  --out OUT\b", stdout, re.MULTILINE), stdout
+
+
+def test_matmuls_leave_sms_puts_both_settings_back_and_none_changes_nothing():
+    import torch
+
+    blas = torch.backends.cuda.preferred_blas_library()
+    with common.matmuls_leave_sms(None):
+        assert torch.backends.cuda.preferred_blas_library() == blas
+    if torch.cuda.is_available():
+        with common.matmuls_leave_sms(8):
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    else:  # a CPU build has no cuBLASLt: the setting fails, and what the block set is undone
+        with pytest.raises(RuntimeError, match="cuBLASLt"), common.matmuls_leave_sms(8):
+            pass
+    assert torch.backends.cuda.preferred_blas_library() == blas
+    torch._C._set_sm_carveout_experimental(3)  # what the block leaves is None, whatever was before
+    with pytest.raises(RuntimeError) if not torch.cuda.is_available() else contextlib.nullcontext():
+        with common.matmuls_leave_sms(8):
+            pass
+    assert torch._C._get_sm_carveout_experimental() is None
