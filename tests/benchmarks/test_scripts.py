@@ -4,7 +4,6 @@ benchmark refuses a machine without CUDA with the one line and status of benchma
 Each script imports torch (seconds), so all of them run at once, in subprocesses started by one
 fixture, and the tests read their results."""
 
-import contextlib
 import os
 import re
 import subprocess
@@ -110,15 +109,13 @@ def test_matmuls_leave_sms_puts_both_settings_back_and_none_changes_nothing():
     blas = torch.backends.cuda.preferred_blas_library()
     with common.matmuls_leave_sms(None):
         assert torch.backends.cuda.preferred_blas_library() == blas
+    torch._C._set_sm_carveout_experimental(3)  # the block leaves none, whatever was set before
     if torch.cuda.is_available():
         with common.matmuls_leave_sms(8):
             assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-    else:  # a CPU build has no cuBLASLt: the setting fails, and what the block set is undone
+            assert torch._C._get_sm_carveout_experimental() == 8
+    else:  # a CPU build has no cuBLASLt: setting it fails, and the block undoes what it set
         with pytest.raises(RuntimeError, match="cuBLASLt"), common.matmuls_leave_sms(8):
             pass
     assert torch.backends.cuda.preferred_blas_library() == blas
-    torch._C._set_sm_carveout_experimental(3)  # what the block leaves is None, whatever was before
-    with pytest.raises(RuntimeError) if not torch.cuda.is_available() else contextlib.nullcontext():
-        with common.matmuls_leave_sms(8):
-            pass
     assert torch._C._get_sm_carveout_experimental() is None
