@@ -45,12 +45,20 @@ def _kernel_device(*groups: Sequence[torch.Tensor], default: torch.device | None
     raise AssertionError("CUDA kernel dispatched without a CUDA tensor")
 
 
-def _region_list(regions: Regions) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+def _region_list(op: str, what: str, regions: Regions) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """``regions`` as the op takes them; for an object that is no list, mapping or iterable, the
+    ``TypeError`` of :func:`_refuse_types`, naming ``what``."""
     # A list or tuple goes to the op as it is (the schema takes either); the type test first,
     # as an isinstance against the Mapping ABC costs about a microsecond per call.
     if type(regions) in (list, tuple):
         return regions
-    return list(regions.values()) if isinstance(regions, Mapping) else list(regions)
+    if isinstance(regions, Mapping):
+        return list(regions.values())
+    try:
+        return list(regions)
+    except TypeError:
+        _refuse_types(op, **{what: regions})
+        raise
 
 
 def _check_id_tensors(op: str, **ids) -> None:
@@ -324,7 +332,12 @@ def copy_blocks(src: Regions, dst: Regions, src_ids: torch.Tensor, dst_ids: torc
             raise ValueError(f"kv_ops.copy_blocks: src and dst name different regions: {sorted(src)} vs {sorted(dst)}")
         dst = {name: dst[name] for name in src}  # paired by name, whatever order each was built in
     _check_id_tensors("kv_ops.copy_blocks", src_ids=src_ids, dst_ids=dst_ids)
-    args = (_region_list(src), _region_list(dst), src_ids, dst_ids)
+    args = (
+        _region_list("kv_ops.copy_blocks", "src", src),
+        _region_list("kv_ops.copy_blocks", "dst", dst),
+        src_ids,
+        dst_ids,
+    )
     _call("kv_ops.copy_blocks", torch.ops.kv_ops.copy_blocks, args, {"src": src, "dst": dst})
 
 
@@ -406,7 +419,7 @@ def gather_blocks(regions: Regions, ids: torch.Tensor, out: torch.Tensor) -> Non
     >>> kv_ops.gather_blocks(regions, ids, staging)       # GPU regions -> one host buffer
     """
     _check_id_tensors("kv_ops.gather_blocks", ids=ids)
-    args = (_region_list(regions), ids, out)
+    args = (_region_list("kv_ops.gather_blocks", "regions", regions), ids, out)
     _call("kv_ops.gather_blocks", torch.ops.kv_ops.gather_blocks, args, {"regions": regions, "out": out})
 
 
@@ -450,7 +463,7 @@ def scatter_blocks(packed: torch.Tensor, ids: torch.Tensor, regions: Regions) ->
     >>> kv_ops.scatter_blocks(staging, new_ids, regions)  # one host buffer -> GPU regions
     """
     _check_id_tensors("kv_ops.scatter_blocks", ids=ids)
-    args = (packed, ids, _region_list(regions))
+    args = (packed, ids, _region_list("kv_ops.scatter_blocks", "regions", regions))
     _call("kv_ops.scatter_blocks", torch.ops.kv_ops.scatter_blocks, args, {"packed": packed, "regions": regions})
 
 

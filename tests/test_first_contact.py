@@ -106,6 +106,27 @@ def test_a_block_op_given_regions_that_are_not_tensors_names_them():
         kv_ops.scatter_blocks(None, ids, regions)
 
 
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda r, h, p, ids: kv_ops.copy_blocks(None, None, ids, ids), "kv_ops.copy_blocks: src"),
+        (lambda r, h, p, ids: kv_ops.copy_blocks(list(r.values()), 7, ids, ids), "kv_ops.copy_blocks: dst"),
+        (lambda r, h, p, ids: kv_ops.gather_blocks(None, ids, p), "kv_ops.gather_blocks: regions"),
+        (lambda r, h, p, ids: kv_ops.scatter_blocks(p, ids, 3.5), "kv_ops.scatter_blocks: regions"),
+    ],
+    ids=["copy-both", "copy-dst", "gather", "scatter"],
+)
+def test_a_block_op_given_regions_that_are_no_collection_names_them_and_nothing_moves(call, named):
+    regions, host = _regions_and_host(seed=7)
+    ids = torch.tensor([1, 2])
+    gen = torch.Generator().manual_seed(8)
+    packed = torch.randint(0, 256, (2, kv_ops.block_bytes(regions)), dtype=torch.uint8, generator=gen)
+    before = [t.clone() for t in (*regions.values(), *host.values(), packed)]
+    with pytest.raises(TypeError, match=rf"^{re.escape(named)} must be a list or mapping of region tensors, got \w+$"):
+        call(regions, host, packed, ids)
+    assert all(torch.equal(a, b) for a, b in zip(before, [*regions.values(), *host.values(), packed]))
+
+
 # --- objects built on an engine: the engine must be one ---------------------------------------------
 
 
