@@ -25,7 +25,11 @@ graph launch). With CUDA graphs, each step split in two (one more generate(), CU
 around each call of the compiled step): the step's call, and generate()'s own work between calls,
 which no load inside a captured step can overlap (the loads queued ahead, when the mask is built,
 can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`): the
-copies' own rate, against the memcpy's.
+copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs are also
+profiled (torch.profiler, one generate of one token and one of N): per decode step, how long the
+copy kernels and the other kernels kept the GPU busy and how long both ran at once
+(benchmarks/timeline.py), which tells copies slowed beside the layers from copies and layers
+taking turns.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
 references) to this run's table, for a sweep split over several processes.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
@@ -50,6 +54,7 @@ from kv_ops.cuda.capture import capturing
 from kv_ops.cuda.launch import NUM_PROGRAMS
 from kv_ops.integrations.transformers import HostOffloadedCache
 
+import timeline
 from common import finish, guard, matmuls_leave_sms, parse, parser, save  # this script's own directory
 from report import card
 
@@ -75,7 +80,10 @@ COLUMNS = [
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
     "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "loads_alone_ms", "loads_alone_mib", "call_ms", "between_ms",
+    "kernels_span_ms", "copies_busy_ms", "others_busy_ms", "both_busy_ms",
 ]  # fmt: skip
+BUSY = ("span", "copies", "others", "both")  # timeline.busy's keys, in the columns below
+KERNEL_COLUMNS = ("kernels_span", "copies_busy", "others_busy", "both_busy")
 PARTS = ("layer", "check", "wait", "issue")
 
 
@@ -280,12 +288,20 @@ def facts(cache):
     return (len(cache.loads.plan.streamed), cache.gpu_bytes()) if isinstance(cache, HostOffloadedCache) else None
 
 
-def measure(model, ids, runs, reps, where) -> dict:
-    """``run -> (best seconds per step, peak GPU GiB, facts(cache), split)`` for each run that did
-    not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None. The eager runs
-    are all warmed up, then take turns; the CUDA-graph runs go one by one after them, each cache
-    closed before the next (its compiled step then passes to the next HostOffloadedCache, as in
-    serving)."""
+def kernel_time(model, ids, cache, mode, what: str) -> dict | None:
+    """:func:`timeline.per_step` of generate() on ``cache`` in ``mode``; None where it failed."""
+    return guard(
+        f"{what}: the kernels' timeline", timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW
+    )
+
+
+def measure(model, ids, runs, reps, where, profiled=()) -> dict:
+    """``run -> (best seconds per step, peak GPU GiB, facts(cache), split, kernels)`` for each run
+    that did not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None, and
+    ``kernels`` :func:`kernel_time`'s for a run whose cache is named in ``profiled``, else None.
+    The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one after
+    them, each cache closed before the next (its compiled step then passes to the next
+    HostOffloadedCache, as in serving)."""
     measured, warm, held, start = {}, {}, 0, torch.cuda.memory_allocated()
     for run in [r for r in runs if r[1] != "cudagraphs"]:
         got = guard(where(run), warmed, model, ids, run[2] or (lambda: None), run[1], held)
@@ -293,7 +309,8 @@ def measure(model, ids, runs, reps, where) -> dict:
             warm[run] = got
             held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
     for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where).items():
-        measured[run] = (step, warm[run][2], facts(warm[run][0]), None)
+        kernels = kernel_time(model, ids, warm[run][0], run[1], where(run)) if run[0] in profiled else None
+        measured[run] = (step, warm[run][2], facts(warm[run][0]), None, kernels)
     for cache, _, _ in warm.values():
         if hasattr(cache, "close"):
             cache.close()
@@ -308,15 +325,16 @@ def measure(model, ids, runs, reps, where) -> dict:
             split = guard(
                 f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
             )
+            kernels = kernel_time(model, ids, cache, run[1], where(run)) if run[0] in profiled else None
         if steps:
-            measured[run] = (min(steps), peak, facts(cache), split)
+            measured[run] = (min(steps), peak, facts(cache), split, kernels)
         if hasattr(cache, "close"):
             cache.close()
         del cache, once
     return measured
 
 
-def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> list[dict]:
+def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, profile: bool = False) -> list[dict]:
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
     context = capacity * sequence  # max_cache_len, as a static cache is sized
@@ -354,7 +372,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         f"the loads alone at {layers} layers, batch {batch}, max_cache_len {context}",
         loads_alone, model, ids, HostOffloadedCache(config=cfg, max_cache_len=context),
     )  # fmt: skip
-    measured = measure(model, ids, runs, reps, where)
+    measured = measure(model, ids, runs, reps, where, ("static", "HostOffloadedCache") if profile else ())
     all_bytes = layers * layer_bytes
     mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
     rows, reference = [], {}
@@ -362,7 +380,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
         if run not in measured:
             continue
         cache, mode, _ = run
-        step, peak, held, split = measured[run]
+        step, peak, held, split, kernels = measured[run]
         shown = "eager" if mode.startswith("transformers:") else mode
         if cache == "static":
             reference[mode] = step
@@ -394,6 +412,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool) -> l
                 "loads_alone_ms": alone[0] * 1e3 if pieces and alone else None,
                 "loads_alone_mib": alone[1] / 2**20 if pieces and alone else None,
                 "call_ms": split[0] * 1e3 if split else None, "between_ms": split[1] * 1e3 if split else None,
+                **{f"{c}_ms": kernels[key] if kernels else None for key, c in zip(BUSY, KERNEL_COLUMNS)},
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -424,6 +443,12 @@ def read_rows(path: Path) -> list[dict]:
 
     with open(path, newline="") as f:
         return [{k: typed(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def statics(rows, column: str, *keys: str) -> dict:
+    """Static's ``column`` by shape (layers, batch, max_cache_len, then ``keys``), where it has one."""
+    shape = ("layers", "batch", "context", *keys)
+    return {tuple(r[k] for k in shape): r[column] for r in rows if r["cache"] == "static" and r.get(column) is not None}
 
 
 def markdown(rows) -> str:
@@ -461,11 +486,7 @@ def markdown(rows) -> str:
         "| streamed | excess / layer |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    static = {
-        (r["layers"], r["batch"], r["context"]): r["static_update_host_us"]
-        for r in rows
-        if r["static_update_host_us"] is not None
-    }
+    static = statics(rows, "static_update_host_us")
     for r in rows:
         if r["part_layer_us"] is None:
             continue
@@ -476,7 +497,7 @@ def markdown(rows) -> str:
             f"| {r['part_layer_us']:.1f} | {r['part_check_us']:.1f} | {r['part_wait_us']:.1f} "
             f"| {r['part_issue_us']:.1f} | {r['streamed_layers']} | {fmt(excess, '.1f')} |"
         )
-    return "\n".join(lines + loads_table(rows) + split_table(rows)) + "\n"
+    return "\n".join(lines + loads_table(rows) + split_table(rows) + kernels_table(rows)) + "\n"
 
 
 def loads_table(rows) -> list[str]:
@@ -505,11 +526,7 @@ def loads_table(rows) -> list[str]:
 
 def split_table(rows) -> list[str]:
     """The CUDA-graph steps split in two: the compiled step's call and generate()'s work between calls."""
-    static = {
-        (r["layers"], r["batch"], r["context"]): r["call_ms"]
-        for r in rows
-        if r["cache"] == "static" and r.get("call_ms") is not None
-    }
+    static = statics(rows, "call_ms")
     lines = [
         "",
         "CUDA graphs, per decode step, median of one generate(): the compiled step's call (from before it is "
@@ -529,6 +546,36 @@ def split_table(rows) -> list[str]:
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['call_ms']:.2f} "
             f"| {r['between_ms']:.2f} | {r['floor_ms']:.2f} | {fmt(r['call_ms'] / r['floor_ms'] if ours else None, '.2f')} "
             f"| {fmt(r['call_ms'] / base if ours and base else None, '.2f')} |"
+        )
+    return lines
+
+
+def kernels_table(rows) -> list[str]:
+    """Per decode step, where the GPU's time went (``--timeline``); nothing where no row has it."""
+    if all(r.get("kernels_span_ms") is None for r in rows):
+        return []
+    static = statics(rows, "others_busy_ms", "mode")
+    lines = [
+        "",
+        "Per decode step, from a torch.profiler trace (one generate of 32 tokens less one of 1): the kernels' span "
+        "(first start to last end), how long the copy kernels (`kv_ops.prefix_copy`'s copy and claim) kept the GPU "
+        "busy and how long the model's kernels did, how long both ran at once, the copies' rate while they ran "
+        "(the step's bytes over their busy time) against the memcpy's, and the model's busy time over static's.",
+        "",
+        "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | model ms | both ms "
+        "| copies' rate / memcpy | model / static's |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r.get("kernels_span_ms") is None:
+            continue
+        copies = r["copies_busy_ms"]
+        rate = r["mib_per_step"] * 2**20 / copies / 1e6 / r["memcpy_gbs"] if copies > 0 else None
+        base = static.get((r["layers"], r["batch"], r["context"], r["mode"]))
+        lines.append(
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['kernels_span_ms']:.2f} "
+            f"| {copies:.2f} | {r['others_busy_ms']:.2f} | {r['both_busy_ms']:.2f} | {fmt(rate, '.2f')} "
+            f"| {fmt(r['others_busy_ms'] / base if base else None, '.2f')} |"
         )
     return lines
 
@@ -575,6 +622,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per cache (best is kept)")
     p.add_argument("--merge", type=Path, help="an earlier run's hf_offload.csv, whose rows join this run's table")
+    p.add_argument(
+        "--timeline", action="store_true", help="also profile static's and ours' runs: where each step's GPU time goes"
+    )
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
@@ -582,7 +632,7 @@ def main(argv=None) -> int:
     rows = read_rows(args.merge) if args.merge else []
     for shape in args.shapes.split(","):
         layers, batch, sequence, capacity = (int(v) for v in shape.split("x"))
-        rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes)
+        rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes, args.timeline)
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows), plot=plot)
     finish()
     return 0

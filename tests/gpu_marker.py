@@ -1,7 +1,7 @@
 """Shared by tests/ and compile_tests/ conftests: Triton's interpreter where no GPU exists (set
 before any kernel module is imported), the `gpu` marker, whose tests skip without CUDA, and,
-under a sanitizer, cells standing in for `path="auto"`'s measurement, SDPA's math attention and
-CUDA-graph trees recording where each pool block was allocated."""
+under a sanitizer, cells standing in for `path="auto"`'s measurement, SDPA's math attention under
+racecheck and CUDA-graph trees recording where each pool block was allocated."""
 
 import os
 
@@ -46,16 +46,19 @@ def stand_ins_under_a_sanitizer():
     # SDPA's fused attention kernels (cuDNN's, then the memory-efficient one once cuDNN's is off)
     # draw racecheck hazard reports from inside themselves by the tens of thousands, which is not
     # what is checked here: they drown the report and slowed racecheck over the transformers tests
-    # past a whole device call. The sanitized runs attend with SDPA's math kernels.
+    # past a whole device call. Racecheck's runs attend with SDPA's math kernels (memcheck's keep
+    # the fused ones).
     fused = {
         torch.backends.cuda.enable_cudnn_sdp: torch.backends.cuda.cudnn_sdp_enabled(),
         torch.backends.cuda.enable_mem_efficient_sdp: torch.backends.cuda.mem_efficient_sdp_enabled(),
         torch.backends.cuda.enable_flash_sdp: torch.backends.cuda.flash_sdp_enabled(),
     }
-    for enable in fused:
-        enable(False)
-    # Under memcheck, CUDA-graph trees once found blocks in their pool that no output holds, in a
-    # test that passes without the sanitizer: the pool check then names each block's allocation.
+    if os.environ["KV_OPS_SANITIZER"] == "racecheck":
+        for enable in fused:
+            enable(False)
+    # Under memcheck with the math kernels, CUDA-graph trees found blocks in their pool that no
+    # output holds, in a test that passes without the sanitizer: the pool check then names each
+    # block's allocation.
     import torch._inductor.config as inductor_config
 
     with pytest.MonkeyPatch.context() as patch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -10,6 +11,7 @@ import warnings
 import pytest
 import torch
 from packaging.version import Version
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -876,11 +878,14 @@ def test_on_a_gpu_a_delayed_load_is_waited_for():
 
 
 @gpu
-@pytest.mark.parametrize("ahead", [True, False])
-def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(ahead):
+@pytest.mark.parametrize(("ahead", "attention"), [(True, "sdpa"), (False, "sdpa"), (False, "sdpa, math kernels")])
+def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(ahead, attention):
+    # SDPA's math kernels: what the sanitized runs attend with (tests/gpu_marker.py), and what runs
+    # where the fused kernels are unavailable or switched off.
     config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config, load_ahead=ahead)
+    with sdpa_kernel(SDPBackend.MATH) if "math" in attention else contextlib.nullcontext():
+        got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config, load_ahead=ahead)
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
 

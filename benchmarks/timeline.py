@@ -1,0 +1,90 @@
+"""Where a run's GPU time goes: the kernels of a torch.profiler trace as intervals, how long the
+copy kernels and the other kernels each kept the GPU busy, and how long both ran at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+
+# The kernels that move a HostOffloadedCache's bytes (kv_ops.prefix_copy): the copy, and the
+# one-program claim before it.
+COPY_KERNELS = ("_prefix_copy_kernel", "_claim_kernel")
+
+Interval = tuple[float, float]
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of ``[start, end)`` intervals, as disjoint intervals in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """How long the union of ``intervals`` covers."""
+    return sum(end - start for start, end in union(intervals))
+
+
+def overlap(a: Iterable[Interval], b: Iterable[Interval]) -> float:
+    """How long the unions of ``a`` and ``b`` cover at the same time."""
+    a, b = union(a), union(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def busy(kernels: list[tuple[str, float, float]], copies: tuple[str, ...] = COPY_KERNELS) -> dict[str, float]:
+    """From ``(name, start, end)`` kernels: the span from the first start to the last end, the time
+    the copy kernels (a name that starts with one of ``copies``) kept the GPU busy, the time the
+    others did, and the time both ran at once; in the kernels' unit."""
+    if not kernels:
+        return {"span": 0.0, "copies": 0.0, "others": 0.0, "both": 0.0}
+    copy = [(s, e) for name, s, e in kernels if name.startswith(copies)]
+    rest = [(s, e) for name, s, e in kernels if not name.startswith(copies)]
+    span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    return {"span": span, "copies": length(copy), "others": length(rest), "both": overlap(copy, rest)}
+
+
+def kernels_of(run: Callable[[], object]) -> list[tuple[str, float, float]]:
+    """The GPU kernels ``run()`` launched, eagerly or replayed from a CUDA graph, as ``(name, start
+    us, end us)``, from a torch.profiler trace (CUPTI reports the kernels a graph launch runs)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    return [
+        (e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "kernel"
+    ]
+
+
+def per_step(run: Callable[[int], object], short: int, long: int) -> dict[str, float]:
+    """:func:`busy` per decode step, in ms: ``run(n)`` decodes ``n`` tokens (a generate(), prefill
+    included), profiled at ``short`` and at ``long``; their difference over ``long - short`` steps
+    leaves the prefill out."""
+    if long <= short:
+        raise ValueError(f"per_step: long ({long}) must be over short ({short})")
+    a, b = busy(kernels_of(lambda: run(short))), busy(kernels_of(lambda: run(long)))
+    return {key: (b[key] - a[key]) / (long - short) / 1e3 for key in a}
