@@ -880,11 +880,15 @@ def test_on_a_gpu_a_delayed_load_is_waited_for():
 @gpu
 @pytest.mark.parametrize(("ahead", "attention"), [(True, "sdpa"), (False, "sdpa"), (False, "sdpa, math kernels")])
 def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(ahead, attention):
-    # SDPA's math kernels: what the sanitized runs attend with (tests/gpu_marker.py), and what runs
-    # where the fused kernels are unavailable or switched off.
+    # SDPA's math kernels: what racecheck's runs attend with (tests/gpu_marker.py), and what runs
+    # where the fused kernels are unavailable or switched off. The backend is chosen as the step
+    # is traced, and Dynamo does not guard on it: the math case traces afresh.
     config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    math = "math" in attention
+    if math:
+        torch._dynamo.reset()
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    with sdpa_kernel(SDPBackend.MATH) if "math" in attention else contextlib.nullcontext():
+    with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
         got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config, load_ahead=ahead)
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
