@@ -217,7 +217,7 @@ class HostOffloadedCache(Cache):
     attention mask, before the step; off, every load is queued by the step itself, beside the
     layers before it. Tokens are the same either way. transformers builds the mask late in its
     work between steps, so the loads queued there overlap little of it, and the step waits for
-    them: measured, the step is no shorter with them, and longer at batch 16 (docs/design.md).
+    them: a shorter step at some shapes, a longer one at others (benchmarks/results/hf_offload.md).
 
     Raises
     ------
