@@ -288,17 +288,20 @@ def facts(cache):
     return (len(cache.loads.plan.streamed), cache.gpu_bytes()) if isinstance(cache, HostOffloadedCache) else None
 
 
-def kernel_time(model, ids, cache, mode, what: str) -> dict | None:
-    """:func:`timeline.per_step` of generate() on ``cache`` in ``mode``; None where it failed."""
+def kernel_time(model, ids, cache, mode, what: str, keep: Path | None = None) -> dict | None:
+    """:func:`timeline.per_step` of generate() on ``cache`` in ``mode`` (the kernels of its long run
+    kept in ``keep``, where given); None where it failed."""
     return guard(
-        f"{what}: the kernels' timeline", timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW
-    )
+        f"{what}: the kernels' timeline",
+        timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW, keep,
+    )  # fmt: skip
 
 
-def measure(model, ids, runs, reps, where, profiled=()) -> dict:
+def measure(model, ids, runs, reps, where, profiled=(), keep: Path | None = None) -> dict:
     """``run -> (best seconds per step, peak GPU GiB, facts(cache), split, kernels)`` for each run
     that did not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None, and
-    ``kernels`` :func:`kernel_time`'s for a run whose cache is named in ``profiled``, else None.
+    ``kernels`` :func:`kernel_time`'s for a run whose cache is named in ``profiled``, else None;
+    the kernels of ours with CUDA graphs are kept in ``keep``, where given.
     The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one after
     them, each cache closed before the next (its compiled step then passes to the next
     HostOffloadedCache, as in serving)."""
@@ -325,7 +328,8 @@ def measure(model, ids, runs, reps, where, profiled=()) -> dict:
             split = guard(
                 f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
             )
-            kernels = kernel_time(model, ids, cache, run[1], where(run)) if run[0] in profiled else None
+            kept = keep if run[0] == "HostOffloadedCache" else None
+            kernels = kernel_time(model, ids, cache, run[1], where(run), kept) if run[0] in profiled else None
         if steps:
             measured[run] = (min(steps), peak, facts(cache), split, kernels)
         if hasattr(cache, "close"):
@@ -334,7 +338,8 @@ def measure(model, ids, runs, reps, where, profiled=()) -> dict:
     return measured
 
 
-def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, profile: bool = False) -> list[dict]:
+def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, profile: Path | None = None) -> list[dict]:
+    """The rows of one shape; ``profile``, where given, is the folder for ``--timeline``'s kernels."""
     cfg = config("8b", layers)
     model = build(cfg, torch.device("cuda"), torch.bfloat16)
     context = capacity * sequence  # max_cache_len, as a static cache is sized
@@ -372,7 +377,9 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
         f"the loads alone at {layers} layers, batch {batch}, max_cache_len {context}",
         loads_alone, model, ids, HostOffloadedCache(config=cfg, max_cache_len=context),
     )  # fmt: skip
-    measured = measure(model, ids, runs, reps, where, ("static", "HostOffloadedCache") if profile else ())
+    profiled = ("static", "HostOffloadedCache") if profile else ()
+    keep = profile / f"hf_offload_kernels_{layers}x{batch}x{sequence}x{capacity}.json.gz" if profile else None
+    measured = measure(model, ids, runs, reps, where, profiled, keep)
     all_bytes = layers * layer_bytes
     mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
     rows, reference = [], {}
@@ -623,7 +630,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per cache (best is kept)")
     p.add_argument("--merge", type=Path, help="an earlier run's hf_offload.csv, whose rows join this run's table")
     p.add_argument(
-        "--timeline", action="store_true", help="also profile static's and ours' runs: where each step's GPU time goes"
+        "--timeline",
+        action="store_true",
+        help="also profile static's and ours' runs: where each step's GPU time goes (ours' kernels with CUDA "
+        "graphs kept in OUT/hf_offload_kernels_SHAPE.json.gz)",
     )
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
@@ -632,7 +642,8 @@ def main(argv=None) -> int:
     rows = read_rows(args.merge) if args.merge else []
     for shape in args.shapes.split(","):
         layers, batch, sequence, capacity = (int(v) for v in shape.split("x"))
-        rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes, args.timeline)
+        profile = args.out if args.timeline else None
+        rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes, profile)
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows), plot=plot)
     finish()
     return 0

@@ -3,10 +3,12 @@ copy kernels and the other kernels each kept the GPU busy, and how long both ran
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 # The kernels that move a HostOffloadedCache's bytes (kv_ops.prefix_copy): the copy, and the
 # one-program claim before it.
@@ -56,9 +58,10 @@ def busy(kernels: list[tuple[str, float, float]], copies: tuple[str, ...] = COPY
     return {"span": span, "copies": length(copy), "others": length(rest), "both": overlap(copy, rest)}
 
 
-def kernels_of(run: Callable[[], object]) -> list[tuple[str, float, float]]:
+def kernels_of(run: Callable[[], object], keep: Path | None = None) -> list[tuple[str, float, float]]:
     """The GPU kernels ``run()`` launched, eagerly or replayed from a CUDA graph, as ``(name, start
-    us, end us)``, from a torch.profiler trace (CUPTI reports the kernels a graph launch runs)."""
+    us, end us)``, from a torch.profiler trace (CUPTI reports the kernels a graph launch runs).
+    ``keep``: a ``.json.gz`` file that gets them, with each one's stream, for a closer look."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -73,18 +76,24 @@ def kernels_of(run: Callable[[], object]) -> list[tuple[str, float, float]]:
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    return [
-        (e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "kernel"
-    ]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if keep is not None:
+        with gzip.open(keep, "wt") as f:
+            json.dump(
+                [
+                    {"name": e["name"], "ts": e["ts"], "dur": e["dur"], "stream": e.get("args", {}).get("stream")}
+                    for e in kernels
+                ],
+                f,
+            )
+    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
 
 
-def per_step(run: Callable[[int], object], short: int, long: int) -> dict[str, float]:
+def per_step(run: Callable[[int], object], short: int, long: int, keep: Path | None = None) -> dict[str, float]:
     """:func:`busy` per decode step, in ms: ``run(n)`` decodes ``n`` tokens (a generate(), prefill
     included), profiled at ``short`` and at ``long``; their difference over ``long - short`` steps
-    leaves the prefill out."""
+    leaves the prefill out. ``keep``: where :func:`kernels_of` keeps the long run's kernels."""
     if long <= short:
         raise ValueError(f"per_step: long ({long}) must be over short ({short})")
-    a, b = busy(kernels_of(lambda: run(short))), busy(kernels_of(lambda: run(long)))
+    a, b = busy(kernels_of(lambda: run(short))), busy(kernels_of(lambda: run(long), keep))
     return {key: (b[key] - a[key]) / (long - short) / 1e3 for key in a}

@@ -1,6 +1,8 @@
 """benchmarks/timeline.py: interval arithmetic against a unit-cell count, and, on a GPU, the
 kernels a profiled run launched, a replayed CUDA graph's included."""
 
+import gzip
+import json
 import sys
 from pathlib import Path
 
@@ -52,7 +54,7 @@ def test_per_step_refuses_a_long_run_not_longer_than_the_short_one():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_kernels_of_a_replayed_cuda_graph_are_in_the_trace():
+def test_on_a_gpu_the_kernels_of_a_replayed_cuda_graph_are_in_the_trace(tmp_path):
     a = torch.randn(2048, 2048, device="cuda")
     out = torch.full_like(a, float("nan"))
     graph = torch.cuda.CUDAGraph()
@@ -65,7 +67,10 @@ def test_on_a_gpu_the_kernels_of_a_replayed_cuda_graph_are_in_the_trace():
     torch.cuda.current_stream().wait_stream(side)
     out.fill_(float("nan"))
     eager = timeline.kernels_of(lambda: a.mul_(1.0))
-    replayed = timeline.kernels_of(graph.replay)
+    kept = tmp_path / "kernels.json.gz"
+    replayed = timeline.kernels_of(graph.replay, kept)
+    with gzip.open(kept, "rt") as f:
+        assert [(k["name"], k["ts"], k["ts"] + k["dur"]) for k in json.load(f)] == replayed
     assert len(eager) == 1 and eager[0][2] > eager[0][1]
     assert len(replayed) >= 2, replayed  # the matmul and the copy, each reported from the graph
     assert torch.equal(out, a @ a)
