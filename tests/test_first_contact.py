@@ -419,6 +419,17 @@ def _shm():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+# CUDA's own IPC files carry their process's id in hex ("cuda.shm.0.2fa.1"): one whose process
+# is alive is another program's (the runs checked have all exited by then).
+CUDA_SHM = re.compile(r"cuda\.shm\.\d+\.([0-9a-f]+)\.")
+
+
+def _left_in_shm(before: set[str]) -> set[str]:
+    """What appeared in /dev/shm since ``before``, less CUDA's files of processes still alive."""
+    new = _shm() - before
+    return {n for n in new if not ((m := CUDA_SHM.match(n)) and os.path.exists(f"/proc/{int(m[1], 16)}"))}
+
+
 def _run_exit_script(tmp_path, device, tier, runs, seed, shm=True):
     script = tmp_path / "exit_without_close.py"
     script.write_text(EXIT_SCRIPT)
@@ -440,8 +451,27 @@ def _run_exit_script(tmp_path, device, tier, runs, seed, shm=True):
     left = {d.name: os.listdir(d) for d in base.iterdir() if os.listdir(d)}
     assert left == {}, f"the disk tier left files behind: {left}"
     if shm:
-        assert _shm() - before == set(), "an engine left something in /dev/shm"
+        assert _left_in_shm(before) == set(), "an engine left something in /dev/shm"
     return out.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_the_shm_check_leaves_out_only_cuda_files_of_processes_still_alive():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    tag = uuid.uuid4().hex[:8]
+    live = f"cuda.shm.0.{os.getpid():x}.{tag}"
+    dead = f"cuda.shm.0.{int(gone.stdout):x}.{tag}"
+    ours = f"kv-ops-test-{tag}"
+    before = _shm()
+    try:
+        for name in (live, dead, ours):
+            open(os.path.join("/dev/shm", name), "w").close()
+        left = _left_in_shm(before)
+        assert {dead, ours} <= left and live not in left, left
+    finally:
+        for name in (live, dead, ours):
+            if os.path.exists(os.path.join("/dev/shm", name)):
+                os.unlink(os.path.join("/dev/shm", name))
 
 
 @pytest.mark.parametrize("tier", CPU_TIERS)
@@ -464,4 +494,4 @@ def test_a_gpu_program_that_never_closes_its_engine_exits_cleanly(tier, tmp_path
         runs = [pool.submit(_run_exit_script, tmp_path / str(r), "cuda", tier, 1, r, False) for r in range(20)]
         for run in runs:
             run.result()
-    assert _shm() - before == set(), "an engine left something in /dev/shm"
+    assert _left_in_shm(before) == set(), "an engine left something in /dev/shm"
