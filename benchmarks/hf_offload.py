@@ -80,10 +80,10 @@ COLUMNS = [
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
     "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "loads_alone_ms", "loads_alone_mib", "call_ms", "between_ms",
-    "kernels_span_ms", "copies_busy_ms", "others_busy_ms", "both_busy_ms",
+    "kernels_span_ms", "copies_busy_ms", "others_busy_ms", "both_busy_ms", "loads_span_ms",
 ]  # fmt: skip
-BUSY = ("span", "copies", "others", "both")  # timeline.busy's keys, in the columns below
-KERNEL_COLUMNS = ("kernels_span", "copies_busy", "others_busy", "both_busy")
+BUSY = ("span", "copies", "others", "both", "loads_span")  # timeline.per_step's keys, in the columns below
+KERNEL_COLUMNS = ("kernels_span", "copies_busy", "others_busy", "both_busy", "loads_span")
 PARTS = ("layer", "check", "wait", "issue")
 
 
@@ -290,10 +290,11 @@ def facts(cache):
 
 def kernel_time(model, ids, cache, mode, what: str, keep: Path | None = None) -> dict | None:
     """:func:`timeline.per_step` of generate() on ``cache`` in ``mode`` (the kernels of its long run
-    kept in ``keep``, where given); None where it failed."""
+    kept in ``keep``, where given; the loads' span per step for ours); None where it failed."""
+    held = facts(cache)
     return guard(
         f"{what}: the kernels' timeline",
-        timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW, keep,
+        timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW, keep, held[0] if held else None,
     )  # fmt: skip
 
 
@@ -419,7 +420,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
                 "loads_alone_ms": alone[0] * 1e3 if pieces and alone else None,
                 "loads_alone_mib": alone[1] / 2**20 if pieces and alone else None,
                 "call_ms": split[0] * 1e3 if split else None, "between_ms": split[1] * 1e3 if split else None,
-                **{f"{c}_ms": kernels[key] if kernels else None for key, c in zip(BUSY, KERNEL_COLUMNS)},
+                **{f"{c}_ms": kernels.get(key) if kernels else None for key, c in zip(BUSY, KERNEL_COLUMNS)},
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -567,11 +568,13 @@ def kernels_table(rows) -> list[str]:
         "Per decode step, from a torch.profiler trace (one generate of 32 tokens less one of 1): the kernels' span "
         "(first start to last end), how long the copy kernels (`kv_ops.prefix_copy`'s copy and claim) kept the GPU "
         "busy and how long the model's kernels did, how long both ran at once, the copies' rate while they ran "
-        "(the step's bytes over their busy time) against the memcpy's, and the model's busy time over static's.",
+        "(the step's bytes over their busy time) against the memcpy's, and the model's busy time over static's. "
+        "Loads' span: the median step's time from its first copy's start to its last copy's end (back to back, "
+        "the copies' busy time).",
         "",
-        "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | model ms | both ms "
+        "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | loads' span ms | model ms | both ms "
         "| copies' rate / memcpy | model / static's |",
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r.get("kernels_span_ms") is None:
@@ -581,7 +584,8 @@ def kernels_table(rows) -> list[str]:
         base = static.get((r["layers"], r["batch"], r["context"], r["mode"]))
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['kernels_span_ms']:.2f} "
-            f"| {copies:.2f} | {r['others_busy_ms']:.2f} | {r['both_busy_ms']:.2f} | {fmt(rate, '.2f')} "
+            f"| {copies:.2f} | {fmt(r.get('loads_span_ms'), '.2f')} | {r['others_busy_ms']:.2f} | {r['both_busy_ms']:.2f} "
+            f"| {fmt(rate, '.2f')} "
             f"| {fmt(r['others_busy_ms'] / base if base else None, '.2f')} |"
         )
     return lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import statistics
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -58,6 +59,17 @@ def busy(kernels: list[tuple[str, float, float]], copies: tuple[str, ...] = COPY
     return {"span": span, "copies": length(copy), "others": length(rest), "both": overlap(copy, rest)}
 
 
+def load_spans(kernels: list[tuple[str, float, float]], loads: int, copy: str = COPY_KERNELS[0]) -> list[float]:
+    """Per step, from the first start to the last end of its ``loads`` copy kernels (``copy``, in
+    start order, ``loads`` to a step; an incomplete last group is left out): back to back, a
+    step's loads span their busy time; a longer span is time the loads waited between them."""
+    if loads < 1:
+        raise ValueError(f"load_spans: loads must be >= 1, got {loads}")
+    starts = sorted((s, e) for name, s, e in kernels if name.startswith(copy))
+    groups = [starts[i : i + loads] for i in range(0, len(starts) - loads + 1, loads)]
+    return [max(e for _, e in g) - g[0][0] for g in groups]
+
+
 def kernels_of(run: Callable[[], object], keep: Path | None = None) -> list[tuple[str, float, float]]:
     """The GPU kernels ``run()`` launched, eagerly or replayed from a CUDA graph, as ``(name, start
     us, end us)``, from a torch.profiler trace (CUPTI reports the kernels a graph launch runs).
@@ -89,11 +101,20 @@ def kernels_of(run: Callable[[], object], keep: Path | None = None) -> list[tupl
     return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
 
 
-def per_step(run: Callable[[int], object], short: int, long: int, keep: Path | None = None) -> dict[str, float]:
+def per_step(
+    run: Callable[[int], object], short: int, long: int, keep: Path | None = None, loads: int | None = None
+) -> dict[str, float]:
     """:func:`busy` per decode step, in ms: ``run(n)`` decodes ``n`` tokens (a generate(), prefill
     included), profiled at ``short`` and at ``long``; their difference over ``long - short`` steps
-    leaves the prefill out. ``keep``: where :func:`kernels_of` keeps the long run's kernels."""
+    leaves the prefill out. ``keep``: where :func:`kernels_of` keeps the long run's kernels. With
+    ``loads`` (copies per step), also ``loads_span``: the median of the long run's
+    :func:`load_spans`, its first step (the prefill) left out."""
     if long <= short:
         raise ValueError(f"per_step: long ({long}) must be over short ({short})")
-    a, b = busy(kernels_of(lambda: run(short))), busy(kernels_of(lambda: run(long), keep))
-    return {key: (b[key] - a[key]) / (long - short) / 1e3 for key in a}
+    first, second = kernels_of(lambda: run(short)), kernels_of(lambda: run(long), keep)
+    a, b = busy(first), busy(second)
+    got = {key: (b[key] - a[key]) / (long - short) / 1e3 for key in a}
+    if loads:
+        spans = load_spans(second, loads)[1:]
+        got["loads_span"] = statistics.median(spans) / 1e3 if spans else None
+    return got

@@ -48,6 +48,27 @@ def test_busy_splits_the_kernels_by_name(copies, others):
     assert got["span"] == (max(e for _, e in every) - min(s for s, _ in every) if every else 0.0)
 
 
+def test_load_spans_groups_the_copies_by_step_in_start_order():
+    # Two steps of three loads, given out of order, claims and model kernels between them, and a
+    # third step cut short: its one copy is left out.
+    copies = [(0.0, 2.0), (2.0, 4.0), (5.0, 7.0), (20.0, 21.0), (21.5, 23.0), (22.0, 24.0), (40.0, 41.0)]
+    kernels = [("_prefix_copy_kernel", s, e) for s, e in reversed(copies)]
+    kernels += [("_claim_kernel", s - 0.5, s) for s, _ in copies] + [("gemm", 1.0, 30.0)]
+    assert timeline.load_spans(kernels, 3) == [7.0, 4.0]
+    with pytest.raises(ValueError, match=r"loads must be >= 1, got 0"):
+        timeline.load_spans(kernels, 0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 100)), max_size=30), st.integers(1, 5))
+def test_a_steps_load_span_covers_its_copies_busy_time(raw, loads):
+    kernels = [("_prefix_copy_kernel", float(s), float(s + d)) for s, d in raw]
+    spans = timeline.load_spans(kernels, loads)
+    assert len(spans) == len(kernels) // loads
+    ordered = sorted((s, e) for _, s, e in kernels)
+    for i, span in enumerate(spans):
+        assert span >= timeline.length(ordered[i * loads : (i + 1) * loads])
+
+
 def test_per_step_refuses_a_long_run_not_longer_than_the_short_one():
     with pytest.raises(ValueError, match=r"long \(4\) must be over short \(4\)"):
         timeline.per_step(lambda n: None, 4, 4)
