@@ -77,6 +77,7 @@ def kernels_of(run: Callable[[], object], keep: Path | None = None) -> list[tupl
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()  # the trace holds run()'s kernels only, none queued before it
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()

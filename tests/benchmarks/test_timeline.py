@@ -94,6 +94,7 @@ def test_on_a_gpu_the_kernels_of_a_replayed_cuda_graph_are_in_the_trace(tmp_path
         assert [(k["name"], k["ts"], k["ts"] + k["dur"]) for k in json.load(f)] == replayed
     assert len(eager) == 1 and eager[0][2] > eager[0][1]
     assert len(replayed) >= 2, replayed  # the matmul and the copy, each reported from the graph
-    assert torch.equal(out, a @ a)
+    # The replay ran (out was poisoned); eagerly cuBLAS may pick another algorithm: close, not equal.
+    torch.testing.assert_close(out, a @ a)
     got = timeline.busy(replayed)
     assert 0 < got["others"] <= got["span"] and got["copies"] == 0
