@@ -82,9 +82,10 @@ def test_on_a_gpu_the_kernels_of_a_replayed_cuda_graph_are_in_the_trace(tmp_path
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out.copy_(a @ a)  # warm-up: cuBLAS's workspace outside the capture
+        # The relu is a kernel of its own (a bare copy_ would be a memcpy node, which is no kernel).
+        out.copy_((a @ a).relu())  # warm-up: cuBLAS's workspace outside the capture
         with torch.cuda.graph(graph):
-            out.copy_(a @ a)
+            out.copy_((a @ a).relu())
     torch.cuda.current_stream().wait_stream(side)
     out.fill_(float("nan"))
     eager = timeline.kernels_of(lambda: a.mul_(1.0))
@@ -93,8 +94,8 @@ def test_on_a_gpu_the_kernels_of_a_replayed_cuda_graph_are_in_the_trace(tmp_path
     with gzip.open(kept, "rt") as f:
         assert [(k["name"], k["ts"], k["ts"] + k["dur"]) for k in json.load(f)] == replayed
     assert len(eager) == 1 and eager[0][2] > eager[0][1]
-    assert len(replayed) >= 2, replayed  # the matmul and the copy, each reported from the graph
+    assert len(replayed) >= 2, replayed  # the matmul and the relu, each reported from the graph
     # The replay ran (out was poisoned); eagerly cuBLAS may pick another algorithm: close, not equal.
-    torch.testing.assert_close(out, a @ a)
+    torch.testing.assert_close(out, (a @ a).relu())
     got = timeline.busy(replayed)
     assert 0 < got["others"] <= got["span"] and got["copies"] == 0
