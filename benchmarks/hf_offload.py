@@ -570,11 +570,12 @@ def kernels_table(rows) -> list[str]:
         "busy and how long the model's kernels did, how long both ran at once, the copies' rate while they ran "
         "(the step's bytes over their busy time) against the memcpy's, and the model's busy time over static's. "
         "Loads' span: the median step's time from its first copy's start to its last copy's end (back to back, "
-        "the copies' busy time).",
+        "the copies' busy time); no load: the span less the loads' span, the part of a step (the step's boundary "
+        "included) with no load under way.",
         "",
-        "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | loads' span ms | model ms | both ms "
-        "| copies' rate / memcpy | model / static's |",
-        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | loads' span ms | no load ms | model ms "
+        "| both ms | copies' rate / memcpy | model / static's |",
+        "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r.get("kernels_span_ms") is None:
@@ -582,9 +583,12 @@ def kernels_table(rows) -> list[str]:
         copies = r["copies_busy_ms"]
         rate = r["mib_per_step"] * 2**20 / copies / 1e6 / r["memcpy_gbs"] if copies > 0 else None
         base = static.get((r["layers"], r["batch"], r["context"], r["mode"]))
+        loads = r.get("loads_span_ms")
+        idle = None if loads is None else r["kernels_span_ms"] - loads
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['kernels_span_ms']:.2f} "
-            f"| {copies:.2f} | {fmt(r.get('loads_span_ms'), '.2f')} | {r['others_busy_ms']:.2f} | {r['both_busy_ms']:.2f} "
+            f"| {copies:.2f} | {fmt(loads, '.2f')} | {fmt(idle, '.2f')} | {r['others_busy_ms']:.2f} "
+            f"| {r['both_busy_ms']:.2f} "
             f"| {fmt(rate, '.2f')} "
             f"| {fmt(r['others_busy_ms'] / base if base else None, '.2f')} |"
         )
