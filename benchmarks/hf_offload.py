@@ -27,9 +27,9 @@ which no load inside a captured step can overlap (the loads queued ahead, when t
 can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`): the
 copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs are also
 profiled (torch.profiler, one generate of one token and one of N): per decode step, how long the
-copy kernels and the other kernels kept the GPU busy and how long both ran at once
-(benchmarks/timeline.py), which tells copies slowed beside the layers from copies and layers
-taking turns.
+copy kernels and the other kernels kept the GPU busy, how long both ran at once
+(benchmarks/timeline.py), and how long no load was under way (the step's boundary); ours'
+kernels are kept per mode, for a closer look.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
 references) to this run's table, for a sweep split over several processes.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
@@ -298,11 +298,11 @@ def kernel_time(model, ids, cache, mode, what: str, keep: Path | None = None) ->
     )  # fmt: skip
 
 
-def measure(model, ids, runs, reps, where, profiled=(), keep: Path | None = None) -> dict:
+def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
     """``run -> (best seconds per step, peak GPU GiB, facts(cache), split, kernels)`` for each run
     that did not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None, and
     ``kernels`` :func:`kernel_time`'s for a run whose cache is named in ``profiled``, else None;
-    the kernels of ours with CUDA graphs are kept in ``keep``, where given.
+    the kernels of ours are kept in ``keep(mode)``, where given.
     The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one after
     them, each cache closed before the next (its compiled step then passes to the next
     HostOffloadedCache, as in serving)."""
@@ -313,7 +313,8 @@ def measure(model, ids, runs, reps, where, profiled=(), keep: Path | None = None
             warm[run] = got
             held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
     for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where).items():
-        kernels = kernel_time(model, ids, warm[run][0], run[1], where(run)) if run[0] in profiled else None
+        kept = keep(run[1]) if keep and run[0] == "HostOffloadedCache" else None
+        kernels = kernel_time(model, ids, warm[run][0], run[1], where(run), kept) if run[0] in profiled else None
         measured[run] = (step, warm[run][2], facts(warm[run][0]), None, kernels)
     for cache, _, _ in warm.values():
         if hasattr(cache, "close"):
@@ -329,7 +330,7 @@ def measure(model, ids, runs, reps, where, profiled=(), keep: Path | None = None
             split = guard(
                 f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
             )
-            kept = keep if run[0] == "HostOffloadedCache" else None
+            kept = keep(run[1]) if keep and run[0] == "HostOffloadedCache" else None
             kernels = kernel_time(model, ids, cache, run[1], where(run), kept) if run[0] in profiled else None
         if steps:
             measured[run] = (min(steps), peak, facts(cache), split, kernels)
@@ -379,8 +380,11 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
         loads_alone, model, ids, HostOffloadedCache(config=cfg, max_cache_len=context),
     )  # fmt: skip
     profiled = ("static", "HostOffloadedCache") if profile else ()
-    keep = profile / f"hf_offload_kernels_{layers}x{batch}x{sequence}x{capacity}.json.gz" if profile else None
-    measured = measure(model, ids, runs, reps, where, profiled, keep)
+
+    def keep(mode: str) -> Path:  # where --timeline keeps ours' kernels in this mode
+        return profile / f"hf_offload_kernels_{layers}x{batch}x{sequence}x{capacity}_{mode}.json.gz"
+
+    measured = measure(model, ids, runs, reps, where, profiled, keep if profile else None)
     all_bytes = layers * layer_bytes
     mean_positions = sequence - NEW + NEW // 2  # the decode's mean length
     rows, reference = [], {}
@@ -640,8 +644,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--timeline",
         action="store_true",
-        help="also profile static's and ours' runs: where each step's GPU time goes (ours' kernels with CUDA "
-        "graphs kept in OUT/hf_offload_kernels_SHAPE.json.gz)",
+        help="also profile static's and ours' runs: where each step's GPU time goes (ours' kernels kept in "
+        "OUT/hf_offload_kernels_SHAPE_MODE.json.gz)",
     )
     args = parse(p, cuda=True, argv=argv)
     rate = memcpy_rate()
