@@ -18,6 +18,7 @@ call (:meth:`kv_ops.kernels.BoundCopy.launch_kernel`).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -370,15 +371,15 @@ def _packed_call(kind: str, regions, ids, packed) -> None:
     """One gather or scatter, the op's CPU and CUDA implementation alike: the ids, and the packed
     side against the regions' width (a scatter's ids are destinations, so they must not repeat),
     then the reference where every tensor is on the CPU, else the regions' bound kernel."""
-    gather = kind == "gather"
-    op, what = ("kv_ops.gather_blocks", "out") if gather else ("kv_ops.scatter_blocks", "packed")
+    op, what = ("kv_ops.gather_blocks", "out") if kind == "gather" else ("kv_ops.scatter_blocks", "packed")
     device = _kernel_device([ids, packed], regions, default=_CPU)
     entry = _packed_set(kind, op, regions, device)
     _check_ids(op, device, [("ids", ids)], None)
     V.check_packed(op, what, packed, ids.shape[0], entry.width)
     V.check_devices(op, device, ids=[], data=[(what, packed)])
     if V.should_check_ids(device):
-        V.check_ids_values(op, "ids", ids, entry.src_limit, unique=not gather)
+        V.check_ids_values(op, "ids", ids, entry.src_limit, unique=kind == "scatter")
+    gather = kind == "gather"
     if device.type == "cpu":
         skipped = (
             reference.gather_blocks(regions, ids, packed) if gather else reference.scatter_blocks(packed, ids, regions)
@@ -389,15 +390,11 @@ def _packed_call(kind: str, regions, ids, packed) -> None:
         entry.bound(packed, src_ids, dst_ids, ids.shape[0], V.error_counter(device))
 
 
-def _gather_blocks_impl(regions, ids, out) -> None:
-    _packed_call("gather", regions, ids, out)
-
-
 register_op(
     "kv_ops",
     "gather_blocks(Tensor[] regions, Tensor ids, Tensor(a!) out) -> ()",
     fake=_gather_blocks_fake,
-    cpu=_gather_blocks_impl,  # serves CUDA too
+    cpu=functools.partial(_packed_call, "gather"),  # serves CUDA too
 )
 
 
