@@ -307,15 +307,20 @@ def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
     them, each cache closed before the next (its compiled step then passes to the next
     HostOffloadedCache, as in serving)."""
     measured, warm, held, start = {}, {}, 0, torch.cuda.memory_allocated()
+
+    def kernels_of(run, cache) -> dict | None:  # --timeline's figures of a profiled run, ours' kernels kept
+        if run[0] not in profiled:
+            return None
+        kept = keep(run[1]) if keep and run[0] == "HostOffloadedCache" else None
+        return kernel_time(model, ids, cache, run[1], where(run), kept)
+
     for run in [r for r in runs if r[1] != "cudagraphs"]:
         got = guard(where(run), warmed, model, ids, run[2] or (lambda: None), run[1], held)
         if got is not None:
             warm[run] = got
             held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
     for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where).items():
-        kept = keep(run[1]) if keep and run[0] == "HostOffloadedCache" else None
-        kernels = kernel_time(model, ids, warm[run][0], run[1], where(run), kept) if run[0] in profiled else None
-        measured[run] = (step, warm[run][2], facts(warm[run][0]), None, kernels)
+        measured[run] = (step, warm[run][2], facts(warm[run][0]), None, kernels_of(run, warm[run][0]))
     for cache, _, _ in warm.values():
         if hasattr(cache, "close"):
             cache.close()
@@ -330,8 +335,7 @@ def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
             split = guard(
                 f"{where(run)}: the step's call and the work between", step_split, model, ids, cache, make(run[1], NEW)
             )
-            kept = keep(run[1]) if keep and run[0] == "HostOffloadedCache" else None
-            kernels = kernel_time(model, ids, cache, run[1], where(run), kept) if run[0] in profiled else None
+            kernels = kernels_of(run, cache)
         if steps:
             measured[run] = (min(steps), peak, facts(cache), split, kernels)
         if hasattr(cache, "close"):
@@ -652,9 +656,9 @@ def main(argv=None) -> int:
     graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows = read_rows(args.merge) if args.merge else []
+    profile = args.out if args.timeline else None
     for shape in args.shapes.split(","):
         layers, batch, sequence, capacity = (int(v) for v in shape.split("x"))
-        profile = args.out if args.timeline else None
         rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes, profile)
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows), plot=plot)
     finish()

@@ -56,9 +56,9 @@ def stand_ins_under_a_sanitizer():
     if os.environ["KV_OPS_SANITIZER"] == "racecheck":
         for enable in fused:
             enable(False)
-    # Under memcheck with the math kernels, CUDA-graph trees found blocks in their pool that no
-    # output holds, in a test that passes without the sanitizer: the pool check then names each
-    # block's allocation.
+    # Under memcheck (with SDPA's fused kernels and with the math ones), CUDA-graph trees found
+    # blocks in their pool that no output holds, in a test that passes without the sanitizer: the
+    # pool check then names each block's allocation.
     import torch._inductor.config as inductor_config
 
     with pytest.MonkeyPatch.context() as patch:
