@@ -43,10 +43,13 @@ def parser(doc: str | None, quick: str | None = None) -> argparse.ArgumentParser
     return p
 
 
-def parse(p: argparse.ArgumentParser, *, cuda: bool, argv: list[str] | None = None) -> argparse.Namespace:
-    """The arguments, after the CUDA requirement (``cuda``: a GPU-only script, see
-    :func:`require_cuda`); creates ``--out``."""
+def parse(p: argparse.ArgumentParser, *, cuda: bool, argv: list[str] | None = None, check=None) -> argparse.Namespace:
+    """The arguments, after ``check(p, args)`` (checks between arguments, which call ``p.error``)
+    and the CUDA requirement (``cuda``: a GPU-only script, see :func:`require_cuda`); creates
+    ``--out``. Bad arguments are refused before a machine without CUDA is."""
     args = p.parse_args(argv)
+    if check is not None:
+        check(p, args)
     if cuda:
         require_cuda(p.prog)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ checks them bit for bit.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import statistics
@@ -55,7 +56,7 @@ from kv_ops.cuda.launch import NUM_PROGRAMS
 from kv_ops.integrations.transformers import HostOffloadedCache
 
 import timeline
-from common import finish, guard, matmuls_leave_sms, parse, parser, save  # this script's own directory
+from common import at_least_one, finish, guard, matmuls_leave_sms, parse, parser, save  # this script's own directory
 from report import card
 
 # The example's model and generate() settings, loaded by path (it shares this script's name);
@@ -630,36 +631,69 @@ def plot(rows, path) -> None:
     plt.close(fig)
 
 
+def shapes(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """An argparse type: comma-separated LAYERSxBATCHxSEQUENCExCAPACITY, each a whole number of at
+    least 1 (an empty text: none), refused before any measurement."""
+    got = []
+    for shape in filter(None, text.split(",")):
+        parts = shape.split("x")
+        if len(parts) != 4 or not all(v.isdigit() and int(v) >= 1 for v in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected LAYERSxBATCHxSEQUENCExCAPACITY, four whole numbers of at least 1, got {shape!r}"
+            )
+        got.append(tuple(int(v) for v in parts))
+    return tuple(got)
+
+
+def existing_file(text: str) -> Path:
+    """An argparse type: a file that is there."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return Path(text)
+
+
+def check_shapes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """At least one shape, and every CUDA-graph shape among them (by default, all of them)."""
+    if args.graph_shapes is None:
+        args.graph_shapes = args.shapes
+    if not args.shapes:
+        p.error("--shapes: give at least one shape")
+    if stray := [s for s in args.graph_shapes if s not in args.shapes]:
+        p.error(f"--graph-shapes: {', '.join('x'.join(map(str, s)) for s in stray)} not among --shapes")
+
+
 def main(argv=None) -> int:
     p = parser(__doc__)
     p.add_argument(
         "--shapes",
+        type=shapes,
         default="8x1x2048x4,8x4x2048x1,8x4x2048x4,8x4x2048x8,8x16x2048x4,32x4x2048x4",
         help="LAYERSxBATCHxSEQUENCExCAPACITY (max_cache_len = CAPACITY x SEQUENCE), comma-separated: every "
         "cache eager, transformers' offloaded caches",
     )
     p.add_argument(
         "--graph-shapes",
-        default="8x1x2048x4,8x4x2048x1,8x4x2048x4,8x4x2048x8,8x16x2048x4,32x4x2048x4",
-        help="the shapes that also run with CUDA graphs, and with a budget for half the layers",
+        type=shapes,
+        help="the shapes (among --shapes) that also run with CUDA graphs, and with a budget for half the layers "
+        "(default: every one of --shapes; empty: none)",
     )
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per cache (best is kept)")
-    p.add_argument("--merge", type=Path, help="an earlier run's hf_offload.csv, whose rows join this run's table")
+    p.add_argument("--reps", type=at_least_one, default=3, help="timed repetitions per cache (best is kept)")
+    p.add_argument(
+        "--merge", type=existing_file, help="an earlier run's hf_offload.csv, whose rows join this run's table"
+    )
     p.add_argument(
         "--timeline",
         action="store_true",
         help="also profile static's and ours' runs: where each step's GPU time goes (ours' kernels kept in "
         "OUT/hf_offload_kernels_SHAPE_MODE.json.gz)",
     )
-    args = parse(p, cuda=True, argv=argv)
+    args = parse(p, cuda=True, argv=argv, check=check_shapes)
     rate = memcpy_rate()
-    graph_shapes = set(args.graph_shapes.split(",")) if args.graph_shapes else set()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     rows = read_rows(args.merge) if args.merge else []
     profile = args.out if args.timeline else None
-    for shape in args.shapes.split(","):
-        layers, batch, sequence, capacity = (int(v) for v in shape.split("x"))
-        rows += shape_rows(layers, batch, sequence, capacity, args.reps, rate, shape in graph_shapes, profile)
+    for shape in args.shapes:
+        rows += shape_rows(*shape, args.reps, rate, shape in args.graph_shapes, profile)
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows), plot=plot)
     finish()
     return 0

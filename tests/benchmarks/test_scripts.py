@@ -1,9 +1,12 @@
 """Every script in benchmarks/ and examples/ answers --help with its usage, and every GPU-only
-benchmark refuses a machine without CUDA with the one line and status of benchmarks/common.py.
+benchmark refuses a machine without CUDA with the one line and status of benchmarks/common.py
+(hf_offload.py refuses bad arguments before that).
 
 Each script imports torch (seconds), so all of them run at once, in subprocesses started by one
 fixture, and the tests read their results."""
 
+import argparse
+import importlib
 import os
 import re
 import subprocess
@@ -119,3 +122,42 @@ def test_matmuls_leave_sms_puts_both_settings_back_and_none_changes_nothing():
             pass
     assert torch.backends.cuda.preferred_blas_library() == blas
     assert torch._C._get_sm_carveout_experimental() is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--shapes", "8x4"], "argument --shapes: expected LAYERSxBATCHxSEQUENCExCAPACITY"),
+        (["--shapes", "8x4x2048x0"], "got '8x4x2048x0'"),
+        (["--shapes", "8xAx2048x1"], "got '8xAx2048x1'"),
+        (["--shapes", ","], "--shapes: give at least one shape"),
+        (["--shapes", "8x4x2048x1", "--graph-shapes", "8x16x2048x4"], "--graph-shapes: 8x16x2048x4 not among --shapes"),
+        (["--reps", "0"], "argument --reps: must be at least 1, got 0"),
+        (["--merge", "no-such-run.csv"], "argument --merge: no such file: 'no-such-run.csv'"),
+    ],
+)
+def test_hf_offload_refuses_bad_arguments_before_anything_runs(argv, says, tmp_path, capsys, monkeypatch):
+    # Refused as arguments, before the CUDA check and before --out is made: a mistyped sweep must
+    # not cost a GPU machine's start.
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)  # the refusal is not the CUDA one
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        hf.main(["--out", str(out), *argv])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_hf_offload_runs_every_shape_with_cuda_graphs_unless_told_otherwise():
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    shapes = hf.shapes("8x4x2048x1,8x16x2048x4")
+    assert shapes == ((8, 4, 2048, 1), (8, 16, 2048, 4))
+    args = argparse.Namespace(shapes=shapes, graph_shapes=None)
+    hf.check_shapes(argparse.ArgumentParser(), args)
+    assert args.graph_shapes == shapes
+    args = argparse.Namespace(shapes=shapes, graph_shapes=hf.shapes(""))
+    hf.check_shapes(argparse.ArgumentParser(), args)
+    assert args.graph_shapes == ()
