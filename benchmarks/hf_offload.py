@@ -7,8 +7,8 @@ sequence. Per shape, side by side: transformers' on-GPU ``static`` cache, its ``
 ``--graph-shapes`` also with CUDA graphs (``mode="reduce-overhead"``), static and ours alike, and
 ours with a GPU budget for half the layers (``max_gpu_bytes``), ours with its step captured while
 the matmuls leave the copy kernels their SMs (cuBLASLt's SM carveout, as README's layer-wise
-section offers: what SM sharing costs the loads), and ours with ``load_ahead=True`` (the first
-loads queued before the step: what loading ahead gains, in the same run). Decode tokens/s is
+section offers: what SM sharing costs the loads), and ours with ``load_ahead=True`` (the next
+step's first loads queued by the step before: what loading ahead gains, in the same run). Decode tokens/s is
 ``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the prefill taken
 out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so that a slow stretch of
 the host's time (an eager step is the host's launches) falls on every cache alike; the CUDA-graph
@@ -23,8 +23,7 @@ and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` 
 layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
 graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
 around each call of the compiled step): the step's call, and generate()'s own work between calls,
-which no load inside a captured step can overlap (the loads queued ahead, when the mask is built,
-can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`): the
+which no load inside a captured step can overlap (the loads queued ahead can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`): the
 copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs are also
 profiled (torch.profiler, one generate of one token and one of N): per decode step, how long the
 copy kernels and the other kernels kept the GPU busy, how long both ran at once

@@ -49,7 +49,8 @@ def test_prefetch_layer_mutates_only_its_declared_slots_and_its_fake_runs(device
     # into the slot layer 1 held, whose 5 new positions go back to its host copy first.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kv_ops.transfer.slot_loads import SlotLoads, plan_slots
+    from kv_ops.transfer.slot_loads import SlotLoads
+    from kv_ops.transfer.slot_plan import plan_slots
 
     g = torch.Generator().manual_seed(4)
     loads = SlotLoads(f"prefetch-contract-{device}")

@@ -21,14 +21,18 @@ _libraries: dict[str, torch.library.Library] = {}
 _TAGS = (torch.Tag.pt2_compliant_tag,)
 
 
-def register_op(namespace: str, schema: str, *, fake: Callable, cpu: Callable, cuda: Callable | None = None) -> None:
+def register_op(
+    namespace: str, schema: str, *, fake: Callable, cpu: Callable, cuda: Callable | None = None, tags: tuple = ()
+) -> None:
     """Define ``namespace::schema`` with ``fake`` (shape rules, ``torch._check``s built from the same
-    conditions as the eager checks), ``cpu`` and ``cuda`` (``cpu`` serves CUDA too when omitted)."""
+    conditions as the eager checks), ``cpu`` and ``cuda`` (``cpu`` serves CUDA too when omitted).
+    ``tags`` adds to the compliance tag (``torch.Tag.cudagraph_unsafe``: Inductor runs the op
+    between CUDA graphs, on the host at every call, instead of capturing it)."""
     lib = _libraries.get(namespace)
     if lib is None:
         lib = _libraries[namespace] = torch.library.Library(namespace, "DEF")
     name = schema.split("(", 1)[0]
-    lib.define(schema, tags=_TAGS)
+    lib.define(schema, tags=(*_TAGS, *tags))
     torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
     lib.impl(name, cpu, "CPU")
     lib.impl(name, cpu if cuda is None else cuda, "CUDA")

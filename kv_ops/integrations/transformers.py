@@ -1,6 +1,6 @@
 """HostOffloadedCache: a transformers ``Cache`` whose full-attention K and V live in page-locked host memory.
 
-The full-attention layers hold GPU slots by a :class:`~kv_ops.transfer.slot_loads.SlotPlan`:
+The full-attention layers hold GPU slots by a :class:`~kv_ops.transfer.slot_plan.SlotPlan`:
 some keep a slot of their own (*resident*; by default only the first, with ``max_gpu_bytes`` as
 many as the budget holds), the others (*streamed*) take turns in two slots, each loaded while an
 earlier layer computes. A load moves only the positions the layer has written, and writes back
@@ -36,7 +36,8 @@ from ..cuda import arguments
 from ..cuda.capture import capturing
 from ..cuda.torch_internals import mark_static_address
 from ..transfer import in_step
-from ..transfer.slot_loads import SlotLoads, plan_slots, slot_bytes
+from ..transfer.slot_loads import SlotLoads
+from ..transfer.slot_plan import plan_slots, slot_bytes
 
 try:  # transformers >= 5.24: layers that keep no cache (Gemma 4's KV-shared ones) are "dummy"
     from transformers.cache_utils import DummyLayer
@@ -151,6 +152,12 @@ class HostOffloadedLayer(StaticLayer):
         # Eagerly on CUDA the loads are driver calls bound once; compiled, the ops record them in
         # the graph (and on the CPU the op is the copy itself).
         direct = self.device.type == "cuda" and not torch.compiler.is_compiling()
+        lengths, dep = loads.lengths, key_states
+        if loads.ahead and k == 0:  # the step before's loads ahead land before this step's loads
+            if direct:
+                loads.join_ahead()
+            else:
+                dep = torch.ops.kv_ops.join_ahead(key_states, loads.name)
         # Loads first: with one shared slot a layer queues its own (once the layer before it in
         # the slot has been read), then waits for it.
         for target in plan.issues.get(k, ()):
@@ -159,9 +166,8 @@ class HostOffloadedLayer(StaticLayer):
             else:
                 slot_k, slot_v = loads.slots[plan.slot[target]]
                 host_k, host_v = loads.host_views[target]
-                lengths = loads.lengths
                 torch.ops.kv_ops.prefetch_layer(
-                    slot_k, slot_v, key_states, lengths[target], lengths[plan.evicts[target]],
+                    slot_k, slot_v, dep, lengths[target], lengths[plan.evicts[target]],
                     host_k, host_v, loads.saved[:1], loads.name, target,
                 )  # fmt: skip
         if k in plan.evicts:  # streamed: its own load must be done
@@ -169,6 +175,16 @@ class HostOffloadedLayer(StaticLayer):
                 loads.wait(k)
             else:
                 torch.ops.kv_ops.wait_layer([self.keys, self.values], key_states, loads.name, k)
+        for target in plan.ahead.get(k, ()) if loads.ahead else ():  # the next step's, its slot read
+            if direct:
+                loads.queue_ahead(target)
+            else:
+                slot_k, slot_v = loads.slots[plan.slot[target]]
+                host_k, host_v = loads.host_views[target]
+                torch.ops.kv_ops.queue_ahead(
+                    slot_k, slot_v, self.keys, self.values, key_states, lengths[target],
+                    lengths[plan.evicts[target]], host_k, host_v, loads.saved[:1], loads.name, target,
+                )  # fmt: skip
         return super().update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
@@ -213,11 +229,11 @@ class HostOffloadedCache(Cache):
     Each step moves, per streamed layer, the positions written so far host-to-GPU and its new
     positions GPU-to-host (:meth:`bytes_per_step`), whatever ``max_cache_len`` is.
 
-    ``load_ahead`` (off by default) queues a step's first loads when transformers builds its
-    attention mask, before the step; off, every load is queued by the step itself, beside the
-    layers before it. Tokens are the same either way. transformers builds the mask late in its
-    work between steps, so the loads queued there overlap little of it, and the step waits for
-    them: a shorter step at some shapes, a longer one at others (benchmarks/results/hf_offload.md).
+    ``load_ahead`` (off by default) keeps the last full-attention layer resident instead of the
+    first and queues each of the next step's first loads once the step has read its slot, beside
+    the step's last layers and the host's work between steps; the next step's first layer waits
+    for them. Compiled with CUDA graphs, these ops run between graphs. Off, the step queues every
+    load itself. Tokens are the same either way. A step captured by hand stops the loads ahead.
 
     Raises
     ------
@@ -292,7 +308,6 @@ class HostOffloadedCache(Cache):
             for i, (t, kw) in enumerate(zip(layer_types, per_layer, strict=True))
         ]
         super().__init__(layers=layers)
-        self._first_full = self.offloaded[0] if self.offloaded else None
         self._seen = 0  # tokens so far, counted eagerly only (a compiled step cannot read it back)
 
     def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -314,25 +329,8 @@ class HostOffloadedCache(Cache):
             layer_.cumulative_length = layer_.cumulative_length.to(keys.device)
             mark_static_address(layer_.cumulative_length)
         lengths = [layer_.cumulative_length for layer_ in full]
-        self.loads.allocate(plan_slots(count, slots), keys, values, self.max_cache_len_, lengths)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """Cache's, and where the full-attention mask is being built, the next step's first loads
-        (:meth:`SlotLoads.load_ahead`): transformers builds the mask on the host before every
-        forward, outside a compiled step, while the GPU waits for the host (generate() syncs each
-        step), so the loads move their bytes in that gap instead of inside the step. Not while
-        compiling or capturing (then the step's own loads do it), nor on a closed cache."""
-        # Compiling first: a traced mask then reads nothing of the cache's state (no guard on it).
-        if (
-            not torch.compiler.is_compiling()
-            and layer_idx == self._first_full
-            and self.load_ahead
-            and self.loads.plan is not None
-            and in_step.is_live(self.loads)
-            and not capturing(self.loads.saved.device)
-        ):
-            self.loads.load_ahead()
-        return super().get_mask_sizes(query_length, layer_idx)
+        self.loads.ahead = self.load_ahead
+        self.loads.allocate(plan_slots(count, slots, self.load_ahead), keys, values, self.max_cache_len_, lengths)
 
     # Cache's update, with the checks an eager first call can make before anything is allocated.
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -10,9 +10,10 @@ Three objects move bytes that a compiled, captured step reads. They answer the s
 * :class:`~kv_ops.transfer.slot_loads.SlotLoads` (the transformers cache): the step issues a
   layer's load at an earlier layer (``prefetch_layer``), on a load stream forked from the step
   (nodes of its graph when captured). The layer waits on the load's event (an edge of the
-  graph). The slot is free at the event the issuing layer records. The host may queue the
-  first layers' loads before the step too (``load_ahead``, between two steps): each load claims
-  its slot on the GPU, so whichever of the two runs first moves the bytes.
+  graph). The slot is free at the event the issuing layer records. With ``load_ahead`` the step
+  before also queues the first layers' loads, from the host between its CUDA graphs, and the
+  step's first layer waits for them: each load claims its slot on the GPU, so whichever of the
+  two runs first moves the bytes.
 * :class:`~kv_ops.StepTransfers`: the step issues its stores and loads first thing
   (``step_transfers``), on its own stream. No layer waits: stream order puts every layer after
   them. The id words are free once the host sees the counts back at zero.
@@ -22,8 +23,8 @@ calls the object's ``wait(layer, caches)``. StepTransfers has no per-layer wait 
 come first on the step's stream) but its name lives here too: one namespace for every name an
 op carries, so an AOT-loaded step resolves each the same way. Why issuing stays in three
 places, not one: a load the host issues before the step cannot depend on what the step
-computes (the sequence length of a growing cache), and a load the step issues cannot overlap
-the step before it; docs/design.md weighs them.
+computes (the sequence length of a growing cache), and a load inside a captured step must end
+with it; docs/design.md weighs them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SlotLoads and ``torch.ops.kv_ops.prefetch_layer``: layers that share GPU slots, each loaded from page-locked host memory by the step itself while an earlier layer computes.
+"""SlotLoads and its ops (``kv_ops.prefetch_layer``, ``queue_ahead``, ``join_ahead``): layers that share GPU slots, each loaded from page-locked host memory by the step itself while an earlier layer computes.
 
 The step issues the loads: at the update of one layer it queues the load of a later layer on a
 load stream, and that later layer waits for exactly its own load before it reads its slot
@@ -6,103 +6,41 @@ load stream, and that later layer waits for exactly its own load before it reads
 the same code runs eagerly, under ``torch.compile(fullgraph=True)`` and inside a captured CUDA
 graph, where the queueing becomes a fork of the load stream and the wait its join (event edges).
 
-Which layers share slots is a pure plan (:func:`plan_slots`): some layers keep a slot of their
-own for good (*resident*), the others (*streamed*) take turns in two slots, each load evicting
+Which layers share slots is a pure plan (:mod:`kv_ops.transfer.slot_plan`): some layers keep a slot of
+their own for good (*resident*), the others (*streamed*) take turns in two slots, each load evicting
 the layer two before it, whose reads are already queued. A load moves only the positions in
 use: one launch of :class:`kv_ops.prefix_copy.PrefixCopy` writes the evicted layer's new
 positions back to its host copy, then loads the target's written positions, both lengths read on
 the GPU. A layer's new positions are written to its slot only, as a GPU-resident cache writes
 them; they reach the host when the slot is next taken.
 
-The loads a step queues at its first layer can also be queued before the step
-(:meth:`SlotLoads.load_ahead`, the cache's ``load_ahead``), while the host prepares it. Each
-load first claims its slot on the GPU (:class:`~kv_ops.prefix_copy.PrefixCopy`'s claim), so
-the step's own load of a layer whose slot already holds it moves nothing: the same step, eager
-or replayed from a graph, is right whether or not a load ran ahead of it.
+The loads a step queues at its first layer can also be queued by the step before, once it has
+read their slots (:meth:`SlotLoads.queue_ahead`, the cache's ``load_ahead``): they then run
+beside that step's last layers and the host's work between steps. A captured step must join
+every stream it forks before it ends, so these loads are issued from the host, by ops that
+Inductor runs between CUDA graphs (``torch.Tag.cudagraph_unsafe``), and the next step's first
+layer makes the current stream wait for them (:meth:`SlotLoads.join_ahead`). Each load first
+claims its slot on the GPU (:class:`~kv_ops.prefix_copy.PrefixCopy`'s claim), so the step's
+own load of a layer whose slot already holds it moves nothing: the same step, eager or replayed
+from a graph, is right whether or not a load ran ahead of it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .. import reference
 from ..cuda import driver
-from ..cuda.capture import captured_into
+from ..cuda.capture import captured_into, capturing
 from ..cuda.host_memory import check_host_bytes, device_view, pinned_empty
 from ..cuda.registration import register_op
 from ..cuda.torch_internals import mark_static_address
 from ..prefix_copy import PrefixCopy
 from . import in_step
-
-
-@dataclass(frozen=True)
-class SlotPlan:
-    """Who holds which slot, over ``layers`` layers numbered 0 to layers - 1 in step order.
-
-    ``slot[k]`` is layer k's slot: resident layers have slots of their own, streamed layers
-    take turns in the last one or two. ``evicts[k]`` is the streamed layer whose slot layer k's
-    load takes: the one before it in the same slot, or the last of the previous step there.
-    ``issues[j]`` lists the streamed layers whose loads layer j queues at its update: the first
-    layer after the one evicted, whose reads the step has queued by then.
-    """
-
-    layers: int
-    streamed: tuple[int, ...]
-    slot: tuple[int, ...]
-    evicts: dict[int, int]
-    issues: dict[int, tuple[int, ...]]
-
-    @property
-    def slots(self) -> int:
-        return max(self.slot) + 1
-
-
-def plan_slots(layers: int, slots: int) -> SlotPlan:
-    """The plan for ``layers`` layers in ``slots`` GPU slots (at least ``min(2, layers)``).
-
-    With a slot per layer all are resident. Otherwise the streamed layers take turns in two
-    slots, so that a load may start as soon as the layer two before it has been read. Two
-    streamed layers per slot pair at least, or one shared slot: with two slots in all, or where
-    two shared slots would hold three layers (one of them alone, no better than resident), one
-    more layer stays resident and the streamed ones share one slot, each load queued once the
-    layer before it in the slot has been read. The streamed layers are spread evenly over the
-    step, and the first layer is always resident (nothing computes before it to hide its load).
-    """
-    if layers < 1 or slots < min(2, layers):
-        raise ValueError(f"plan_slots: needs layers >= 1 and slots >= min(2, layers), got {layers} and {slots}")
-    shared = 2 if slots < layers else 0
-    count = layers - slots + shared
-    if shared and (slots == 2 or count == 3):
-        shared, count = 1, count - 1
-    # Layer k is streamed where floor(k * count / layers) steps up: evenly spaced, never layer 0.
-    streamed = [k for k in range(layers) if (k + 1) * count // layers > k * count // layers]
-    slot, kept = [], 0
-    order = {k: i for i, k in enumerate(streamed)}
-    first_shared = layers - len(streamed)
-    for k in range(layers):
-        if k in order:
-            slot.append(first_shared + order[k] % shared)
-        else:
-            slot.append(kept)
-            kept += 1
-    evicts, issues = {}, {k: [] for k in range(layers)}
-    for i, k in enumerate(streamed):
-        if i >= shared:
-            evicts[k] = streamed[i - shared]
-            issues[streamed[i - shared] + 1].append(k)
-        else:  # the slot's last layer of the previous step
-            evicts[k] = streamed[max(j for j in range(len(streamed)) if j % shared == i)]
-            issues[0].append(k)
-    return SlotPlan(layers, tuple(streamed), tuple(slot), evicts, {j: tuple(v) for j, v in issues.items() if v})
-
-
-def slot_bytes(keys: torch.Tensor, values: torch.Tensor, max_len: int) -> int:
-    """GPU bytes of one slot of ``max_len`` positions for a layer whose new keys and values look like these."""
-    batch, heads = keys.shape[:2]
-    return batch * heads * max_len * (keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
+from .slot_plan import SlotPlan, slot_bytes
 
 
 class SlotLoads:
@@ -137,6 +75,14 @@ class SlotLoads:
         self.free: dict[int, torch.cuda.Event] = {}  # recorded where a load's slot may be overwritten
         self.loaded: dict[int, torch.cuda.Event] = {}  # recorded after a load
         self.capturing_now = False  # whether the eager step under way is being captured (owner sets it)
+        # Loads ahead: whether the owner asked for them (it plans with the last layer resident),
+        # whether they stopped (a step was captured by hand: its replays would not wait for them),
+        # the layers queued since the last join, their events, and the lengths they read.
+        self.ahead = False
+        self.ahead_stopped = False
+        self.pending: list[int] = []
+        self.ahead_done: dict[int, torch.cuda.Event] = {}
+        self.ahead_lengths: torch.Tensor | None = None
         in_step.register(name, self, weak=True)  # it lives as long as its cache
 
     def allocate(
@@ -204,7 +150,7 @@ class SlotLoads:
             # An eager load replays its launch, captured once: one driver call where Triton's
             # launcher costs several times more host time. Every count is still zero here, so the
             # first launch (which compiles) moves nothing.
-            self.free[k], self.loaded[k] = torch.cuda.Event(), torch.cuda.Event()
+            self.free[k], self.loaded[k], self.ahead_done[k] = (torch.cuda.Event() for _ in range(3))
             with torch.cuda.stream(self.stream):  # the cache's device is current in here, whatever was outside
                 copy(load)
                 graph = torch.cuda.CUDAGraph()
@@ -212,15 +158,22 @@ class SlotLoads:
                     copy(load)
                 # driver.record_event needs events that exist: a torch event is made at its first
                 # record, on the current device, which must be the streams' it is recorded on.
-                self.free[k].record()
-                self.loaded[k].record()
+                for event in (self.free[k], self.loaded[k], self.ahead_done[k]):
+                    event.record()
             self.copies[k], self.graphs[k], self.execs[k] = copy, graph, graph.raw_cuda_graph_exec()
         self.stream.synchronize()
         self.host_views = views  # the copies and graphs hold their addresses; the op names them
+        # Per layer, its length and its evicted layer's, as a compiled step hands them to a load
+        # queued ahead: copied here on the current stream, since the step's own buffers may be
+        # gone or rewritten before the load stream reads them.
+        self.ahead_lengths = torch.zeros(plan.layers, 2, dtype=torch.int64, device=device)
+        # A dropped cache frees its slots and host copies: no load queued ahead may still run.
+        weakref.finalize(self, self.stream.synchronize)
 
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""
         if self.saved is not None:
+            self.join_ahead()
             self.saved.zero_()  # the slots keep what they hold (held), with nothing on the host
 
     def crop(self) -> None:
@@ -228,6 +181,7 @@ class SlotLoads:
         that positions written again from there go back to the host when the slot is taken. A
         load ahead of the step saves a layer's positions that a crop before the step gives up."""
         if self.saved is not None:
+            self.join_ahead()  # a load ahead sets its layer's saved count when it ends
             torch.minimum(self.saved, torch.stack(self.lengths), out=self.saved)
 
     def reorder(self, rows: torch.Tensor) -> None:
@@ -235,6 +189,7 @@ class SlotLoads:
         each slot once, for whichever layer holds it, then each streamed layer's positions on
         the host. The slots are reordered on the current stream, after the step's reads, which
         waited for every load; the host copies on the host, once the GPU is done with them."""
+        self.join_ahead()
         rows = rows.to(self.saved.device)
         for pair in self.slots:
             for t in pair:
@@ -249,6 +204,7 @@ class SlotLoads:
         """Take ``other``'s keys and values, ``self`` allocated by the same plan and shapes: the
         slots and counts on the current stream, then each streamed layer's written positions on
         the host (the owner copies the lengths)."""
+        other.join_ahead()
         for mine, theirs in zip(self.slots, other.slots, strict=True):
             for a, b in zip(mine, theirs, strict=True):
                 a.copy_(b)
@@ -269,25 +225,62 @@ class SlotLoads:
         once the current stream is. Only beam search and copying a cache pay it."""
         return torch.stack(self.lengths).tolist()
 
-    def load_ahead(self) -> None:
-        """Queue now the loads the next step queues at its first layer (``plan.issues[0]``), and
-        make the current stream wait for them: called between steps, where the GPU is idle
-        while the host prepares the next one, they move their bytes then. The step's own loads
-        of these layers then move nothing (the claim). Does nothing before :meth:`allocate`.
+    def queue_ahead(self, k: int, tensors: tuple | None = None) -> None:
+        """Queue now the load of layer k that the next step queues at its first layer (``k`` in
+        ``plan.issues[0]``): at the update of layer j, for k in ``plan.ahead[j]``, where this
+        step has queued every read of k's slot. The load runs beside the rest of the step and the
+        host's work between steps; the next step's first layer waits for it (:meth:`join_ahead`),
+        and its own load of k then moves nothing (the claim).
 
-        The current stream waits because a step replayed from a CUDA graph orders its reads
-        after its own load nodes only, not after a load queued outside it."""
-        plan = self.plan
-        first = () if plan is None else plan.issues.get(0, ())
-        if self.stream is None:
-            for k in first:
-                self.load_now(k, *self.slots[plan.slot[k]], int(self.lengths[k]), int(self.lengths[plan.evicts[k]]))
+        ``tensors``: what a compiled step hands over, as to :meth:`issue`. Where its slot is not
+        the slot itself (a functionalizing backend's clone, which it copies back over the slot
+        after the step), the current stream waits at once. Does nothing where loads ahead stopped."""
+        if self.ahead_stopped or self._captured():
             return
-        for k in first:
-            self.issue(k)
+        plan = self.plan
+        slot = self.slots[plan.slot[k]]
+        own = tensors is None  # eagerly: the slot and the layers' own lengths, as the launch is bound
+        if own:
+            tensors = (*slot, self.lengths[k], self.lengths[plan.evicts[k]])
+        if self.stream is None:
+            self.load_now(k, *tensors[:2], int(tensors[2]), int(tensors[3]))
+            return
+        if own:
+            self.issue(k)  # the bound launch, replayed
+        else:
+            # The step's length buffers may be rewritten or freed before the load stream reads
+            # them: copied first, on the current stream, which the load waits for.
+            held = self.ahead_lengths[k]
+            held[0].copy_(tensors[2])
+            held[1].copy_(tensors[3])
+            self.issue(k, (*tensors[:2], held[0], held[1]))
+        driver.record_event(self.ahead_done[k], self.stream.cuda_stream)
+        self.pending.append(k)
+        if tensors[0].data_ptr() != slot[0].data_ptr():
+            self.join_ahead()
+
+    def join_ahead(self) -> None:
+        """Make the current stream wait for the loads queued ahead since the last join: the first
+        layer of the step they are for calls it, before its own loads and reads. A step replayed
+        from a CUDA graph orders its reads after its own nodes only, not after a load queued
+        outside it, so it is the stream that waits."""
+        if not self.pending or self._captured():
+            return
         compute = driver.current_stream_handle(self.saved.device.index)
-        for k in first:
-            driver.wait_event(compute, self.loaded[k])
+        for k in self.pending:
+            driver.wait_event(compute, self.ahead_done[k])
+        self.pending.clear()
+
+    def _captured(self) -> bool:
+        """Whether the current stream is capturing a step by hand (Inductor runs the ops ahead
+        between its graphs, never in one). If so, loads ahead stop for good: the capture's replays
+        would not join them. ``torch.cuda.graph`` synchronizes before it captures, so none is
+        under way then."""
+        if self.stream is None or not capturing(self.saved.device):
+            return False
+        self.ahead_stopped = True
+        self.pending.clear()
+        return True
 
     # --- the two steps of a load, on a CUDA device --------------------------------------------
 
@@ -360,6 +353,14 @@ def lookup(name: str) -> SlotLoads:
     return in_step.lookup(name, "kv_ops.prefetch_layer", SlotLoads)
 
 
+def bound(name: str, layer: int, host_k: torch.Tensor, saved_base: torch.Tensor) -> SlotLoads:
+    """:func:`lookup`, checked to hold layer ``layer``'s ``host_k`` and ``saved_base`` (what an op
+    handed them is bound to: :meth:`SlotLoads.check_bound`)."""
+    loads = lookup(name)
+    loads.check_bound(layer, host_k, saved_base)
+    return loads
+
+
 # --- prefetch_layer -----------------------------------------------------------------
 # The slots are declared mutated (the compiler keeps every earlier reader before the load and every
 # later one after the wait); ``dep`` is the layer's input, so the load is not hoisted above the layer
@@ -377,15 +378,11 @@ def _fake_prefetch(slot_k, slot_v, dep, length, evicted_length, host_k, host_v, 
 
 
 def _prefetch_cpu(slot_k, slot_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer) -> None:
-    loads = lookup(name)
-    loads.check_bound(layer, host_k, saved_base)
-    loads.load_now(layer, slot_k, slot_v, int(length), int(evicted_length))
+    bound(name, layer, host_k, saved_base).load_now(layer, slot_k, slot_v, int(length), int(evicted_length))
 
 
 def _prefetch_cuda(slot_k, slot_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer) -> None:
-    loads = lookup(name)
-    loads.check_bound(layer, host_k, saved_base)
-    loads.issue(layer, (slot_k, slot_v, length, evicted_length))
+    bound(name, layer, host_k, saved_base).issue(layer, (slot_k, slot_v, length, evicted_length))
 
 
 register_op(
@@ -397,4 +394,54 @@ register_op(
     cuda=_prefetch_cuda,
 )
 
-__all__ = ["SlotLoads", "SlotPlan", "plan_slots", "slot_bytes", "lookup"]
+
+# --- queue_ahead and join_ahead -------------------------------------------------------------
+# Ops that Inductor runs on the host between CUDA graphs (cudagraph_unsafe), at every call: a load
+# queued ahead outlives the step that queues it, which a captured step cannot (it must join every
+# stream it forks). queue_ahead declares the slot it loads mutated, as prefetch_layer does, and the
+# layer's own slot too, though it writes nothing there: so Inductor keeps it after the slot's last
+# reads (and ``dep``, the layer's input, after every layer before) and before the layer's own.
+# join_ahead returns an empty tensor that the first layer's loads take as their ``dep``, so that
+# they come after it.
+
+
+def _fake_queue_ahead(
+    slot_k, slot_v, own_k, own_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer
+):
+    torch._check(layer >= 0, lambda: f"kv_ops.queue_ahead: layer must be >= 0, got {layer}")
+
+
+def _queue_ahead(slot_k, slot_v, own_k, own_v, dep, length, evicted_length, host_k, host_v, saved_base, name, layer):
+    # The same op on either device: the loads know theirs (on the CPU, the load is done now).
+    loads = bound(name, layer, host_k, saved_base)
+    loads.queue_ahead(layer, (slot_k, slot_v, length, evicted_length))
+
+
+register_op(
+    "kv_ops",
+    "queue_ahead(Tensor(a!) slot_k, Tensor(b!) slot_v, Tensor(c!) own_k, Tensor(d!) own_v, Tensor dep, "
+    "Tensor length, Tensor evicted_length, Tensor host_k, Tensor host_v, Tensor saved_base, str name, int layer) -> ()",
+    fake=_fake_queue_ahead,
+    cpu=_queue_ahead,
+    tags=(torch.Tag.cudagraph_unsafe,),
+)
+
+
+def _fake_join_ahead(dep, name):
+    return dep.new_empty(0)
+
+
+def _join_ahead(dep, name) -> torch.Tensor:
+    lookup(name).join_ahead()
+    return dep.new_empty(0)
+
+
+register_op(
+    "kv_ops",
+    "join_ahead(Tensor dep, str name) -> Tensor",
+    fake=_fake_join_ahead,
+    cpu=_join_ahead,
+    tags=(torch.Tag.cudagraph_unsafe,),
+)
+
+__all__ = ["SlotLoads", "lookup"]

@@ -148,8 +148,17 @@ def test_generate_takes_the_cache_by_this_transformers_name_for_it_without_a_war
     assert cache.loads.moved > 0
 
 
+def held_after_the_step(cache) -> list[int]:
+    """Which layer each of the next step's first loads finds in its slot: the layer itself where
+    the step before loaded it ahead, else the slot's last layer."""
+    plan = cache.loads.plan
+    return [int(cache.loads.held[plan.slot[k]]) for k in plan.issues[0]]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_generate_is_bitwise_the_static_caches(backend):
+def test_compiled_generate_is_bitwise_the_static_caches(backend, ahead):
+    torch._dynamo.reset()  # each plan compiles a step of its own: keep the file under the recompile limit
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     config = CompileConfig(fullgraph=True, backend=backend, mode=None)
@@ -157,11 +166,13 @@ def test_compiled_generate_is_bitwise_the_static_caches(backend):
     length = 4 * (ids.shape[1] + NEW)
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=ahead)
     got = generate(model, ids, cache, gen(config))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the decode step was compiled
     assert same(got, want)
     assert cache.loads.moved > 0  # the compiled steps ran the loads
+    first = list(cache.loads.plan.issues[0])
+    assert (held_after_the_step(cache) == first) == ahead  # the last step loaded the next one's ahead
 
 
 def test_a_new_cache_per_request_reuses_the_compiled_step_and_a_live_one_keeps_its_name_until_closed():
@@ -389,40 +400,37 @@ def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
 
 
 @pytest.mark.parametrize("ahead", [True, False, None])  # None: the default, off
-def test_the_first_loads_run_when_the_mask_is_built_and_the_step_moves_their_bytes_once(ahead):
-    # What generate() does before each step: build the full-attention mask, which asks the cache
-    # for its sizes. With load_ahead the first loads of the step run then (twice asked, once
-    # moved), and the step's own loads of those layers move nothing: the step's bytes are the same.
+def test_with_load_ahead_each_step_loads_the_next_steps_first_layers_and_no_load_moves_twice(ahead):
+    # With load_ahead a step loads the next step's first layers once it has read their slots, and
+    # the next step's own loads of them move nothing (the claim): each step moves what
+    # bytes_per_step() says plus the one position each layer loaded ahead has gained since.
     cfg = llama(layers=5)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
     want = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=False)
     chosen = {} if ahead is None else {"load_ahead": ahead}
     cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), **chosen)
-    first = cache.offloaded[0]
     per_position = 2 * 3 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, batch 3, float32
     with torch.no_grad():
-        for c in (want, cache):
+        for c in (want, cache):  # the prefill, and a first step that writes the prompt back
             token = model(ids, past_key_values=c, use_cache=True).logits[:, -1:].argmax(-1)
             token = model(token, past_key_values=c, use_cache=True).logits[:, -1:].argmax(-1)
+        plan = cache.loads.plan
+        # Ahead, the last layer keeps its slot and the first streams; else the other way round.
+        assert cache.resident() == [cfg.num_hidden_layers - 1 if ahead else 0]
         for _ in range(3):
             predicted, before = sum(cache.bytes_per_step()), cache.loads.moved
-            for _ in range(2):
-                assert cache.get_mask_sizes(1, first) == want.get_mask_sizes(1, first)
-            ahead_bytes = cache.loads.moved - before
             logits = model(token, past_key_values=cache, use_cache=True).logits
-            assert cache.loads.moved - before == predicted
             assert torch.equal(logits, model(token, past_key_values=want, use_cache=True).logits)
+            gained = len(plan.issues[0]) * per_position if ahead else 0
+            assert cache.loads.moved - before == predicted + gained
+            assert (held_after_the_step(cache) == list(plan.issues[0])) == bool(ahead)
             token = logits[:, -1:].argmax(-1)
-            held = int(cache.loads.lengths[1]) - 1  # the positions the step before wrote
-            # The two layers loaded first (one per shared slot), each writing back its slot's last
-            # layer's new position; nothing without load_ahead.
-            assert ahead_bytes == (2 * (held + 1) * per_position if ahead else 0)
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
-def test_generate_loads_ahead_once_before_every_decode_step(backend):
-    # The mechanism stands on transformers building the mask on the host before each step (also
-    # when the step is compiled): count the loads ahead in a real generate(), and what they move.
+def test_generate_loads_ahead_in_every_step(backend):
+    # Every forward, the prefill too, queues the next step's first loads (eagerly, or through
+    # kv_ops.queue_ahead compiled), each moving bytes: count them in a real generate().
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     config = None
@@ -432,21 +440,30 @@ def test_generate_loads_ahead_once_before_every_decode_step(backend):
     length = 4 * (ids.shape[1] + NEW)
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen(config))
     cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True)
-    ahead, load_ahead = [], cache.loads.load_ahead
+    ahead = []
 
-    def counted():
-        before = cache.loads.moved
-        load_ahead()
-        ahead.append(cache.loads.moved - before)
+    def counted(queue_ahead):
+        def queue(k, lengths=None):
+            before = cache.loads.moved
+            queue_ahead(k, lengths)
+            ahead.append((k, cache.loads.moved - before))
 
-    cache.loads.load_ahead = counted
+        return queue
+
+    with torch.no_grad():  # the prefill allocates the loads; then count
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+    cache.reset()
+    cache.loads.queue_ahead = counted(cache.loads.queue_ahead)
     assert same(generate(model, ids, cache, gen(config)), want)
-    assert len(ahead) == NEW - 1 and all(moved > 0 for moved in ahead)  # not before the prefill
+    first = cache.loads.plan.issues[0]
+    assert [k for k, _ in ahead] == sorted(first, key=lambda k: cache.loads.plan.evicts[k]) * NEW
+    assert all(moved > 0 for _, moved in ahead)
 
 
-def test_a_step_compiled_with_its_mask_inside_loads_nothing_ahead_and_gives_the_static_caches_logits():
-    # Called as a model, not through generate(), the step builds its mask inside the compiled
-    # graph: the cache's sizes are traced there, and the step's own loads do all the moving.
+def test_a_step_compiled_as_a_model_loads_ahead_and_gives_the_static_caches_logits():
+    # Called as a model, not through generate(): the compiled step itself queues the next step's
+    # first loads (kv_ops.queue_ahead) and waits for the last step's (kv_ops.join_ahead).
+    torch._dynamo.reset()  # a step of its own, whatever this process compiled before
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
@@ -454,24 +471,24 @@ def test_a_step_compiled_with_its_mask_inside_loads_nothing_ahead_and_gives_the_
         StaticCache(config=cfg, max_cache_len=length),
         HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True),
     )
-    ahead = []
     step = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         token = model(ids, past_key_values=static, use_cache=True).logits[:, -1:].argmax(-1)
         model(ids, past_key_values=cache, use_cache=True)
-        cache.loads.load_ahead = lambda: ahead.append(1)
-        for _ in range(2):
+        first = list(cache.loads.plan.issues[0])
+        for _ in range(3):
             before = cache.loads.moved
             want = step(token, past_key_values=static, use_cache=True).logits
             assert torch.equal(step(token, past_key_values=cache, use_cache=True).logits, want)
             assert cache.loads.moved > before  # the compiled step loaded
+            assert held_after_the_step(cache) == first  # and loaded the next step's first layers ahead
             token = want[:, -1:].argmax(-1)
-    assert ahead == []
 
 
 def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
-    # The mask built, then no step: a reset, or a deep copy (which loads ahead again). The slots
-    # hold the layers loaded ahead, and every later step is still StaticCache's, bit for bit.
+    # The last step of a generate() loads ahead for a step that never comes: then a reset, or a
+    # deep copy. The slots hold the layers loaded ahead, and every later step is still
+    # StaticCache's, bit for bit.
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
@@ -479,15 +496,10 @@ def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
     want = generate(model, ids, static, gen())
     cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=True)
     generate(model, ids.flip(1), cache, gen())
-    first = cache.offloaded[0]
-    before = cache.loads.moved
-    cache.get_mask_sizes(1, first)
-    assert cache.loads.moved > before  # the control: it did load ahead
+    assert held_after_the_step(cache) == list(cache.loads.plan.issues[0])  # the control: it loaded ahead
     cache.reset()
     assert same(generate(model, ids, cache, gen()), want)
-    cache.get_mask_sizes(1, first)
     twin = copy.deepcopy(cache)
-    twin.get_mask_sizes(1, first)
     last = want.sequences[:, -1:]
     with torch.no_grad():
         expected = model(last, past_key_values=static, use_cache=True).logits
@@ -695,9 +707,9 @@ def test_a_crop_gives_back_its_tokens_to_max_cache_len():
 
 
 def test_a_crop_between_a_load_ahead_and_its_step_keeps_the_positions_written_again():
-    # The layers loaded ahead have all their positions on the host; a crop then gives two of them
-    # up, and the next steps write those positions again: they must reach the host when the slots
-    # are taken, or the steps after read the cropped values back.
+    # The layers loaded ahead (by the step before the crop) have all their positions on the host;
+    # a crop then gives two of them up, and the next steps write those positions again: they must
+    # reach the host when the slots are taken, or the steps after read the cropped values back.
     if not hasattr(transformers.cache_utils.StaticLayer, "crop"):
         pytest.skip(f"transformers {transformers.__version__}'s static layers cannot be cropped")
     cfg = llama()
@@ -713,7 +725,6 @@ def test_a_crop_between_a_load_ahead_and_its_step_keeps_the_positions_written_ag
             model(ids, past_key_values=c, use_cache=True)
         for i in range(6):
             if i == 3:
-                caches[1].get_mask_sizes(1, caches[1].offloaded[0])
                 for c in caches:
                     c.crop(-2)
             want, got = (model(tokens[:, i : i + 1], past_key_values=c, use_cache=True).logits for c in caches)
@@ -889,21 +900,24 @@ def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(ahead
         torch._dynamo.reset()
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
-        got, want, _ = cuda_run(llama(), LlamaForCausalLM, compile_config=config, load_ahead=ahead)
+        got, want, cache = cuda_run(llama(), LlamaForCausalLM, compile_config=config, load_ahead=ahead)
     assert torch.equal(got.sequences, want.sequences)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # the step was captured
+    torch.cuda.synchronize()
+    assert (held_after_the_step(cache) == list(cache.loads.plan.issues[0])) == ahead  # it loaded ahead
 
 
 @gpu
 @pytest.mark.parametrize("ahead", [True, False])
 def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
     # A step replayed from a CUDA graph orders its reads after its own nodes only, so the loads
-    # queued ahead must hold back the current stream itself. The load stream sleeps first: work
-    # queued on the current stream once the mask is built must not finish before it wakes.
+    # queued ahead must hold back the current stream itself, at the next step's first layer. The
+    # load stream sleeps first: work queued on the current stream after the join must not finish
+    # before it wakes.
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
     ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
-    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=ahead)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=True)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
     torch.cuda.synchronize()
@@ -911,11 +925,42 @@ def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
     with torch.cuda.stream(cache.loads.stream):
         torch.cuda._sleep(100_000_000)
         slept.record()
-    cache.get_mask_sizes(1, cache.offloaded[0])
+    if ahead:
+        for k in cache.loads.plan.issues[0]:
+            cache.loads.queue_ahead(k)
+    cache.loads.join_ahead()
     after.record()
     after.synchronize()
-    assert slept.query() == ahead  # without load_ahead nothing joined the load stream (the control)
+    assert slept.query() == ahead  # with nothing queued ahead the join waits for nothing (the control)
     torch.cuda.synchronize()
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead"])
+def test_on_a_gpu_loads_ahead_that_land_late_are_waited_for(mode):
+    # The load stream sleeps before every load queued ahead, so each lands long after the step
+    # that queued it has ended: the next step, eager or replayed from CUDA graphs, must wait for
+    # it before its first layers read their slots (or the tokens differ).
+    config = None if mode == "eager" else CompileConfig(fullgraph=True, mode=mode)
+    delayed = []
+
+    def delay(cache, model, ids):
+        queue_ahead = cache.loads.queue_ahead
+
+        def late(k, tensors=None):
+            with torch.cuda.stream(cache.loads.stream):
+                torch.cuda._sleep(20_000_000)
+            queue_ahead(k, tensors)
+            delayed.append(k)
+
+        with torch.no_grad():
+            model(ids[:, :1], past_key_values=cache, use_cache=True)  # allocates the loads
+        cache.reset()
+        cache.loads.queue_ahead = late
+
+    got, want, cache = cuda_run(llama(), LlamaForCausalLM, compile_config=config, before_decode=delay, load_ahead=True)
+    assert same(got, want)
+    assert len(delayed) == NEW * len(cache.loads.plan.issues[0])  # every step queued its loads ahead
 
 
 @gpu
@@ -980,9 +1025,11 @@ def test_on_a_gpu_prefix_caching_by_deepcopy_is_bitwise_the_static_caches():
 
 
 @gpu
-def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_on_a_gpu_a_captured_decode_step_replays_the_loads(ahead):
     # A decode step of the model captured by hand in a torch.cuda.CUDAGraph and replayed per token,
     # while the sequence grows across a tile of the load kernel (bf16, dim 16: 32 B a position).
+    # With load_ahead the capture stops the loads ahead (its replays would not wait for them).
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
     boundary = TILE_BYTES // (cfg.head_dim * 2)
@@ -1029,5 +1076,6 @@ def test_on_a_gpu_a_captured_decode_step_replays_the_loads():
         return torch.cat(tokens, 1)
 
     want = decode(StaticCache(config=cfg, max_cache_len=length), graphed=False)
-    got = decode(HostOffloadedCache(config=cfg, max_cache_len=length + 1), graphed=True)  # + the warm-up
-    assert torch.equal(got, want)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length + 1, load_ahead=ahead)  # + the warm-up
+    assert torch.equal(decode(cache, graphed=True), want)
+    assert cache.loads.ahead_stopped == ahead

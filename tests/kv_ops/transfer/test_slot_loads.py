@@ -1,71 +1,8 @@
-"""kv_ops.transfer.slot_loads.plan_slots: who holds which slot, checked by replaying steps of it."""
+"""kv_ops.transfer.slot_loads: the live loads behind a set of shared slots, their names and refusals."""
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from kv_ops.transfer.slot_loads import plan_slots
-
-
-def replay(plan, steps=3):
-    """Run ``steps`` steps of the plan over slot contents; fail on any load that takes a slot
-    whose layer has not been read yet, or any layer that reads a slot not holding it."""
-    holder = {}  # slot -> layer it holds
-    for k in range(plan.layers):  # the first step starts with every layer's slot its own or empty
-        holder.setdefault(plan.slot[k], None)
-    for _ in range(steps):
-        read = set()
-        for j in range(plan.layers):
-            for target in plan.issues.get(j, ()):
-                assert target >= j  # queued before the target's wait, at its own update at the latest
-                evicted = plan.evicts[target]
-                assert holder[plan.slot[target]] in (evicted, None)  # None: the first step's empty slot
-                # The evicted layer was read earlier in this step, or in the step before.
-                assert evicted in read or evicted > j
-                holder[plan.slot[target]] = target
-            if j in plan.streamed:
-                assert holder[plan.slot[j]] == j
-            else:
-                assert holder[plan.slot[j]] in (j, None)
-                holder[plan.slot[j]] = j
-            read.add(j)
-
-
-@given(layers=st.integers(1, 48), extra=st.integers(0, 50))
-def test_every_plan_loads_each_streamed_layer_into_a_free_slot_before_it_reads(layers, extra):
-    slots = min(2, layers) + extra
-    plan = plan_slots(layers, slots)
-    assert plan.slots == min(slots, layers)
-    assert 0 not in plan.streamed
-    assert set(plan.evicts) == set(plan.streamed)
-    assert sorted(t for ts in plan.issues.values() for t in ts) == list(plan.streamed)
-    replay(plan)
-
-
-@pytest.mark.parametrize(
-    ("layers", "slots", "streamed"),
-    [
-        (5, 3, (1, 2, 3, 4)),
-        (3, 3, ()),
-        (4, 3, (1, 3)),
-        (8, 8, ()),
-        (8, 6, (1, 3, 5, 7)),
-        (8, 12, ()),
-        (3, 2, (1, 2)),
-        (6, 2, (1, 2, 3, 4, 5)),
-        # Where two shared slots would hold three layers, two layers share one, spread as two.
-        (5, 4, (2, 4)),
-        (10, 9, (4, 9)),
-    ],
-)
-def test_the_streamed_layers_are_spread_over_the_step(layers, slots, streamed):
-    assert plan_slots(layers, slots).streamed == streamed
-
-
-@pytest.mark.parametrize(("layers", "slots"), [(0, 3), (5, 1), (2, 1)])
-def test_too_few_slots_or_layers_are_refused(layers, slots):
-    with pytest.raises(ValueError, match="plan_slots: needs layers >= 1 and slots >= min"):
-        plan_slots(layers, slots)
+from kv_ops.transfer.slot_plan import plan_slots
 
 
 def test_a_dropped_set_of_slot_loads_gives_up_its_name_without_a_close():
@@ -109,3 +46,46 @@ def test_a_wait_on_a_layer_that_is_not_streamed_or_a_name_without_waits_is_refus
         with pytest.raises(ValueError, match=r"'no-waits' is a StepTransfers, which has no per-layer wait"):
             kv_ops.wait_layer(h, "no-waits", 0, list(caches.values()))
     loads.close()
+
+
+def test_the_ops_that_outlive_a_step_run_between_cuda_graphs_and_the_step_s_own_load_is_captured():
+    # A load queued ahead runs past the end of the step that queues it, which a captured graph
+    # cannot hold (it joins every stream it forks): Inductor must run those two ops on the host.
+    import torch
+
+    import kv_ops.transfer.slot_loads  # noqa: F401  (registers the ops)
+
+    unsafe = torch.Tag.cudagraph_unsafe
+    assert unsafe in torch.ops.kv_ops.queue_ahead.default.tags
+    assert unsafe in torch.ops.kv_ops.join_ahead.default.tags
+    assert unsafe not in torch.ops.kv_ops.prefetch_layer.default.tags
+
+
+def test_a_load_ahead_handed_another_caches_host_copy_or_name_is_refused():
+    import torch
+
+    from kv_ops.transfer.slot_loads import SlotLoads
+
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(1, 2, 1, 4, generator=g)
+    lengths = [torch.tensor(3) for _ in range(4)]
+    mine, other = SlotLoads("ahead-mine"), SlotLoads("ahead-other")
+    for loads in (mine, other):
+        loads.allocate(plan_slots(4, 3, last_resident=True), keys, keys.clone(), 8, lengths)
+    plan = mine.plan
+    k = plan.ahead[max(plan.ahead)][0]
+    slot_k, slot_v = mine.slots[plan.slot[k]]
+    own_k, own_v = mine.slots[plan.slot[max(plan.ahead)]]
+    host_k, host_v = other.host_views[k]  # the other cache's
+    args = [slot_k, slot_v, own_k, own_v, keys, lengths[k], lengths[plan.evicts[k]], host_k, host_v]
+    with pytest.raises(RuntimeError, match="another cache's host copy or saved counts"):
+        torch.ops.kv_ops.queue_ahead(*args, mine.saved[:1], "ahead-mine", k)
+    assert mine.moved == 0 and int(mine.held[plan.slot[k]]) != k  # refused before any byte moved
+    with pytest.raises(ValueError, match="no SlotLoads named 'ahead-gone'"):
+        torch.ops.kv_ops.join_ahead(keys, "ahead-gone")
+    args[7:9] = mine.host_views[k]
+    torch.ops.kv_ops.queue_ahead(*args, mine.saved[:1], "ahead-mine", k)
+    assert int(mine.held[plan.slot[k]]) == k and mine.moved > 0  # the control: the cache's own loads
+    assert torch.ops.kv_ops.join_ahead(keys, "ahead-mine").numel() == 0
+    for loads in (mine, other):
+        loads.close()

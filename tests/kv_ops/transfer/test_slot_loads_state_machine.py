@@ -1,15 +1,15 @@
 """A hypothesis state machine drives SlotLoads on the CPU: decode steps of one to three positions,
-loads ahead of a step (as the cache's mask hook queues them, once or more), crops, resets, beam
-reorders and copies (prefix caching), in any order. Two sets of slot loads take the same steps,
-one with the loads ahead and one without, checked against a plain model of what every layer has
-written.
+crops, resets, beam reorders and copies (prefix caching), in any order. Two sets of slot loads
+of one plan take the same steps, one of them also loading the next step's first layers ahead
+where the plan says (as the cache's ``load_ahead`` does), checked against a plain model of what
+every layer has written.
 
 Invariants:
 
 * every layer reads, in its slot, exactly the positions it has written so far;
 * a streamed layer whose slot holds another layer has every written position on its host copy;
-* loads ahead and then a step move the bytes of the step alone (the claim lets no load move
-  twice), where nothing changed the lengths in between.
+* the loads ahead of a step and the step's own move the bytes of the step alone (the claim lets
+  no load move twice), where nothing changed the lengths in between.
 
 Every written position is fresh random values, never zeros, so a stale or misplaced one shows.
 """
@@ -21,7 +21,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kv_ops.transfer.slot_loads import SlotLoads, plan_slots
+from kv_ops.transfer.slot_loads import SlotLoads
+from kv_ops.transfer.slot_plan import plan_slots
 
 MAX_LEN = 12
 _names = itertools.count()
@@ -49,17 +50,25 @@ class Decoder:
         slot_k, slot_v = self.loads.slots[self.plan.slot[k]]
         self.loads.load_now(k, slot_k, slot_v, int(self.lengths[k]), int(self.lengths[self.plan.evicts[k]]))
 
-    def step(self, truth, fresh) -> None:
+    def step(self, truth, fresh, ahead: bool) -> int:
         """Each layer queues its loads, reads its slot (checked against ``truth``), then writes
-        ``fresh[j]`` (keys, values) after its positions."""
+        ``fresh[j]`` (keys, values) after its positions; with ``ahead``, it also loads the next
+        step's first layers where the plan says, as the cache's update does after its own wait.
+        Returns the bytes those loads ahead moved."""
+        moved = 0
         for j in range(self.plan.layers):
             for target in self.plan.issues.get(j, ()):
                 self.load(target)
+            for target in self.plan.ahead.get(j, ()) if ahead else ():
+                before = self.loads.moved
+                self.loads.queue_ahead(target)
+                moved += self.loads.moved - before
             n = int(self.lengths[j])
             for got, want, new in zip(self.loads.slots[self.plan.slot[j]], truth[j], fresh[j], strict=True):
                 assert torch.equal(got[:, :, :n], want[:, :, :n]), f"layer {j} reads stale positions"
                 got[:, :, n : n + new.shape[2]] = new
             self.lengths[j] += fresh[j][0].shape[2]
+        return moved
 
     def shorten(self, back: int) -> None:
         for n in self.lengths:
@@ -79,15 +88,20 @@ class Decoder:
 
 
 class SlotMachine(RuleBasedStateMachine):
-    @initialize(layers=st.integers(2, 7), extra=st.integers(0, 3), shape=st.sampled_from([(1, 1, 4), (2, 3, 2)]))
-    def allocate(self, layers, extra, shape):
+    @initialize(
+        layers=st.integers(2, 7),
+        extra=st.integers(0, 3),
+        shape=st.sampled_from([(1, 1, 4), (2, 3, 2)]),
+        last_resident=st.booleans(),
+    )
+    def allocate(self, layers, extra, shape, last_resident):
         batch, heads, dim = shape
-        plan = plan_slots(layers, min(layers, 2 + extra))
+        plan = plan_slots(layers, min(layers, 2 + extra), last_resident)
         keys, values = torch.randn(batch, heads, 1, dim), torch.randn(batch, heads, 1, dim + 1)
         self.ahead, self.alone = Decoder(plan, keys, values), Decoder(plan, keys, values)
         self.truth = [tuple(torch.full_like(t, float("nan")) for t in self.ahead.loads.slots[0]) for _ in range(layers)]
         self.gen = torch.Generator().manual_seed(layers * 10 + extra)
-        self.moved_ahead = 0  # bytes the loads ahead moved since the last step
+        self.moved_ahead = 0  # bytes the last step's loads ahead moved, for the step after it
         self.comparable = True  # no crop or reset since those loads
 
     def teardown(self):
@@ -99,27 +113,22 @@ class SlotMachine(RuleBasedStateMachine):
         return int(self.alone.lengths[0])  # a decoder's layers all hold the same positions
 
     @precondition(lambda self: self.length < MAX_LEN)
-    @rule(new=st.integers(1, 3))
-    def step(self, new):
+    @rule(new=st.integers(1, 3), ahead=st.booleans())
+    def step(self, new, ahead):
         new = min(new, MAX_LEN - self.length)
         fresh = [tuple(torch.randn(t[:, :, :new].shape, generator=self.gen) for t in pair) for pair in self.truth]
-        moved = {}
+        moved, moved_ahead = {}, 0
         for decoder in (self.ahead, self.alone):
             before = decoder.loads.moved
-            decoder.step(self.truth, fresh)
-            moved[decoder] = decoder.loads.moved - before
+            queued = decoder.step(self.truth, fresh, ahead and decoder is self.ahead)
+            moved[decoder] = decoder.loads.moved - before - queued
+            moved_ahead += queued
         if self.comparable:
             assert moved[self.ahead] + self.moved_ahead == moved[self.alone], "a load moved twice, or not at all"
         for pair, new_pair in zip(self.truth, fresh, strict=True):
             for want, values in zip(pair, new_pair, strict=True):
                 want[:, :, self.length - new : self.length] = values
-        self.moved_ahead, self.comparable = 0, True
-
-    @rule()
-    def load_ahead(self):
-        before = self.ahead.loads.moved
-        self.ahead.loads.load_ahead()
-        self.moved_ahead += self.ahead.loads.moved - before
+        self.moved_ahead, self.comparable = moved_ahead, True
 
     @precondition(lambda self: self.length > 0)
     @rule(back=st.integers(1, 3))
