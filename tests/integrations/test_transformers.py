@@ -485,6 +485,35 @@ def test_a_step_compiled_as_a_model_loads_ahead_and_gives_the_static_caches_logi
             token = want[:, -1:].argmax(-1)
 
 
+def test_inductor_keeps_the_loads_ahead_between_the_reads_they_follow_and_precede():
+    # The order Inductor's code calls the step's ops in: the join before the first layer's loads,
+    # and each load ahead after the wait of the layer that last read its slot (Inductor would be
+    # free to sink an op it sees no reader of to the step's end, or to hoist it to its start).
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    cfg = llama()  # five layers: 0-3 take turns in slots 1 and 2, layer 4 keeps slot 0
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=True)
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        step = torch.compile(model, backend="inductor", fullgraph=True)
+        _, (code, *_) = run_and_get_code(step, token, past_key_values=cache, use_cache=True)
+    plan = cache.loads.plan
+    assert plan.ahead == {3: (0,), 4: (1,)} and plan.issues[0] == (0, 1)
+    # One call a line, ending with the name and, where the op takes one, the layer.
+    calls = [
+        (op, int(layer) if layer else None)
+        for op, layer in re.findall(r"kv_ops\.(\w+)\.default\(.*'(?:, (\d+))?\)$", code, re.MULTILINE)
+    ]
+    at = {call: i for i, call in enumerate(calls)}
+    assert at[("join_ahead", None)] < min(at[("prefetch_layer", 0)], at[("prefetch_layer", 1)]), calls
+    assert at[("wait_layer", 2)] < at[("queue_ahead", 0)], calls  # layer 2 last read slot 1
+    assert at[("wait_layer", 3)] < at[("queue_ahead", 1)], calls  # layer 3 last read slot 2
+
+
 def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
     # The last step of a generate() loads ahead for a step that never comes: then a reset, or a
     # deep copy. The slots hold the layers loaded ahead, and every later step is still
