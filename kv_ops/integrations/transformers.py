@@ -156,8 +156,8 @@ class HostOffloadedLayer(StaticLayer):
         if loads.ahead and k == 0:  # the step before's loads ahead land before this step's loads
             if direct:
                 loads.join_ahead()
-            else:
-                dep = torch.ops.kv_ops.join_ahead(key_states, loads.name)
+            else:  # on a step input only: Inductor may run it first, before any graph of the step
+                dep = torch.ops.kv_ops.join_ahead(loads.saved[:1], loads.name)
         # Loads first: with one shared slot a layer queues its own (once the layer before it in
         # the slot has been read), then waits for it.
         for target in plan.issues.get(k, ()):

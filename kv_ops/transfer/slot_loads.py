@@ -402,7 +402,7 @@ register_op(
 # layer's own slot too, though it writes nothing there: so Inductor keeps it after the slot's last
 # reads (and ``dep``, the layer's input, after every layer before) and before the layer's own.
 # join_ahead returns an empty tensor that the first layer's loads take as their ``dep``, so that
-# they come after it.
+# they come after it; the cache hands it only a step input, so Inductor may run it first of all.
 
 
 def _fake_queue_ahead(

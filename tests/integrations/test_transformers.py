@@ -486,7 +486,7 @@ def test_a_step_compiled_as_a_model_loads_ahead_and_gives_the_static_caches_logi
 
 
 def test_inductor_keeps_the_loads_ahead_between_the_reads_they_follow_and_precede():
-    # The order Inductor's code calls the step's ops in: the join before the first layer's loads,
+    # The order Inductor's code calls the step's ops in: the join first, before the first layer's loads,
     # and each load ahead after the wait of the layer that last read its slot (Inductor would be
     # free to sink an op it sees no reader of to the step's end, or to hoist it to its start).
     import re
@@ -510,6 +510,11 @@ def test_inductor_keeps_the_loads_ahead_between_the_reads_they_follow_and_preced
     ]
     at = {call: i for i, call in enumerate(calls)}
     assert at[("join_ahead", None)] < min(at[("prefetch_layer", 0)], at[("prefetch_layer", 1)]), calls
+    # The join takes only a step input: it runs before any of the step's kernels, so with CUDA
+    # graphs it does not split off a graph of the step's first kernels.
+    body = code[code.index("def call(") :]
+    first_kernel = min(body.find(k) for k in ("cpp_fused", "extern_kernels.") if k in body)
+    assert body.index("kv_ops.join_ahead") < first_kernel
     assert at[("wait_layer", 2)] < at[("queue_ahead", 0)], calls  # layer 2 last read slot 1
     assert at[("wait_layer", 3)] < at[("queue_ahead", 1)], calls  # layer 3 last read slot 2
 
