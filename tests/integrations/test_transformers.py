@@ -117,17 +117,21 @@ def full_layers(cache) -> list[int]:
 
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("capacity", [1, 4])
-def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, capacity):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, capacity, ahead):
+    # With load_ahead the last full-attention layer keeps its slot, which Gemma 4's layers that
+    # share keys and values read after it.
     model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
     length = (ids.shape[1] + NEW) * capacity
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=ahead)
     assert same(generate(model, ids, cache, gen()), want)
     full = full_layers(cache)
     assert full == cache.offloaded and len(full) >= 2
     assert len(cache.loads.slots) == min(3, len(full))  # the GPU holds the slots, the host the rest
     streamed = [cache.offloaded[k] for k in cache.loads.plan.streamed]
-    assert cache.resident() == [i for i in full if i not in streamed] and cache.resident()[0] == full[0]
+    kept = -1 if ahead else 0
+    assert cache.resident() == [i for i in full if i not in streamed] and cache.resident()[kept] == full[kept]
     # All but the first, except that three slots hold three layers, and three streamed would leave
     # one alone in a slot (it stays resident).
     assert len(streamed) == {2: 0, 3: 0, 4: 2}.get(len(full), len(full) - 1)
@@ -246,13 +250,14 @@ def addresses(cache) -> list[int]:
 
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models())[:2], ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("n", [2, 3])
-def test_beam_search_is_bitwise_the_static_caches_and_keeps_every_address(name, cfg, cls, n):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_beam_search_is_bitwise_the_static_caches_and_keeps_every_address(name, cfg, cls, n, ahead):
     # generate() reorders the cache after every step: each beam takes the rows of the beam it
     # continues, in the slots and in the streamed layers' host copies alike.
     model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), beams(n))
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, load_ahead=ahead)
     with torch.no_grad():  # allocate at the beams' batch, to see that no address moves after
         model(prompt(cfg.vocab_size, batch=ids.shape[0] * n), past_key_values=cache, use_cache=True)
     cache.reset()
@@ -266,13 +271,14 @@ def test_beam_search_is_bitwise_the_static_caches_and_keeps_every_address(name, 
 
 
 @pytest.mark.parametrize(("held", "resident"), [(2, 1), (4, 2)])  # one shared slot; two
-def test_beam_search_under_a_budget_is_bitwise_the_static_caches(held, resident):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_beam_search_under_a_budget_is_bitwise_the_static_caches(held, resident, ahead):
     cfg = llama(layers=8)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
     layer = 2 * ids.shape[0] * 3 * cfg.num_key_value_heads * cfg.head_dim * 4 * length  # K and V, 3 beams, float32
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), beams(3))
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=held * layer)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=held * layer, load_ahead=ahead)
     assert same_beams(generate(model, ids, cache, beams(3)), want)
     assert len(cache.resident()) == resident and len(cache.loads.slots) == held
 
@@ -315,12 +321,14 @@ def prefix_cached(model, cfg, cache, device="cpu"):
      ("llama-one-shared-slot", llama(), LlamaForCausalLM, 2)],
     ids=lambda v: v if isinstance(v, str) else "",
 )  # fmt: skip
-def test_prefix_caching_by_deepcopy_is_bitwise_the_static_caches(name, cfg, cls, budget):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_prefix_caching_by_deepcopy_is_bitwise_the_static_caches(name, cfg, cls, budget, ahead):
     model, length = model_of(cfg, cls), 4 * (9 + 5 + NEW)
     want, _ = prefix_cached(model, cfg, StaticCache(config=cfg, max_cache_len=length))
     layer = 2 * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * length  # K and V, batch 2, float32
     budget = None if budget is None else budget * layer
-    got, caches = prefix_cached(model, cfg, HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=budget))
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=budget, load_ahead=ahead)
+    got, caches = prefix_cached(model, cfg, cache)
     assert all(same(a, b) for a, b in zip(got, want, strict=True))
     # Each copy has its own name, slots and host copies, and streams layers as the original does.
     assert len({c.name for c in caches}) == 3
@@ -584,7 +592,8 @@ def test_bytes_per_step_and_gpu_bytes_count_the_streamed_layers():
 
 
 @pytest.mark.parametrize(("held", "resident"), [(8, 8), (2, 1), (3, 1), (5, 3), (6, 4)])
-def test_a_gpu_budget_keeps_that_many_layers_and_streams_the_rest(held, resident):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_gpu_budget_keeps_that_many_layers_and_streams_the_rest(held, resident, ahead):
     cfg = llama(layers=8)
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     length = 4 * (ids.shape[1] + NEW)
@@ -592,9 +601,9 @@ def test_a_gpu_budget_keeps_that_many_layers_and_streams_the_rest(held, resident
     layer = per_position * length
     want = generate(model, ids, StaticCache(config=cfg, max_cache_len=length), gen())
     budget = held * layer + layer // 2  # half a layer spare, which holds nothing
-    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=budget)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length, max_gpu_bytes=budget, load_ahead=ahead)
     assert same(generate(model, ids, cache, gen()), want)
-    assert len(cache.resident()) == resident
+    assert len(cache.resident()) == resident and (7 in cache.resident()) == (ahead or held == 8)
     assert cache.gpu_bytes() == held * layer
     streamed = 8 - resident
     assert (cache.loads.moved > 0) == (streamed > 0)
@@ -888,8 +897,9 @@ def cuda_run(cfg, cls, compile_config=None, before_decode=None, capacity=4, **ca
 
 @gpu
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models()), ids=lambda v: v if isinstance(v, str) else "")
-def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls):
-    got, want, cache = cuda_run(cfg, cls)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, ahead):
+    got, want, cache = cuda_run(cfg, cls, load_ahead=ahead)
     assert same(got, want)
     assert all(k.is_pinned() and v.is_pinned() for k, v in cache.loads.host.values())
 
