@@ -980,6 +980,30 @@ def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
 
 
 @gpu
+def test_on_a_gpu_a_cache_dropped_with_loads_ahead_under_way_waits_for_them_before_its_memory_goes():
+    # The last step's loads ahead still write the slots and host copies when the cache is
+    # dropped: its memory must not go back (to the allocator, or unpinned) before they end.
+    import gc
+
+    cfg = llama()
+    model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
+    ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=True)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+    stream = cache.loads.stream
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)
+    for k in cache.loads.plan.issues[0]:
+        cache.loads.queue_ahead(k)
+    assert not stream.query()  # the control: the loads are still under way
+    del cache
+    gc.collect()
+    assert stream.query()  # dropping the cache waited for them
+
+
+@gpu
 @pytest.mark.parametrize("mode", ["eager", "reduce-overhead"])
 def test_on_a_gpu_loads_ahead_that_land_late_are_waited_for(mode):
     # The load stream sleeps before every load queued ahead, so each lands long after the step
