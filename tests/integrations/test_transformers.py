@@ -951,13 +951,9 @@ def test_on_a_gpu_generate_with_cuda_graphs_gives_the_static_caches_tokens(ahead
     assert (held_after_the_step(cache) == list(cache.loads.plan.issues[0])) == ahead  # it loaded ahead
 
 
-@gpu
-@pytest.mark.parametrize("ahead", [True, False])
-def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
-    # A step replayed from a CUDA graph orders its reads after its own nodes only, so the loads
-    # queued ahead must hold back the current stream itself, at the next step's first layer. The
-    # load stream sleeps first: work queued on the current stream after the join must not finish
-    # before it wakes.
+def prefilled_with_a_sleeping_load_stream() -> HostOffloadedCache:
+    """A cache with load_ahead after a prefill on the GPU, its load stream then put to sleep
+    (about 50 ms): what is queued there next lands late."""
     cfg = llama()
     model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
     ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
@@ -965,10 +961,21 @@ def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
     torch.cuda.synchronize()
-    slept, after = torch.cuda.Event(), torch.cuda.Event()
     with torch.cuda.stream(cache.loads.stream):
         torch.cuda._sleep(100_000_000)
-        slept.record()
+    return cache
+
+
+@gpu
+@pytest.mark.parametrize("ahead", [True, False])
+def test_on_a_gpu_the_current_stream_waits_for_the_loads_ahead(ahead):
+    # A step replayed from a CUDA graph orders its reads after its own nodes only, so the loads
+    # queued ahead must hold back the current stream itself, at the next step's first layer. The
+    # load stream sleeps first: work queued on the current stream after the join must not finish
+    # before it wakes.
+    cache = prefilled_with_a_sleeping_load_stream()
+    slept, after = torch.cuda.Event(), torch.cuda.Event()
+    slept.record(cache.loads.stream)
     if ahead:
         for k in cache.loads.plan.issues[0]:
             cache.loads.queue_ahead(k)
@@ -985,16 +992,8 @@ def test_on_a_gpu_a_cache_dropped_with_loads_ahead_under_way_waits_for_them_befo
     # dropped: its memory must not go back (to the allocator, or unpinned) before they end.
     import gc
 
-    cfg = llama()
-    model = model_of(cfg, LlamaForCausalLM, "cuda", torch.bfloat16)
-    ids = prompt(cfg.vocab_size, batch=2, length=33, device="cuda")
-    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW), load_ahead=True)
-    with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
-    torch.cuda.synchronize()
+    cache = prefilled_with_a_sleeping_load_stream()
     stream = cache.loads.stream
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(100_000_000)
     for k in cache.loads.plan.issues[0]:
         cache.loads.queue_ahead(k)
     assert not stream.query()  # the control: the loads are still under way
