@@ -525,6 +525,8 @@ def test_inductor_keeps_the_loads_ahead_between_the_reads_they_follow_and_preced
     assert body.index("kv_ops.join_ahead") < first_kernel
     assert at[("wait_layer", 2)] < at[("queue_ahead", 0)], calls  # layer 2 last read slot 1
     assert at[("wait_layer", 3)] < at[("queue_ahead", 1)], calls  # layer 3 last read slot 2
+    # Handed the slots themselves (the step's inputs), not clones it would copy back after the step.
+    assert len(re.findall(r"kv_ops\.queue_ahead\.default\(arg\d+_1, arg\d+_1, arg\d+_1, arg\d+_1,", code)) == 2
 
 
 def test_a_load_ahead_that_no_step_follows_leaves_the_cache_right():
