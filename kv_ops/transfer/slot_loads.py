@@ -83,6 +83,8 @@ class SlotLoads:
         self.pending: list[int] = []
         self.ahead_done: dict[int, torch.cuda.Event] = {}
         self.ahead_lengths: torch.Tensor | None = None
+        self.ahead_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # launches bound to ahead_lengths
+        self.ahead_execs: dict[int, int] = {}
         in_step.register(name, self, weak=True)  # it lives as long as its cache
 
     def allocate(
@@ -139,36 +141,45 @@ class SlotLoads:
         for pair in views.values():
             for t in pair:
                 mark_static_address(t)  # a captured step's input, read in place (never copied in)
-        load = self.stream.cuda_stream
-        for k in plan.streamed:
-            e = plan.evicts[k]
-            s = plan.slot[k]
-            copy = PrefixCopy(
-                self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k],
-                claim=(self.held[s], self.counts[1, k], k),
-            )  # fmt: skip
-            # An eager load replays its launch, captured once: one driver call where Triton's
-            # launcher costs several times more host time. Every count is still zero here, so the
-            # first launch (which compiles) moves nothing.
-            self.free[k], self.loaded[k], self.ahead_done[k] = (torch.cuda.Event() for _ in range(3))
-            with torch.cuda.stream(self.stream):  # the cache's device is current in here, whatever was outside
-                copy(load)
-                graph = torch.cuda.CUDAGraph()
-                with captured_into(graph):
-                    copy(load)
-                # driver.record_event needs events that exist: a torch event is made at its first
-                # record, on the current device, which must be the streams' it is recorded on.
-                for event in (self.free[k], self.loaded[k], self.ahead_done[k]):
-                    event.record()
-            self.copies[k], self.graphs[k], self.execs[k] = copy, graph, graph.raw_cuda_graph_exec()
-        self.stream.synchronize()
-        self.host_views = views  # the copies and graphs hold their addresses; the op names them
         # Per layer, its length and its evicted layer's, as a compiled step hands them to a load
         # queued ahead: copied here on the current stream, since the step's own buffers may be
         # gone or rewritten before the load stream reads them.
         self.ahead_lengths = torch.zeros(plan.layers, 2, dtype=torch.int64, device=device)
+        for k in plan.streamed:
+            e, s = plan.evicts[k], plan.slot[k]
+            claim = (self.held[s], self.counts[1, k], k)
+            copy = PrefixCopy(
+                self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim
+            )
+            self.copies[k], (self.graphs[k], self.execs[k]) = copy, self._bound_graph(copy)
+            if self.ahead and k in plan.issues.get(0, ()):  # and bound to the lengths of a compiled step
+                held = self.ahead_lengths[k]
+                ahead = PrefixCopy(
+                    self.slots[s], views[k], held[0], views[e], held[1], self.saved[e], self.saved[k], claim
+                )
+                self.ahead_graphs[k], self.ahead_execs[k] = self._bound_graph(ahead)
+            self.free[k], self.loaded[k], self.ahead_done[k] = (torch.cuda.Event() for _ in range(3))
+            # driver.record_event needs events that exist: a torch event is made at its first
+            # record, on the current device, which must be the streams' it is recorded on.
+            with torch.cuda.stream(self.stream):
+                for event in (self.free[k], self.loaded[k], self.ahead_done[k]):
+                    event.record()
+        self.stream.synchronize()
+        self.host_views = views  # the copies and graphs hold their addresses; the op names them
         # A dropped cache frees its slots and host copies: no load queued ahead may still run.
         weakref.finalize(self, self.stream.synchronize)
+
+    def _bound_graph(self, copy: PrefixCopy) -> tuple[torch.cuda.CUDAGraph, int]:
+        """``copy``'s launch captured once, and its executable graph's handle: an eager load
+        replays it, one driver call where Triton's launcher costs several times more host time.
+        Every count is still zero here, so the first launch (which compiles) moves nothing."""
+        load = self.stream.cuda_stream
+        with torch.cuda.stream(self.stream):  # the cache's device is current in here, whatever was outside
+            copy(load)
+            graph = torch.cuda.CUDAGraph()
+            with captured_into(graph):
+                copy(load)
+        return graph, graph.raw_cuda_graph_exec()
 
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""
@@ -251,9 +262,11 @@ class SlotLoads:
             # The step's length buffers may be rewritten or freed before the load stream reads
             # them: copied first, on the current stream, which the load waits for.
             held = self.ahead_lengths[k]
-            held[0].copy_(tensors[2])
-            held[1].copy_(tensors[3])
-            self.issue(k, (*tensors[:2], held[0], held[1]))
+            torch.stack(tensors[2:], out=held)
+            if k in self.ahead_execs and tensors[0].data_ptr() == slot[0].data_ptr():
+                self.issue(k, execs=self.ahead_execs)  # the launch bound to the slot and these lengths
+            else:
+                self.issue(k, (*tensors[:2], held[0], held[1]))
         driver.record_event(self.ahead_done[k], self.stream.cuda_stream)
         self.pending.append(k)
         if tensors[0].data_ptr() != slot[0].data_ptr():
@@ -284,19 +297,20 @@ class SlotLoads:
 
     # --- the two steps of a load, on a CUDA device --------------------------------------------
 
-    def issue(self, k: int, tensors: tuple | None = None, replay: bool = True) -> None:
+    def issue(self, k: int, tensors: tuple | None = None, replay: bool = True, execs: dict | None = None) -> None:
         """Queue layer k's load on the load stream, after the current stream's work so far.
 
         ``tensors``: what a compiled step hands over (:meth:`PrefixCopy.__call__`). ``replay``
-        launches the load's own graph, the cheapest call; a capture in progress needs the kernel
-        launched instead (a graph launch is not a node a capture records)."""
+        launches the load's own graph (of ``execs``, else the one bound to the layers' lengths),
+        the cheapest call; a capture in progress needs the kernel launched instead (a graph launch
+        is not a node a capture records)."""
         self.holder[self.plan.slot[k]] = k
         compute = driver.current_stream_handle(self.saved.device.index)
         load = self.stream.cuda_stream
         driver.record_event(self.free[k], compute)
         driver.wait_event(load, self.free[k])
         if tensors is None and replay:
-            driver.graph_launch(self.execs[k], load)
+            driver.graph_launch((self.execs if execs is None else execs)[k], load)
         else:
             self.copies[k](load, tensors)
         driver.record_event(self.loaded[k], load)
