@@ -256,6 +256,7 @@ class SlotLoads:
         if self.stream is None:
             self.load_now(k, *tensors[:2], int(tensors[2]), int(tensors[3]))
             return
+        clone = tensors[0].data_ptr() != slot[0].data_ptr()
         if own:
             self.issue(k)  # the bound launch, replayed
         else:
@@ -263,13 +264,13 @@ class SlotLoads:
             # them: copied first, on the current stream, which the load waits for.
             held = self.ahead_lengths[k]
             torch.stack(tensors[2:], out=held)
-            if k in self.ahead_execs and tensors[0].data_ptr() == slot[0].data_ptr():
-                self.issue(k, execs=self.ahead_execs)  # the launch bound to the slot and these lengths
-            else:
+            if clone or k not in self.ahead_execs:
                 self.issue(k, (*tensors[:2], held[0], held[1]))
+            else:
+                self.issue(k, execs=self.ahead_execs)  # the launch bound to the slot and these lengths
         driver.record_event(self.ahead_done[k], self.stream.cuda_stream)
         self.pending.append(k)
-        if tensors[0].data_ptr() != slot[0].data_ptr():
+        if clone:
             self.join_ahead()
 
     def join_ahead(self) -> None:
