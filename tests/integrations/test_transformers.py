@@ -451,9 +451,9 @@ def test_generate_loads_ahead_in_every_step(backend):
     ahead = []
 
     def counted(queue_ahead):
-        def queue(k, lengths=None):
+        def queue(k, tensors=None):
             before = cache.loads.moved
-            queue_ahead(k, lengths)
+            queue_ahead(k, tensors)
             ahead.append((k, cache.loads.moved - before))
 
         return queue
