@@ -23,10 +23,11 @@ and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` 
 layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
 graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
 around each call of the compiled step): the step's call, and generate()'s own work between calls,
-which no load inside a captured step can overlap (the loads queued ahead can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`): the
-copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs are also
-profiled (torch.profiler, one generate of one token and one of N): per decode step, how long the
-copy kernels and the other kernels kept the GPU busy, how long both ran at once
+which no load inside a captured step can overlap (the loads queued ahead can). And one step's
+loads alone, no layer computing beside them (:func:`loads_alone`): the copies' own rate, against
+the memcpy's. With ``--timeline``, static's and ours' runs (with and without ``load_ahead``) are
+also profiled (torch.profiler, one generate of one token and one of N): per decode step, how long
+the copy kernels and the other kernels kept the GPU busy, how long both ran at once
 (benchmarks/timeline.py), and how long no load was under way (the step's boundary); ours'
 kernels are kept per mode, for a closer look.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
@@ -75,6 +76,7 @@ build, config, generate, generation, with_cache = (
 
 NEW = 32
 CARVEOUT = ", matmuls leave the copies' SMs"  # the run captured with cuBLASLt's SM carveout
+AHEAD = "HostOffloadedCache, load ahead"  # the run with load_ahead=True
 COLUMNS = [
     "gpu", "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
@@ -288,13 +290,22 @@ def facts(cache):
     return (len(cache.loads.plan.streamed), cache.gpu_bytes()) if isinstance(cache, HostOffloadedCache) else None
 
 
+def copy_launches(cache) -> int | None:
+    """Copy kernels a HostOffloadedCache launches per decode step (None for another cache): one per
+    streamed layer, and with ``load_ahead`` one more per first load, the step's own, which the
+    claim leaves with nothing to move (the step before loaded that layer ahead)."""
+    if not isinstance(cache, HostOffloadedCache):
+        return None
+    plan = cache.loads.plan
+    return len(plan.streamed) + (len(plan.issues.get(0, ())) if cache.load_ahead else 0)
+
+
 def kernel_time(model, ids, cache, mode, what: str, keep: Path | None = None) -> dict | None:
     """:func:`timeline.per_step` of generate() on ``cache`` in ``mode`` (the kernels of its long run
     kept in ``keep``, where given; the loads' span per step for ours); None where it failed."""
-    held = facts(cache)
     return guard(
         f"{what}: the kernels' timeline",
-        timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW, keep, held[0] if held else None,
+        timeline.per_step, lambda n: timed(model, ids, cache, make(mode, n)), 1, NEW, keep, copy_launches(cache),
     )  # fmt: skip
 
 
@@ -302,7 +313,7 @@ def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
     """``run -> (best seconds per step, peak GPU GiB, facts(cache), split, kernels)`` for each run
     that did not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None, and
     ``kernels`` :func:`kernel_time`'s for a run whose cache is named in ``profiled``, else None;
-    the kernels of ours are kept in ``keep(mode)``, where given.
+    the kernels of ours are kept in ``keep(run)``, where given.
     The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one after
     them, each cache closed before the next (its compiled step then passes to the next
     HostOffloadedCache, as in serving)."""
@@ -311,7 +322,7 @@ def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
     def kernels_of(run, cache) -> dict | None:  # --timeline's figures of a profiled run, ours' kernels kept
         if run[0] not in profiled:
             return None
-        kept = keep(run[1]) if keep and run[0] == "HostOffloadedCache" else None
+        kept = keep(run) if keep else None
         return kernel_time(model, ids, cache, run[1], where(run), kept)
 
     for run in [r for r in runs if r[1] != "cudagraphs"]:
@@ -364,8 +375,8 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
     runs = [("static", m, factory(StaticCache)) for m in modes]
     runs += [("offloaded", "transformers:offloaded", None), ("offloaded_static", "transformers:offloaded_static", None)]
     runs += [("HostOffloadedCache", m, factory(HostOffloadedCache)) for m in modes]
-    # The same cache with the first loads queued before the step: what loading ahead gains, same run.
-    runs += [("HostOffloadedCache, load ahead", m, factory(HostOffloadedCache, load_ahead=True)) for m in modes]
+    # The same cache with each step's first loads queued by the step before: what loading ahead gains.
+    runs += [(AHEAD, m, factory(HostOffloadedCache, load_ahead=True)) for m in modes]
     if graphs:
         runs += [
             ("HostOffloadedCache, half resident", m, factory(HostOffloadedCache, max_gpu_bytes=half)) for m in modes
@@ -383,10 +394,13 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
         f"the loads alone at {layers} layers, batch {batch}, max_cache_len {context}",
         loads_alone, model, ids, HostOffloadedCache(config=cfg, max_cache_len=context),
     )  # fmt: skip
-    profiled = ("static", "HostOffloadedCache") if profile else ()
+    profiled = ("static", "HostOffloadedCache", AHEAD) if profile else ()
 
-    def keep(mode: str) -> Path:  # where --timeline keeps ours' kernels in this mode
-        return profile / f"hf_offload_kernels_{layers}x{batch}x{sequence}x{capacity}_{mode}.json.gz"
+    def keep(run) -> Path | None:  # where --timeline keeps ours' kernels in this run's mode
+        if not run[0].startswith("HostOffloadedCache"):
+            return None
+        tag = "_ahead" if run[0] == AHEAD else ""
+        return profile / f"hf_offload_kernels_{layers}x{batch}x{sequence}x{capacity}{tag}_{run[1]}.json.gz"
 
     measured = measure(model, ids, runs, reps, where, profiled, keep if profile else None)
     all_bytes = layers * layer_bytes
@@ -684,7 +698,7 @@ def main(argv=None) -> int:
         "--timeline",
         action="store_true",
         help="also profile static's and ours' runs: where each step's GPU time goes (ours' kernels kept in "
-        "OUT/hf_offload_kernels_SHAPE_MODE.json.gz)",
+        "OUT/hf_offload_kernels_SHAPE_MODE.json.gz, with load_ahead in ..._SHAPE_ahead_MODE.json.gz)",
     )
     args = parse(p, cuda=True, argv=argv, check=check_shapes)
     rate = memcpy_rate()

@@ -161,3 +161,26 @@ def test_hf_offload_runs_every_shape_with_cuda_graphs_unless_told_otherwise():
     args = argparse.Namespace(shapes=shapes, graph_shapes=hf.shapes(""))
     hf.check_shapes(argparse.ArgumentParser(), args)
     assert args.graph_shapes == ()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_hf_offload_groups_a_steps_copy_kernels_as_ours_launches_them(ahead):
+    # The timeline groups a step's copy kernels by count: one per streamed layer, and with
+    # load_ahead one more per first load (the step's own, left empty by the claim).
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlamaConfig, StaticCache
+
+    hf = importlib.import_module("hf_offload")
+    from kv_ops.integrations.transformers import HostOffloadedCache
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    cache = HostOffloadedCache(config=cfg, max_cache_len=16, load_ahead=ahead)
+    keys = torch.randn(1, 2, 1, 16)
+    cache.allocate(keys, keys.clone())
+    assert hf.copy_launches(cache) == 7 + (2 if ahead else 0)  # 7 of 8 layers streamed, 2 first loads
+    assert hf.copy_launches(StaticCache(config=cfg, max_cache_len=16)) is None
+    cache.close()
