@@ -166,8 +166,10 @@ class SlotLoads:
                     event.record()
         self.stream.synchronize()
         self.host_views = views  # the copies and graphs hold their addresses; the op names them
-        # A dropped cache frees its slots and host copies: no load queued ahead may still run.
-        weakref.finalize(self, self.stream.synchronize)
+        # A dropped cache frees its slots and host copies: no load queued ahead may still run. Not
+        # at the interpreter's exit, where nothing is freed for reuse (and a sticky CUDA error would
+        # print a traceback on the way out).
+        weakref.finalize(self, self.stream.synchronize).atexit = False
 
     def _bound_graph(self, copy: PrefixCopy) -> tuple[torch.cuda.CUDAGraph, int]:
         """``copy``'s launch captured once, and its executable graph's handle: an eager load
