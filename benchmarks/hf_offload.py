@@ -18,9 +18,10 @@ Floor: the bytes HostOffloadedCache streams per step (the positions in use of ev
 layer in, one new position of each out, at the decode's mean length) at the same run's pinned
 host-to-GPU memcpy rate; target: max(floor, the on-GPU static step at the same ``max_cache_len``
 and mode). Host time per layer update, eager: ``Cache.update`` of a decode token over every
-layer, p50 of 20 steps with the GPU idle between steps, StaticCache's and ours taking turns step by step;
-and ours piece by piece, p50 per call: transformers' own ``StaticLayer.update`` on the cache's
-layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
+layer, p50 of 24 steps with the GPU idle between steps, StaticCache's and ours taking turns step
+by step, and ours' excess, the p50 of the two's paired differences (a slow stretch of the host's
+time falls on both steps of a pair); and ours piece by piece, p50 per call: transformers' own
+``StaticLayer.update`` on the cache's layer, the capture check, a streamed layer's event wait, and one queued load (two events and a
 graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
 around each call of the compiled step): the step's call, and generate()'s own work between calls,
 which no load inside a captured step can overlap (the loads queued ahead can). And one step's
@@ -80,7 +81,7 @@ AHEAD = "HostOffloadedCache, load ahead"  # the run with load_ahead=True
 COLUMNS = [
     "gpu", "layers", "batch", "sequence", "capacity", "context", "cache", "mode", "memcpy_gbs", "decode_tok_s", "step_ms",
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
-    "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us",
+    "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us", "update_excess_us",
     "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "loads_alone_ms", "loads_alone_mib", "call_ms", "between_ms",
     "kernels_span_ms", "copies_busy_ms", "others_busy_ms", "both_busy_ms", "loads_span_ms",
 ]  # fmt: skip
@@ -215,23 +216,30 @@ def decode_token(model, ids, cache) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def update_host_us(model, ids, caches: dict, reps: int = 20) -> dict[str, float]:
-    """Host microseconds per layer of each cache's ``update`` with a decode token (p50 over
-    ``reps`` steps of every layer), after a prefill through the model. The caches take turns step
-    by step, so that a slow stretch of the host's time falls on each alike."""
+def update_host_us(model, ids, static, ours, reps: int = NEW - 8) -> tuple[float, float, float]:
+    """Host microseconds per layer of ``static``'s and ``ours``' ``update`` with a decode token (p50
+    over ``reps`` steps of every layer), after a prefill through the model, and ours' excess: the
+    p50 over the reps of ours' step less static's step of the same rep. The two take turns step by
+    step, so a slow stretch of the host's time falls on both steps of a rep and cancels in their
+    difference, which the difference of the two p50s does not do. Each step writes one position
+    more: at 1x ``max_cache_len`` the prompt leaves ``NEW`` of them."""
     layers = model.config.num_hidden_layers
-    tokens = {name: decode_token(model, ids, cache) for name, cache in caches.items()}
-    times = {name: [] for name in caches}
-    for _ in range(reps):
-        for name, cache in caches.items():
-            k, v = tokens[name]
+    steps = []
+    for cache in (static, ours):
+        k, v = decode_token(model, ids, cache)
 
-            def step(cache=cache, k=k, v=v):
-                for layer in range(layers):
-                    cache.update(k, v, layer)
+        def step(cache=cache, k=k, v=v):
+            for layer in range(layers):
+                cache.update(k, v, layer)
 
-            times[name].append(host_p50_us(step, 1))
-    return {name: statistics.median(t) / layers for name, t in times.items()}
+        steps.append(step)
+    pairs = [(host_p50_us(steps[0], 1), host_p50_us(steps[1], 1)) for _ in range(reps)]
+    excess = statistics.median(b - a for a, b in pairs)
+    return (
+        statistics.median(a for a, _ in pairs) / layers,
+        statistics.median(b for _, b in pairs) / layers,
+        excess / layers,
+    )
 
 
 def update_parts_us(model, ids, cache: HostOffloadedCache, reps: int = 20) -> dict[str, float]:
@@ -384,11 +392,12 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
         # Last, since a later cache's step may replay its recording: the same cache, its step
         # captured with the matmuls leaving the copy kernels their SMs (what SM sharing costs).
         runs += [(f"HostOffloadedCache{CARVEOUT}", "cudagraphs", factory(HostOffloadedCache))]
-    update_us = update_host_us(
-        model, ids,
-        {"static": StaticCache(config=cfg, max_cache_len=context), "ours": HostOffloadedCache(config=cfg, max_cache_len=context)},
-    )  # fmt: skip
-    static_us, ours_us = update_us["static"], update_us["ours"]
+    static_us, ours_us, excess_us = update_host_us(
+        model,
+        ids,
+        StaticCache(config=cfg, max_cache_len=context),
+        HostOffloadedCache(config=cfg, max_cache_len=context),
+    )
     parts = update_parts_us(model, ids, HostOffloadedCache(config=cfg, max_cache_len=context))
     alone = guard(
         f"the loads alone at {layers} layers, batch {batch}, max_cache_len {context}",
@@ -437,6 +446,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
                 "peak_gpu_gib": peak, "mib_per_step": moved / 2**20,
                 "update_host_us": ours_us if cache == "HostOffloadedCache" and shown == "eager" else None,
                 "static_update_host_us": static_us if cache == "static" and shown == "eager" else None,
+                "update_excess_us": excess_us if pieces else None,
                 **{f"part_{name}_us": parts[name] if pieces else None for name in PARTS},
                 "streamed_layers": streamed if pieces else None,
                 "loads_alone_ms": alone[0] * 1e3 if pieces and alone else None,
@@ -510,7 +520,8 @@ def markdown(rows) -> str:
         "",
         "Eager update, host us per layer: StaticCache's beside ours, and ours piece by piece (p50 per call): "
         "transformers' `StaticLayer.update` on the cache's layer, the capture check, then per step one event "
-        "wait and one queued load per streamed layer.",
+        "wait and one queued load per streamed layer; excess: the p50 of ours' step less static's, taken in "
+        "turns, per layer (in a run from before that pairing, the two p50s' difference).",
         "",
         "| layers | batch | max_cache_len | StaticCache | HostOffloadedCache | layer | check | wait | load "
         "| streamed | excess / layer |",
@@ -521,7 +532,9 @@ def markdown(rows) -> str:
         if r["part_layer_us"] is None:
             continue
         base = static.get((r["layers"], r["batch"], r["context"]))
-        excess = r["update_host_us"] - base if base is not None else None
+        excess = r.get("update_excess_us")  # paired per step; a run from before it: the medians' difference
+        if excess is None and base is not None:
+            excess = r["update_host_us"] - base
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {fmt(base, '.1f')} | {r['update_host_us']:.1f} "
             f"| {r['part_layer_us']:.1f} | {r['part_check_us']:.1f} | {r['part_wait_us']:.1f} "

@@ -181,6 +181,25 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
     )
 
 
+def test_hf_offload_update_excess_is_the_paired_one_where_a_run_has_it(tmp_path):
+    """A run that paired each step of ours with static's reports that p50 (here 11.3 us per layer,
+    not the 60.0 - 40.0 of the two p50s); a row from before that falls back to the difference."""
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    parts = dict(part_layer_us=39.0, part_check_us=1.5, part_wait_us=2.0, part_issue_us=7.0, streamed_layers=7)
+    rows = [
+        hf_row(hf, "static", "eager", 8, 54.4, static_update_host_us=40.0),
+        hf_row(hf, "HostOffloadedCache", "eager", 8, 54.4, update_host_us=60.0, update_excess_us=11.3, **parts),
+        hf_row(hf, "static", "eager", 4, 54.4, static_update_host_us=40.0),
+        hf_row(hf, "HostOffloadedCache", "eager", 4, 54.4, update_host_us=60.0, **parts),
+    ]
+    path = tmp_path / "hf_offload.csv"
+    report.write_csv(path, rows, hf.COLUMNS)
+    lines = hf.markdown(hf.read_rows(path)).splitlines()
+    assert "| 8 | 4 | 16384 | 40.0 | 60.0 | 39.0 | 1.5 | 2.0 | 7.0 | 7 | 11.3 |" in lines
+    assert "| 8 | 4 | 8192 | 40.0 | 60.0 | 39.0 | 1.5 | 2.0 | 7.0 | 7 | 20.0 |" in lines
+
+
 def test_readmes_hf_table_keeps_the_default_and_budget_rows_and_leaves_the_comparisons_out(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     hf = importlib.import_module("hf_offload")
