@@ -140,14 +140,19 @@ def hf_row(hf, cache, mode, capacity, rate, **values):
     return row
 
 
+def eager_pair(hf, capacity, static_us, ours_us, parts, **ours):
+    """Static's and ours' eager rows of one shape: the update's host times and ours' pieces."""
+    return [
+        hf_row(hf, "static", "eager", capacity, 54.4, static_update_host_us=static_us),
+        hf_row(hf, "HostOffloadedCache", "eager", capacity, 54.4, update_host_us=ours_us, **parts, **ours),
+    ]
+
+
 def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
     pytest.importorskip("transformers")
     hf = importlib.import_module("hf_offload")
     parts = dict(part_layer_us=40.5, part_check_us=1.25, part_wait_us=3.0, part_issue_us=12.0, streamed_layers=7)
-    earlier = [
-        hf_row(hf, "static", "eager", 1, 54.4, static_update_host_us=42.7),
-        hf_row(hf, "HostOffloadedCache", "eager", 1, 54.4, update_host_us=90.5, step_vs_target=1.13, **parts),
-    ]
+    earlier = eager_pair(hf, 1, 42.7, 90.5, parts, step_vs_target=1.13)
     earlier[1].update(loads_alone_ms=4.0, loads_alone_mib=200.0)
     path = tmp_path / "hf_offload.csv"
     report.write_csv(path, earlier, hf.COLUMNS)
@@ -187,12 +192,7 @@ def test_hf_offload_update_excess_is_the_paired_one_where_a_run_has_it(tmp_path)
     pytest.importorskip("transformers")
     hf = importlib.import_module("hf_offload")
     parts = dict(part_layer_us=39.0, part_check_us=1.5, part_wait_us=2.0, part_issue_us=7.0, streamed_layers=7)
-    rows = [
-        hf_row(hf, "static", "eager", 8, 54.4, static_update_host_us=40.0),
-        hf_row(hf, "HostOffloadedCache", "eager", 8, 54.4, update_host_us=60.0, update_excess_us=11.3, **parts),
-        hf_row(hf, "static", "eager", 4, 54.4, static_update_host_us=40.0),
-        hf_row(hf, "HostOffloadedCache", "eager", 4, 54.4, update_host_us=60.0, **parts),
-    ]
+    rows = eager_pair(hf, 8, 40.0, 60.0, parts, update_excess_us=11.3) + eager_pair(hf, 4, 40.0, 60.0, parts)
     path = tmp_path / "hf_offload.csv"
     report.write_csv(path, rows, hf.COLUMNS)
     lines = hf.markdown(hf.read_rows(path)).splitlines()
