@@ -22,9 +22,10 @@ layer, p50 of 24 steps with the GPU idle between steps, StaticCache's and ours t
 by step, and ours' excess, the p50 of the two's paired differences (a slow stretch of the host's
 time falls on both steps of a pair); and ours piece by piece, p50 per call: transformers' own
 ``StaticLayer.update`` on the cache's layer, the capture check, a streamed layer's event wait,
-and one queued load (two events and a graph launch). With CUDA graphs, each step split in two (one more generate(), CUDA events
-around each call of the compiled step): the step's call, and generate()'s own work between calls,
-which no load inside a captured step can overlap (the loads queued ahead can). And one step's
+and one queued load (two events and a graph launch). With CUDA graphs, each step split in two
+(one more generate(), CUDA events around each call of the compiled step): the step's call, and
+generate()'s own work between calls, which no load inside a captured step can overlap (the loads
+queued ahead can). And one step's
 loads alone, no layer computing beside them (:func:`loads_alone`): the copies' own rate, against
 the memcpy's. With ``--timeline``, static's and ours' runs (with and without ``load_ahead``) are
 also profiled (torch.profiler, one generate of one token and one of N): per decode step, how long
