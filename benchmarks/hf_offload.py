@@ -25,9 +25,8 @@ time falls on both steps of a pair); and ours piece by piece, p50 per call: tran
 and one queued load (two events and a graph launch). With CUDA graphs, each step split in two
 (one more generate(), CUDA events around each call of the compiled step): the step's call, and
 generate()'s own work between calls, which no load inside a captured step can overlap (the loads
-queued ahead can). And one step's
-loads alone, no layer computing beside them (:func:`loads_alone`): the copies' own rate, against
-the memcpy's. With ``--timeline``, static's and ours' runs (with and without ``load_ahead``) are
+queued ahead can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`):
+the copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs (with and without ``load_ahead``) are
 also profiled (torch.profiler, one generate of one token and one of N): per decode step, how long
 the copy kernels and the other kernels kept the GPU busy, how long both ran at once
 (benchmarks/timeline.py), and how long no load was under way (the step's boundary); ours'
