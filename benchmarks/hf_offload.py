@@ -8,11 +8,12 @@ sequence. Per shape, side by side: transformers' on-GPU ``static`` cache, its ``
 ours with a GPU budget for half the layers (``max_gpu_bytes``), ours with its step captured while
 the matmuls leave the copy kernels their SMs (cuBLASLt's SM carveout, as README's layer-wise
 section offers: what SM sharing costs the loads), and ours with ``load_ahead=True`` (the next
-step's first loads queued by the step before: what loading ahead gains, in the same run). Decode tokens/s is
-``batch x (N - 1)`` over a generate of N new tokens less a generate of one (the prefill taken
-out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so that a slow stretch of
-the host's time (an eager step is the host's launches) falls on every cache alike; the CUDA-graph
-runs go one after another, each compiled step warmed up and timed on its own.
+step's first loads queued by the step before: what loading ahead gains, in the same run).
+Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a generate of one
+(the prefill taken out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so
+that a slow stretch of the host's time (an eager step is the host's launches) falls on every
+cache alike; the CUDA-graph runs go one after another, each compiled step warmed up and timed
+on its own.
 
 Floor: the bytes HostOffloadedCache streams per step (the positions in use of every streamed
 layer in, one new position of each out, at the decode's mean length) at the same run's pinned
@@ -26,11 +27,11 @@ and one queued load (two events and a graph launch). With CUDA graphs, each step
 (one more generate(), CUDA events around each call of the compiled step): the step's call, and
 generate()'s own work between calls, which no load inside a captured step can overlap (the loads
 queued ahead can). And one step's loads alone, no layer computing beside them (:func:`loads_alone`):
-the copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs (with and without ``load_ahead``) are
-also profiled (torch.profiler, one generate of one token and one of N): per decode step, how long
-the copy kernels and the other kernels kept the GPU busy, how long both ran at once
-(benchmarks/timeline.py), and how long no load was under way (the step's boundary); ours'
-kernels are kept per mode, for a closer look.
+the copies' own rate, against the memcpy's. With ``--timeline``, static's and ours' runs (with
+and without ``load_ahead``) are also profiled (torch.profiler, one generate of one token and one
+of N): per decode step, how long the copy kernels and the other kernels kept the GPU busy, how
+long both ran at once (benchmarks/timeline.py), and how long no load was under way (the step's
+boundary); ours' kernels are kept per mode, for a closer look.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
 references) to this run's table, for a sweep split over several processes.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
