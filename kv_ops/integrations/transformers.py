@@ -271,15 +271,9 @@ class HostOffloadedCache(Cache):
                 f"HostOffloadedCache: config must be a transformers configuration, got {type(config).__name__}{hint}"
             )
         self.max_cache_len_ = arguments.positive_int("HostOffloadedCache", "max_cache_len", max_cache_len)
-        self.max_batch_size_ = (
-            None
-            if max_batch_size is None
-            else arguments.positive_int("HostOffloadedCache", "max_batch_size", max_batch_size)
-        )
-        self.max_gpu_bytes = (
-            None
-            if max_gpu_bytes is None
-            else arguments.positive_int("HostOffloadedCache", "max_gpu_bytes", max_gpu_bytes)
+        self.max_batch_size_, self.max_gpu_bytes = (
+            None if value is None else arguments.positive_int("HostOffloadedCache", what, value)
+            for what, value in (("max_batch_size", max_batch_size), ("max_gpu_bytes", max_gpu_bytes))
         )
         self.device = None if device is None else arguments.device("HostOffloadedCache", device)
         self.load_ahead = arguments.flag("HostOffloadedCache", "load_ahead", load_ahead)
@@ -381,8 +375,17 @@ class HostOffloadedCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """As ``StaticCache.crop``: ``-n`` forgets the last n tokens (assisted generation's
-        rejected ones); they no longer count against ``max_cache_len``."""
+        rejected ones); they no longer count against ``max_cache_len``. Forgetting more than the
+        cache holds empties it (``StaticCache``'s lengths would go below zero, and the next step's
+        writes with them); the counts are clamped where they are, the GPU's without a sync."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise ValueError(f"HostOffloadedCache.crop: max_length must be an int, got {arguments.shown(max_length)}")
         super().crop(max_length)
+        for layer in self.layers:
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                layer.cumulative_length.clamp_(min=0)
+            if isinstance(getattr(layer, "cumulative_length_int", None), int):  # a windowed layer's host count
+                layer.cumulative_length_int = max(0, layer.cumulative_length_int)
         self.loads.crop()
         if max_length < 0:
             self._seen = max(0, self._seen + max_length)

@@ -751,6 +751,41 @@ def test_a_crop_gives_back_its_tokens_to_max_cache_len():
     assert torch.equal(logits[HostOffloadedCache], logits[StaticCache])
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_a_crop_of_more_tokens_than_cached_empties_the_cache(name):
+    # StaticCache's lengths go below zero here, and its next step fails to write at negative
+    # positions; this cache clamps them to zero (the windowed layers' too: Gemma 3's window here
+    # is past the sequence, where a crop can undo it) and then runs as a new StaticCache does.
+    if not hasattr(transformers.cache_utils.StaticLayer, "crop"):
+        pytest.skip(f"transformers {transformers.__version__}'s static layers cannot be cropped")
+    cfg, cls = (llama(), LlamaForCausalLM) if name == "llama" else (gemma3(), Gemma3ForCausalLM)
+    if name == "gemma3":
+        cfg.sliding_window = 64
+    model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
+    length = 4 * (ids.shape[1] + NEW)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=length)
+    generate(model, ids, cache, gen())
+    cache.crop(-(ids.shape[1] + NEW + 20))
+    assert [int(layer.get_seq_length()) for layer in cache.layers] == [0] * cfg.num_hidden_layers
+    assert cache.get_seq_length() == 0 and cache.bytes_per_step()[0] == 0
+    with torch.no_grad():
+        got = model(ids, past_key_values=cache, use_cache=True).logits
+        want = model(ids, past_key_values=StaticCache(config=cfg, max_cache_len=length), use_cache=True).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("max_length", ["-3", 1.5, True, None, torch.tensor(-3)])
+def test_a_crop_by_something_not_an_int_is_a_value_error(max_length):
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * ids.shape[1])
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="crop: max_length must be an int"):
+        cache.crop(max_length)
+    assert cache.get_seq_length() == ids.shape[1]  # nothing was cropped
+
+
 def test_a_crop_between_a_load_ahead_and_its_step_keeps_the_positions_written_again():
     # The layers loaded ahead (by the step before the crop) have all their positions on the host;
     # a crop then gives two of them up, and the next steps write those positions again: they must
