@@ -22,6 +22,14 @@ def positive_int(owner: str, what: str, value) -> int:
     return int(value)
 
 
+def integer(owner: str, what: str, value) -> int:
+    """``value`` as an ``int`` when it is an integer of any sign (a count of tokens to forget
+    given as ``-n``), else a ``ValueError`` naming all three; refusals as in :func:`positive_int`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{owner}: {what} must be an integer, got {shown(value)}")
+    return int(value)
+
+
 def index(owner: str, what: str, value) -> int:
     """``value`` as an ``int`` when it is an integer >= 0 (a layer, a position), else a
     ``ValueError`` naming all three; ``bool`` and floats are refused as in :func:`positive_int`."""

@@ -378,8 +378,7 @@ class HostOffloadedCache(Cache):
         rejected ones); they no longer count against ``max_cache_len``. Forgetting more than the
         cache holds empties it (``StaticCache``'s lengths would go below zero, and the next step's
         writes with them); the counts are clamped where they are, the GPU's without a sync."""
-        if isinstance(max_length, bool) or not isinstance(max_length, int):
-            raise ValueError(f"HostOffloadedCache.crop: max_length must be an int, got {arguments.shown(max_length)}")
+        max_length = arguments.integer("HostOffloadedCache.crop", "max_length", max_length)
         super().crop(max_length)
         for layer in self.layers:
             if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):

@@ -775,13 +775,13 @@ def test_a_crop_of_more_tokens_than_cached_empties_the_cache(name):
 
 
 @pytest.mark.parametrize("max_length", ["-3", 1.5, True, None, torch.tensor(-3)])
-def test_a_crop_by_something_not_an_int_is_a_value_error(max_length):
+def test_a_crop_by_something_not_an_integer_is_a_value_error(max_length):
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
     cache = HostOffloadedCache(config=cfg, max_cache_len=4 * ids.shape[1])
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
-    with pytest.raises(ValueError, match="crop: max_length must be an int"):
+    with pytest.raises(ValueError, match="crop: max_length must be an integer"):
         cache.crop(max_length)
     assert cache.get_seq_length() == ids.shape[1]  # nothing was cropped
 

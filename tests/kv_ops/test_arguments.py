@@ -23,6 +23,20 @@ def test_positive_int_refuses_what_is_not_a_count_naming_owner_argument_and_valu
     assert str(info.value) == f"OffloadEngine: num_blocks must be a positive integer, got {value!r}"
 
 
+@pytest.mark.parametrize("value", [-3, 0, 5, np.int64(-2)], ids=["-3", "0", "5", "int64"])
+def test_integer_takes_either_sign_as_a_plain_int(value):
+    got = arguments.integer("Owner", "n", value)
+    assert got == int(value) and type(got) is int
+
+
+@pytest.mark.parametrize(
+    "value", [True, -2.0, "-2", None, torch.tensor(-2)], ids=["bool", "float", "str", "None", "tensor"]
+)
+def test_integer_refuses_what_is_not_an_integer_naming_owner_argument_and_value(value):
+    with pytest.raises(ValueError, match=r"Owner: n must be an integer, got "):
+        arguments.integer("Owner", "n", value)
+
+
 def test_device_cpu_and_none_without_cuda():
     assert arguments.device("op", "cpu") == torch.device("cpu")
     assert arguments.device("op", torch.device("cpu")) == torch.device("cpu")
