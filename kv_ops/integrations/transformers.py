@@ -376,8 +376,8 @@ class HostOffloadedCache(Cache):
     def crop(self, max_length: int) -> None:
         """As ``StaticCache.crop``: ``-n`` forgets the last n tokens (assisted generation's
         rejected ones); they no longer count against ``max_cache_len``. Forgetting more than the
-        cache holds empties it (``StaticCache``'s lengths would go below zero, and the next step's
-        writes with them); the counts are clamped where they are, the GPU's without a sync."""
+        cache holds empties it (``StaticCache``'s lengths go below zero there, and its next step
+        fails to write); each count is clamped where it is, the GPU's without a sync."""
         max_length = arguments.integer("HostOffloadedCache.crop", "max_length", max_length)
         super().crop(max_length)
         for layer in self.layers:
