@@ -212,6 +212,7 @@ def path(owner: str, what: str, value) -> str:
 
 __all__ = [
     "positive_int",
+    "integer",
     "index",
     "text",
     "flag",
