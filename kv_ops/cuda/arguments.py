@@ -11,31 +11,35 @@ from collections.abc import Iterable, Mapping
 import torch
 
 
-def positive_int(owner: str, what: str, value) -> int:
-    """``value`` as an ``int`` when it is an integer >= 1, else a ``ValueError`` naming all three.
+def _integral(value) -> bool:
+    """Whether ``value`` is an integer, Python's or numpy's. ``bool`` is not (``True`` blocks is a
+    slip, never a size), nor is ``2.0``: a float where a count belongs is a unit mistake more
+    often than not."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
-    Python and numpy integers pass. ``bool`` is refused (``True`` blocks is a slip, never a size)
-    and so is ``2.0``: a float where a count belongs is a unit mistake more often than not.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+
+def positive_int(owner: str, what: str, value) -> int:
+    """``value`` as an ``int`` when it is an integer >= 1 (:func:`_integral`), else a ``ValueError``
+    naming all three."""
+    if not _integral(value) or value < 1:
         raise ValueError(f"{owner}: {what} must be a positive integer, got {value!r}")
     return int(value)
 
 
 def integer(owner: str, what: str, value) -> int:
     """``value`` as an ``int`` when it is an integer of any sign (a count of tokens to forget
-    given as ``-n``), else a ``ValueError`` naming all three; refusals as in :func:`positive_int`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    given as ``-n``, :func:`_integral`), else a ``ValueError`` naming all three."""
+    if not _integral(value):
         raise ValueError(f"{owner}: {what} must be an integer, got {shown(value)}")
     return int(value)
 
 
 def index(owner: str, what: str, value) -> int:
     """``value`` as an ``int`` when it is an integer >= 0 (a layer, a position), else a
-    ``ValueError`` naming all three; ``bool`` and floats are refused as in :func:`positive_int`."""
+    ``ValueError`` naming all three (:func:`_integral`)."""
     if type(value) is int and value >= 0:  # the common case, without the ABC's isinstance
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    if not _integral(value) or value < 0:
         raise ValueError(f"{owner}: {what} must be an integer >= 0, got {value!r}")
     return int(value)
 
@@ -131,15 +135,15 @@ def cuda_device(owner: str, value, what: str = "device") -> torch.device:
 
 def shape(owner: str, what: str, value) -> tuple[int, ...]:
     """``value`` as a shape tuple when it is an integer or a sequence of integers, else a
-    ``ValueError`` naming all three. ``bool`` is refused as in :func:`positive_int`; a string is
-    refused rather than read as a sequence of characters."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    ``ValueError`` naming all three (each an integer by :func:`_integral`); a string is refused
+    rather than read as a sequence of characters."""
+    if _integral(value):
         dims = (value,)
     elif isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
         dims = None
     else:
         dims = tuple(value)
-    if dims is None or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) for d in dims):
+    if dims is None or not all(map(_integral, dims)):
         raise ValueError(f"{owner}: {what} must be an integer or a sequence of integers, got {value!r}")
     dims = tuple(int(d) for d in dims)
     if any(d < 0 for d in dims):

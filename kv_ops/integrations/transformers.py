@@ -381,9 +381,9 @@ class HostOffloadedCache(Cache):
         max_length = arguments.integer("HostOffloadedCache.crop", "max_length", max_length)
         super().crop(max_length)
         for layer in self.layers:
-            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            if isinstance(layer, StaticLayer):  # full and windowed (the placeholders keep no count)
                 layer.cumulative_length.clamp_(min=0)
-            if isinstance(getattr(layer, "cumulative_length_int", None), int):  # a windowed layer's host count
+            if hasattr(layer, "cumulative_length_int"):  # a windowed layer's host count (transformers 5.24)
                 layer.cumulative_length_int = max(0, layer.cumulative_length_int)
         self.loads.crop()
         if max_length < 0:
