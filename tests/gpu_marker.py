@@ -1,7 +1,7 @@
 """Shared by tests/ and compile_tests/ conftests: Triton's interpreter where no GPU exists (set
 before any kernel module is imported), the `gpu` marker, whose tests skip without CUDA, and,
 under a sanitizer, cells standing in for `path="auto"`'s measurement, SDPA's math attention under
-racecheck and CUDA-graph trees recording where each pool block was allocated."""
+racecheck and CUDA-graph trees' pool check off (it fails on transformers' own step there)."""
 
 import os
 
@@ -56,14 +56,16 @@ def stand_ins_under_a_sanitizer():
     if os.environ["KV_OPS_SANITIZER"] == "racecheck":
         for enable in fused:
             enable(False)
-    # Under memcheck (with SDPA's fused kernels and with the math ones), CUDA-graph trees found
-    # blocks in their pool that no output holds, in a test that passes without the sanitizer: the
-    # pool check then names each block's allocation.
+    # Under memcheck, CUDA-graph trees' check of their memory pool fails in transformers' own
+    # StaticCache step, compiled with CUDA graphs, before any kv_ops op exists in the test: 43
+    # blocks that Inductor's warm-up allocated and no output holds (the same step passes the check
+    # without the sanitizer). The check guards the trees' bookkeeping, not memory accesses, which
+    # memcheck itself checks: it is off under a sanitizer, and on in every unsanitized run.
     import torch._inductor.config as inductor_config
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(crossover, "measured_once", stand_in)
-        patch.setattr(inductor_config.triton, "cudagraph_trees_history_recording", True)
+        patch.setattr(inductor_config.triton, "slow_path_cudagraph_asserts", False)
         yield
     for enable, was in fused.items():
         enable(was)
