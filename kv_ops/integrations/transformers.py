@@ -93,9 +93,8 @@ class HostOffloadedLayer(StaticLayer):
     """One full-attention layer: its K and V in a GPU slot, its own or one it shares with others."""
 
     def __init__(self, max_cache_len: int, cache: HostOffloadedCache, index: int, **kwargs):
-        # The cache only weakly: a cache dropped must go at once, not at the next cyclic garbage
-        # collection, so that its name is free for the next one (_new_loads). The step reads the
-        # loads only.
+        # The cache only weakly: a dropped cache must go at once, not at the next cyclic garbage
+        # collection, freeing its name for the next one (_new_loads). The step reads the loads only.
         self.cache_ref, self.loads, self.index = weakref.ref(cache), cache.loads, index
         super().__init__(max_cache_len=max_cache_len)
 
@@ -238,20 +237,17 @@ class HostOffloadedCache(Cache):
     Raises
     ------
     TypeError
-        At construction: a ``config`` that is not a transformers config (a model, say).
+        A ``config`` that is not a transformers config (a model, say); pickling (``torch.save``).
     ValueError
-        At construction: a bad ``max_cache_len``, ``max_batch_size``, ``max_gpu_bytes`` or ``load_ahead``, or
-        a layer type other than full, sliding or chunked attention (a model with no full-attention
-        layer is served as ``StaticCache`` serves it, with nothing streamed). At the first update: keys on another device than ``device``, a batch over
-        ``max_batch_size``, a prompt longer than ``max_cache_len``, a ``max_gpu_bytes`` below
-        two layers (the message names the minimum), or host memory the machine lacks.
-        Eagerly, a step past ``max_cache_len``, keys of another batch or dtype than the slots
-        were allocated for (a reset cache reused for another prompt), or a closed cache. At
-        construction, a keyword argument it does not take (a misspelt ``max_gpu_bytes``).
+        Before anything moves. At construction: a bad ``max_cache_len``, ``max_batch_size``,
+        ``max_gpu_bytes`` or ``load_ahead``, a keyword it does not take (a misspelt one), a layer
+        type other than full, sliding or chunked attention. At the first update: keys on another
+        device than ``device``, a batch over ``max_batch_size``, a prompt past ``max_cache_len``,
+        a budget below two layers (naming the minimum), host memory the machine lacks. Eagerly: a
+        step past ``max_cache_len``, keys of another batch or dtype than the slots', a layer the
+        config lacks, a bad ``beam_idx``, a closed cache (stepped, reordered or copied).
     RuntimeError
         A streamed layer's ``keys`` or ``values`` read while its slot holds another layer.
-    TypeError
-        Pickling (``torch.save``): the slots and host copies live in this process.
     """
 
     def __init__(
@@ -336,8 +332,10 @@ class HostOffloadedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check(self, key_states: torch.Tensor, layer_idx: int) -> None:
-        if layer_idx == 0 and not in_step.is_live(self.loads):  # once a step, before any layer writes
-            raise ValueError(f"HostOffloadedCache: {self.name!r} was closed (close()); make a new cache")
+        if layer_idx == 0:  # once a step, before any layer writes
+            self._check_open()
+        if not 0 <= layer_idx < len(self.layers):  # a model with more layers than the config
+            raise ValueError(f"HostOffloadedCache: no layer_idx {layer_idx} in the config's {len(self.layers)} layers")
         if self.device is not None and key_states.device != self.device:
             raise ValueError(
                 f"HostOffloadedCache: the model's keys are on {key_states.device}, but the cache was made for {self.device}"
@@ -368,6 +366,10 @@ class HostOffloadedCache(Cache):
                 f"{tuple(key_states.shape)} of {key_states.dtype}: make a new cache for another batch or dtype"
             )
 
+    def _check_open(self) -> None:
+        if not in_step.is_live(self.loads):
+            raise ValueError(f"HostOffloadedCache: {self.name!r} was closed (close()); make a new cache")
+
     def reset(self) -> None:
         super().reset()
         self.loads.reset()
@@ -391,22 +393,27 @@ class HostOffloadedCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the sequences for beam search (``generate(num_beams=...)``): sequence i takes
-        sequence ``beam_idx[i]``'s keys and values. The full-attention layers are reordered in
+        sequence ``beam_idx[i]``'s keys and values, the indices checked on the host first (a bad
+        one is a ``ValueError``, not a device assert). The full-attention layers are reordered in
         place, slots and host copies keeping their addresses (so a captured step still reads
-        them), which waits for the GPU's loads (a sync); the other layers as transformers does."""
+        them), after the GPU's loads (a sync); the other layers as transformers does."""
+        self._check_open()
+        if self.get_seq_length() == 0:  # nothing cached, nothing to reorder (nor a batch to check against)
+            return
+        arguments.rows("HostOffloadedCache.reorder_cache", "beam_idx", beam_idx, self.layers[0].batch_size)
         kept = set(self.offloaded)
-        for i, layer in enumerate(self.layers):
-            # A placeholder layer keeps nothing to reorder.
+        for i, layer in enumerate(self.layers):  # a placeholder layer (DummyLayer) keeps nothing
             if i not in kept and not (DummyLayer is not None and isinstance(layer, DummyLayer)):
                 layer.reorder_cache(beam_idx)
-        if self.offloaded and self.layers[self.offloaded[0]].get_seq_length() > 0:
+        if self.offloaded:
             self.loads.reorder(beam_idx)
 
     def __deepcopy__(self, memo: dict) -> HostOffloadedCache:
         """A cache of its own (a new name, slots and host copies) holding what this one holds, as
         transformers' prefix caching uses it: fill a cache with a shared prompt once, then
         ``copy.deepcopy`` it for each request. Waits for the GPU's loads (a sync), as
-        :meth:`reorder_cache` does."""
+        :meth:`reorder_cache` does. A closed cache holds nothing to copy: ``ValueError``."""
+        self._check_open()
         new = self.__copy__()
         memo[id(self)] = new
         new.loads = _new_loads()
@@ -459,13 +466,7 @@ class HostOffloadedCache(Cache):
     def bytes_per_step(self) -> tuple[int, int]:
         """Bytes the next decode step moves, host to GPU and GPU to host, at the current sequence
         length (read from the GPU: a sync). Zero before the first update, or with nothing streamed."""
-        plan = self.loads.plan
-        if plan is None or not plan.streamed:
-            return 0, 0
-        keys, values = self.loads.slots[0]
-        per_position = (keys[:, :, 0].numel() * keys.element_size()) + (values[:, :, 0].numel() * values.element_size())
-        positions = sum(int(self.loads.lengths[k]) for k in plan.streamed)
-        return positions * per_position, len(plan.streamed) * per_position
+        return self.loads.bytes_per_step()
 
     def gpu_bytes(self) -> int:
         """GPU bytes this cache holds for the full-attention layers (the resident and the shared slots)."""

@@ -238,6 +238,16 @@ class SlotLoads:
         once the current stream is. Only beam search and copying a cache pay it."""
         return torch.stack(self.lengths).tolist()
 
+    def bytes_per_step(self) -> tuple[int, int]:
+        """Bytes the next step moves, host to GPU (every streamed layer's written positions) and
+        GPU to host (one new position each): a sync, reading the lengths."""
+        if self.plan is None or not self.plan.streamed:
+            return 0, 0
+        keys, values = self.slots[0]
+        per_position = keys[:, :, 0].numel() * keys.element_size() + values[:, :, 0].numel() * values.element_size()
+        positions = sum(int(self.lengths[k]) for k in self.plan.streamed)
+        return positions * per_position, len(self.plan.streamed) * per_position
+
     def queue_ahead(self, k: int, tensors: tuple | None = None) -> None:
         """Queue now the load of layer k that the next step queues at its first layer (``k`` in
         ``plan.issues[0]``): at the update of layer j, for k in ``plan.ahead[j]``, where this

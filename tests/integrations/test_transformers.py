@@ -297,6 +297,68 @@ def test_reordering_one_layer_or_resizing_the_batch_is_refused():
         cache.batch_select_indices(torch.tensor([0]))
 
 
+def everything_held(cache) -> list[torch.Tensor]:
+    """Copies of what the cache holds: its slots, the positions written into its host copies, and
+    its sliding-window layers' keys and values."""
+    windowed = [
+        t for i, layer in enumerate(cache.layers) if i not in cache.offloaded for t in (layer.keys, layer.values)
+    ]
+    loads, written = cache.loads, cache.loads.written()
+    host = [t[:, :, : written[k]] for k, pair in loads.host.items() for t in pair]
+    return [t.clone() for pair in loads.slots for t in pair] + [t.clone() for t in host + windowed]
+
+
+@pytest.mark.parametrize(
+    ("beam_idx", "message"),
+    [
+        (torch.tensor([1, 2]), r"holds rows 1 to 2, outside \[0, 2\)"),
+        (torch.tensor([-1, 0]), r"holds rows -1 to 0, outside \[0, 2\)"),
+        (torch.tensor([0, 1, 0]), "must be a 1-D integer tensor of 2 row indices, got a torch.int64 tensor of shape"),
+        (torch.tensor([[0, 1]]), "got a torch.int64 tensor of shape \\(1, 2\\)"),
+        (torch.tensor([0.0, 1.0]), "got a torch.float32 tensor"),
+        (torch.tensor([False, True]), "got a torch.bool tensor"),
+        ([1, 0], "got list with 2 entries"),
+    ],
+    ids=["past-the-batch", "negative", "too-long", "2-D", "float", "bool", "list"],
+)
+def test_a_bad_beam_idx_is_refused_before_any_row_moves(beam_idx, message):
+    # On a GPU an index out of range would be a device-side assert, which ends the process's CUDA.
+    cfg, cls = gemma3(), Gemma3ForCausalLM  # sliding-window layers too: transformers reorders those
+    model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    before = everything_held(cache)
+    with pytest.raises(ValueError, match=rf"HostOffloadedCache.reorder_cache: beam_idx .*{message}"):
+        cache.reorder_cache(beam_idx)
+    assert all(torch.equal(a, b) for a, b in zip(everything_held(cache), before, strict=True))
+    cache.reorder_cache(torch.tensor([1, 1]))  # a good one, repeating a row as beam search may
+    assert all(torch.equal(t[0], t[1]) for t in everything_held(cache))
+
+
+def test_a_closed_cache_is_neither_reordered_nor_copied():
+    cfg = llama()
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    generate(model, ids, cache, gen())
+    before = everything_held(cache)
+    cache.close()
+    for use in (lambda: cache.reorder_cache(torch.tensor([1, 0])), lambda: copy.deepcopy(cache)):
+        with pytest.raises(ValueError, match=rf"HostOffloadedCache: '{cache.name}' was closed"):
+            use()
+    assert all(torch.equal(a, b) for a, b in zip(everything_held(cache), before, strict=True))
+
+
+@pytest.mark.parametrize("layer_idx", [3, -1])
+def test_a_layer_the_config_lacks_is_refused(layer_idx):
+    # A model with more layers than the cache's config reaches its first layer past them; -1 must
+    # not read as Python's last layer.
+    cache = HostOffloadedCache(config=llama(layers=3), max_cache_len=32)
+    keys = torch.randn(2, 2, 9, 16)
+    with pytest.raises(ValueError, match=rf"HostOffloadedCache: no layer_idx {layer_idx} in the config's 3 layers"):
+        cache.update(keys, keys.clone(), layer_idx)
+    assert cache.loads.plan is None  # nothing allocated
+
+
 def prefix_cached(model, cfg, cache, device="cpu"):
     """transformers' prefix caching: fill ``cache`` with a shared prompt, then answer each of two
     requests (the prompt and a tail of its own) from a ``copy.deepcopy`` of it, then the prompt
