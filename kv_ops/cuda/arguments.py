@@ -88,13 +88,15 @@ def tensor_list(owner: str, what: str, value) -> list[torch.Tensor]:
 
 
 def rows(owner: str, what: str, value, count: int) -> torch.Tensor:
-    """``value`` when it is a 1-D integer tensor of ``count`` row indices, each in ``[0, count)``
-    (beam search's reorder), else a ``ValueError`` naming the argument. On a GPU an index out of
-    range is a device-side assert, which ends the process's use of CUDA, so the indices are read
-    on the host first (a sync where they live on a GPU)."""
-    integral = isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
-    if not integral or value.dtype == torch.bool or tuple(value.shape) != (count,):
-        raise ValueError(f"{owner}: {what} must be a 1-D integer tensor of {count} row indices, got {shown(value)}")
+    """``value`` when it is a 1-D int32 or int64 tensor (what ``index_select`` takes) of ``count``
+    row indices, each in ``[0, count)`` (beam search's reorder), else a ``ValueError`` naming the
+    argument. On a GPU an index out of range is a device-side assert, which ends the process's
+    use of CUDA, so the indices are read on the host first (a sync where they live on a GPU)."""
+    indices = isinstance(value, torch.Tensor) and value.dtype in (torch.int32, torch.int64)
+    if not indices or tuple(value.shape) != (count,):
+        raise ValueError(
+            f"{owner}: {what} must be a 1-D int32 or int64 tensor of {count} row indices, got {shown(value)}"
+        )
     listed = value.tolist()
     if listed and not 0 <= min(listed) <= max(listed) < count:
         raise ValueError(f"{owner}: {what} holds rows {min(listed)} to {max(listed)}, outside [0, {count})")

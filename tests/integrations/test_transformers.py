@@ -313,7 +313,7 @@ def everything_held(cache) -> list[torch.Tensor]:
     [
         (torch.tensor([1, 2]), r"holds rows 1 to 2, outside \[0, 2\)"),
         (torch.tensor([-1, 0]), r"holds rows -1 to 0, outside \[0, 2\)"),
-        (torch.tensor([0, 1, 0]), "must be a 1-D integer tensor of 2 row indices, got a torch.int64 tensor of shape"),
+        (torch.tensor([0, 1, 0]), "must be a 1-D int32 or int64 tensor of 2 row indices, got a torch.int64 tensor"),
         (torch.tensor([[0, 1]]), "got a torch.int64 tensor of shape \\(1, 2\\)"),
         (torch.tensor([0.0, 1.0]), "got a torch.float32 tensor"),
         (torch.tensor([False, True]), "got a torch.bool tensor"),
