@@ -58,11 +58,10 @@ _minted: set[str] = set()  # every name a cache has had in this process
 
 
 def _new_loads() -> SlotLoads:
-    """The SlotLoads of a new cache, under the first ``hf-cache-<n>`` free in this process.
-
-    Before minting a name no cache had, which a compiled step would recompile for, one garbage
-    collection: the cache a compilation traced stays referenced by Dynamo's leftovers (cyclic
-    garbage) until the collector runs, and would otherwise push every next cache to a new name."""
+    """The SlotLoads of a new cache, under the first ``hf-cache-<n>`` free in this process. Before
+    minting a name no cache had (a compiled step would recompile for it), one garbage collection:
+    the cache a compilation traced stays referenced by Dynamo's leftovers (cyclic garbage) until
+    the collector runs, and would otherwise push every next cache to a new name."""
     name = _first_free()
     if name not in _minted:
         gc.collect()
@@ -102,11 +101,10 @@ class HostOffloadedLayer(StaticLayer):
     def cache(self) -> HostOffloadedCache:
         return self.cache_ref()
 
-    # A streamed layer's keys and values are its slot's only while the slot holds that layer:
-    # from when its load is queued until the next load into the slot is. Inside its update they are;
-    # read at another time (an encoder-decoder's cross-attention reading them a step later, code
-    # that inspects a layer) they may be another layer's, so such a read is refused. Compiled,
-    # only the update reads them.
+    # A streamed layer's keys and values are its slot's only while the slot holds that layer (from
+    # its load's queuing to the next load into the slot): inside its update. Read at another time
+    # (cross-attention a step later, code inspecting a layer) they may be another layer's, so such
+    # a read is refused. Compiled, only the update reads them.
     keys = _held_tensor("keys")
     values = _held_tensor("values")
 
@@ -329,6 +327,11 @@ class HostOffloadedCache(Cache):
             capturing_now = self.loads.capturing_now = capturing(key_states.device)
             if not capturing_now:
                 self._check(key_states, layer_idx)
+            elif not getattr(self.layers[layer_idx], "is_initialized", True):  # it would allocate (pin, copy)
+                raise RuntimeError(
+                    "HostOffloadedCache: a CUDA graph cannot capture the first step, which allocates the cache; "
+                    "run one step before capturing (the warm-up torch.cuda.graph asks for)"
+                )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check(self, key_states: torch.Tensor, layer_idx: int) -> None:
@@ -440,8 +443,7 @@ class HostOffloadedCache(Cache):
         return self.max_cache_len_
 
     def __copy__(self) -> HostOffloadedCache:
-        """The same cache under a second reference (its name, slots and loads), as a shallow copy
-        of ``StaticCache`` shares its tensors."""
+        """The same cache under a second reference (name, slots, loads), as StaticCache's shallow copy."""
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         return new
@@ -480,10 +482,8 @@ class HostOffloadedCache(Cache):
 
 
 def _check_static_cache_arguments(kwargs: dict) -> None:
-    """A ``ValueError`` for a keyword argument ``HostOffloadedCache`` would drop: a misspelt
-    ``max_gpu_bytes`` must not leave the budget unset unnoticed. StaticCache's ``dtype`` (the
-    keys' dtype decides, in both) and ``offload_only_non_sliding`` (this cache offloads only
-    full-attention layers) pass; ``offloading`` only as False."""
+    """A ``ValueError`` for a keyword argument it would drop (a misspelt ``max_gpu_bytes``). StaticCache's
+    ``dtype`` (the keys' decides) and ``offload_only_non_sliding`` pass; ``offloading`` only as False."""
     if kwargs.get("offloading", False):
         raise ValueError(
             "HostOffloadedCache: offloading=True is StaticCache's own offloading; this cache offloads by "

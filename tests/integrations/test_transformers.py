@@ -335,6 +335,23 @@ def test_a_bad_beam_idx_is_refused_before_any_row_moves(beam_idx, message):
     assert all(torch.equal(t[0], t[1]) for t in everything_held(cache))
 
 
+@pytest.mark.parametrize(("name", "cfg", "cls"), list(models())[:2], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_first_step_under_capture_is_refused_before_anything_is_allocated(name, cfg, cls, monkeypatch):
+    # Nothing captures on a CPU: the capture state is stood in, at the module's own check (the gpu
+    # test captures for real). Gemma 3's first layer is a sliding-window one: it must refuse too.
+    import kv_ops.integrations.transformers as integration
+
+    model, ids = model_of(cfg, cls), prompt(cfg.vocab_size)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=32)
+    with monkeypatch.context() as patch:
+        patch.setattr(integration, "capturing", lambda device: True)
+        with pytest.raises(RuntimeError, match="a CUDA graph cannot capture the first step"), torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+    assert cache.loads.plan is None and not any(getattr(layer, "is_initialized", False) for layer in cache.layers)
+    want = generate(model, ids, StaticCache(config=cfg, max_cache_len=32), gen())
+    assert same(generate(model, ids, cache, gen()), want)
+
+
 def test_a_closed_cache_is_neither_reordered_nor_copied():
     cfg = llama()
     model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size)
@@ -1015,6 +1032,23 @@ def test_on_a_gpu_a_model_on_another_device_than_the_current_one_is_bitwise_the_
     cache = HostOffloadedCache(config=cfg, max_cache_len=160)
     assert same(generate(model, ids, cache, gen()), want)
     assert cache.loads.slots[0][0].device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+
+
+@gpu
+@pytest.mark.parametrize(("name", "cfg", "cls"), list(models())[:2], ids=lambda v: v if isinstance(v, str) else "")
+def test_on_a_gpu_a_capture_of_the_first_step_is_refused_and_the_cache_then_serves(name, cfg, cls):
+    # The first step allocates: page-locked host copies, the loads' own graphs, counts copied to
+    # the GPU. A CUDA graph records none of it, so the first layer's update refuses (Gemma 3's is
+    # a sliding-window layer), and the cache, still unallocated, serves the eager run after.
+    def capture_first(cache, model, ids):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="a CUDA graph cannot capture the first step"), torch.no_grad():
+            with torch.cuda.graph(graph):
+                model(ids, past_key_values=cache, use_cache=True)
+        assert cache.loads.plan is None and not any(getattr(layer, "is_initialized", False) for layer in cache.layers)
+
+    got, want, _ = cuda_run(cfg, cls, before_decode=capture_first)
+    assert same(got, want)
 
 
 @gpu
