@@ -245,7 +245,7 @@ class HostOffloadedCache(Cache):
         step past ``max_cache_len``, keys of another batch or dtype than the slots', a layer the
         config lacks, a bad ``beam_idx``, a closed cache (stepped, reordered or copied).
     RuntimeError
-        A streamed layer's ``keys`` or ``values`` read while its slot holds another layer.
+        A capture of the first step (it allocates); a streamed layer's ``keys`` read while its slot holds another.
     """
 
     def __init__(
