@@ -1,6 +1,6 @@
 """The house rules on the tree's shape, checked in the source of kv_ops/ and ple_ops/: no file over
-500 lines, no function over 60 code lines, and no reach into another object's private names
-outside the one shim module per dependency.
+500 lines, no function over 60 code lines, no reach into another object's private names outside
+the one shim module per dependency, and no comment citing a measurement taken on a named GPU.
 
 Each check is a helper run once per file (a failure names the file, and the function or line), and
 each helper is shown to catch what it exists to catch on a synthetic source first.
@@ -9,7 +9,10 @@ each helper is shown to catch what it exists to catch on a synthetic source firs
 from __future__ import annotations
 
 import ast
+import io
+import re
 import textwrap
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,17 @@ def private_reaches(source: str) -> list[str]:
     return found
 
 
+# A comment says why the code is so; a figure measured on some GPU goes beside its benchmark
+# (docs/measurements.md, the results' files), where the next run replaces it.
+GPU_NAMES = re.compile(r"\b(?:[AHBL]\d{2,3}|GH200|GB200|RTX \d{4})\b")
+
+
+def cited_figures(source: str) -> list[str]:
+    """Every comment (``#``, not a docstring) that names a GPU, as a measurement's source does."""
+    comments = (t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT)
+    return [f"line {t.start[0]}: {t.string.strip()}" for t in comments if GPU_NAMES.search(t.string)]
+
+
 def _relative(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
@@ -130,6 +144,20 @@ def test_private_reaches_names_each_reach_and_lets_self_cls_dunders_and_torch_ch
     ]
 
 
+def test_cited_figures_names_each_comment_naming_a_gpu_and_lets_docstrings_and_code_be():
+    source = textwrap.dedent(
+        '''
+        def f():
+            """Measured on the H200."""  # docstrings may: they are the reference
+            name = "H100"  # a string in code is no comment
+            x = 1  # 2.4 ms less on the H200
+            # the A100's rate
+            return x  # every 10 ms (a code fact, no GPU named)
+        '''
+    )
+    assert cited_figures(source) == ["line 5: # 2.4 ms less on the H200", "line 6: # the A100's rate"]
+
+
 def test_the_shims_exist_and_say_why():
     for shim in SHIMS:
         source = (ROOT / shim).read_text()
@@ -154,6 +182,12 @@ def test_no_file_is_over_500_lines(path):
 def test_no_function_is_over_60_code_lines(path):
     found = long_functions(path.read_text())
     assert found == [], f"{_relative(path)}: {'; '.join(found)} (at most {MAX_FUNCTION_LINES})"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_relative)
+def test_no_comment_cites_a_figure_measured_on_a_named_gpu(path):
+    found = cited_figures(path.read_text())
+    assert found == [], f"{_relative(path)}: {'; '.join(found)} (figures go beside their benchmark)"
 
 
 @pytest.mark.parametrize("path", [p for p in SOURCES if _relative(p) not in SHIMS], ids=_relative)

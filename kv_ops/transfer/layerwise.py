@@ -54,12 +54,12 @@ from .in_step import wait_layer
 COPIES = ("auto", "dma", "kernel", "staged")
 
 # copies="auto": the staged copies for a start of at least this many blocks whose staged plan
-# costs the host at most STAGED_HOST_BUDGET_US, else the kernel. From benchmarks/layerwise.py on
-# the H200 (32 layers, 2 MiB blocks): with host ids in runs the staged layer-wise step took
-# 2.4-11 ms less than the kernel's at 256-1024 blocks, spending 1-2 ms of host time in start;
-# with random ids it spent 5-45 ms issuing one descriptor per (block, layer), which the step
-# waited for, and under 256 blocks the kernel won either way. Host cost per piece of a layer (regions side by side in
-# a mirror row are one piece): about 1 us per descriptor, 4 us per 2-D copy of a run.
+# costs the host at most STAGED_HOST_BUDGET_US, else the kernel. Staged wins where the host ids
+# come in runs (a few 2-D copies per layer); with scattered ids its start issues one descriptor
+# per (block, layer), host time the step waits for, and below the threshold the kernel wins
+# either way. The plan's host cost is estimated per piece of a layer (regions side by side in a
+# mirror row are one piece), per descriptor and per 2-D copy of a run. The figures behind each
+# constant: docs/measurements.md, "copies="auto"".
 STAGED_MIN_BLOCKS = 256
 STAGED_HOST_BUDGET_US = 2000.0
 _US_PER_DESCRIPTOR = 1.0
