@@ -21,6 +21,8 @@ from kv_ops.cuda import arguments
 from kv_ops.cuda.arguments import file_name_part, index, positive_int
 from kv_ops.cuda.host_memory import pin_mapping
 
+from .multiprocessing_internals import track_shm_file, untrack_shm_file
+
 # Every file is named PREFIX.<creator pid>.[<tag>.]<random hex>: a runtime tags its files with a
 # random word it tells its offload process, which can then remove exactly those if the GPU
 # process dies before it could (remove_files_of). The pid alone is not enough: under a shared
@@ -43,7 +45,7 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _remove(path: str, creator: int) -> None:
+def _remove(path: str, creator: int, tracked: bool) -> None:
     """Remove ``path`` if this is the process that made it (a forked child inherits the finalizer
     of a buffer it does not own, and must not take the name from its parent)."""
     if os.getpid() == creator:
@@ -51,6 +53,8 @@ def _remove(path: str, creator: int) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        if tracked:
+            untrack_shm_file(os.path.basename(path))
 
 
 class DoesNotFit(ValueError):
@@ -132,8 +136,9 @@ class SharedHostBuffer:
     ``ValueError`` here (and leaves no file) instead of a SIGBUS at the first touch. The creator
     removes the name at :meth:`unlink`, when this object is collected, or when the process exits,
     whichever comes first: keep the object alive until every other process has attached (the
-    mappings stay valid after the name is gone). A process killed outright leaves its files;
-    :func:`remove_files_of` removes them.
+    mappings stay valid after the name is gone). A process killed outright leaves its files:
+    :func:`remove_files_of` removes a tagged one, and multiprocessing's resource tracker an
+    untagged one (in ``/dev/shm``), once every process sharing the tracker is gone.
 
     Examples
     --------
@@ -160,9 +165,15 @@ class SharedHostBuffer:
             # No object comes back to unlink it later (registration fails without CUDA, for one).
             os.unlink(path)
             raise
+        # A tagged file is the offload runtime's, whose process removes it if this one is killed
+        # (remove_files_of). An untagged one has no such process: multiprocessing's resource
+        # tracker removes it then (only in /dev/shm, where shm_unlink finds it).
+        tracked = tag is None and _shm_dir() == "/dev/shm"
+        if tracked:
+            track_shm_file(os.path.basename(path))
         self.handle = SharedHandle(path, nbytes)
         self.owner = True
-        self._finalizer = weakref.finalize(self, _remove, path, os.getpid())
+        self._finalizer = weakref.finalize(self, _remove, path, os.getpid(), tracked)
 
     @classmethod
     def attach(cls, handle: SharedHandle) -> "SharedHostBuffer":

@@ -2,9 +2,11 @@
 file system cannot hold is a ValueError up front, and the creator's file goes with the creator."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,38 @@ def test_a_creator_that_exits_without_unlink_leaves_no_file():
         """
     )
     assert not os.path.exists(path) and not os.path.exists(other)
+
+
+@needs_shm
+def test_an_untagged_buffer_of_a_killed_creator_is_removed_and_a_tagged_one_is_left_to_its_runtime():
+    # SIGKILL runs no finalizer: multiprocessing's resource tracker, a process of its own, removes
+    # the untagged file once the creator is gone. A tagged file is an offload runtime's, which
+    # removes it itself (remove_files_of); the tracker must leave it alone.
+    code = textwrap.dedent(
+        """
+        import os, signal, ple_ops
+        untagged = ple_ops.SharedHostBuffer(4096, register=False)
+        tagged = ple_ops.SharedHostBuffer(4096, register=False, tag="t0")
+        print(untagged.handle.path, tagged.handle.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    untagged, tagged = result.stdout.split()
+    try:
+        deadline = time.monotonic() + 60
+        while os.path.exists(untagged) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = os.path.exists(untagged)
+        assert os.path.exists(tagged)
+    finally:  # nothing left behind, whatever failed
+        shared_memory.remove_files_of(int(os.path.basename(tagged).split(".")[1]), "t0")
+        if os.path.exists(untagged):
+            os.unlink(untagged)
+    assert not left, "the killed creator's untagged file was still there"
+    assert not os.path.exists(tagged)
 
 
 def test_a_collected_buffer_takes_its_name_and_an_attached_one_or_a_forked_child_does_not():
