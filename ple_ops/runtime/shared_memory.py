@@ -153,8 +153,15 @@ class SharedHostBuffer:
         tagged = "" if tag is None else f"{file_name_part('SharedHostBuffer', 'tag', tag)}."
         path = os.path.join(_shm_dir(), f"{PREFIX}.{os.getpid()}.{tagged}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # A tagged file is the offload runtime's, whose process removes it if this one is killed
+        # (remove_files_of). An untagged one has no such process: multiprocessing's resource
+        # tracker removes it then (only in /dev/shm, where shm_unlink finds it).
+        tracked = False
         try:
             try:
+                if tag is None and _shm_dir() == "/dev/shm":
+                    track_shm_file(os.path.basename(path))
+                    tracked = True
                 _reserve(fd, nbytes)
                 mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             finally:
@@ -163,14 +170,8 @@ class SharedHostBuffer:
             self.bytes = pin_mapping(mapping, nbytes, register)
         except BaseException:
             # No object comes back to unlink it later (registration fails without CUDA, for one).
-            os.unlink(path)
+            _remove(path, os.getpid(), tracked)
             raise
-        # A tagged file is the offload runtime's, whose process removes it if this one is killed
-        # (remove_files_of). An untagged one has no such process: multiprocessing's resource
-        # tracker removes it then (only in /dev/shm, where shm_unlink finds it).
-        tracked = tag is None and _shm_dir() == "/dev/shm"
-        if tracked:
-            track_shm_file(os.path.basename(path))
         self.handle = SharedHandle(path, nbytes)
         self.owner = True
         self._finalizer = weakref.finalize(self, _remove, path, os.getpid(), tracked)
