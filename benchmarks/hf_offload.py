@@ -59,7 +59,7 @@ from kv_ops.integrations.transformers import HostOffloadedCache
 
 import timeline
 from common import at_least_one, finish, guard, matmuls_leave_sms, parse, parser, save  # this script's own directory
-from report import card
+from report import card, write_csv
 
 # The example's model and generate() settings, loaded by path (it shares this script's name);
 # examples/ goes on sys.path for what the example imports from its neighbours, as when it runs.
@@ -469,6 +469,11 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def shape_key(row: dict) -> tuple:
+    """A row's shape, the table's order: layers, batch, sequence, max_cache_len."""
+    return row["layers"], row["batch"], row["sequence"], row["context"]
+
+
 def read_rows(path: Path) -> list[dict]:
     """An earlier run's rows from its CSV, typed as this script writes them (empty cells: None)."""
 
@@ -721,6 +726,10 @@ def main(argv=None) -> int:
     profile = args.out if args.timeline else None
     for shape in args.shapes:
         rows += shape_rows(*shape, args.reps, rate, shape in args.graph_shapes, profile)
+        # The CSV after every shape: a run stopped later (a timeout) still leaves the shapes done,
+        # for --merge.
+        write_csv(args.out / "hf_offload.csv", rows, COLUMNS)
+    rows.sort(key=shape_key)  # merged runs read in the shapes' order; stable, so each shape's caches keep theirs
     save(args.out, "hf_offload", rows, COLUMNS, table=markdown(rows), plot=plot)
     finish()
     return 0

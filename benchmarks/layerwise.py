@@ -62,6 +62,7 @@ NAME = "benchmark-layerwise"
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Llama-3-8B's KV per layer and block
 READS = 16  # blocks each layer reads (the stand-in for attention's read of the loaded blocks)
 COLUMNS = [
+    "gpu",
     "blocks",
     "hosts",
     "copies",
@@ -330,6 +331,7 @@ def measure(args) -> tuple[list[dict], dict]:
             hidden = (t_lts - t_lw) / (t_lts - alone) if t_lts > alone else float("nan")
             rows.append(
                 dict(
+                    gpu=torch.cuda.get_device_name(),
                     blocks=n,
                     hosts=hosts,
                     copies=c,

@@ -89,6 +89,12 @@ def card(gpu: str | None) -> str:
     return words[1] if words[0] == "NVIDIA" and len(words) > 1 else gpu
 
 
+def _cards(rows: list[dict]) -> str:
+    """The sentence naming the GPU of a results file's rows, where the file names it."""
+    cards = sorted({card(r["gpu"]) for r in rows if r.get("gpu")})
+    return f" Measured on {' and '.join(cards)}." if cards else ""
+
+
 def _size(n: int | str) -> str:
     n = int(n)
     for unit, shift in (("MiB", 20), ("KiB", 10)):
@@ -244,7 +250,7 @@ def layerwise() -> list[str]:
         "### Layer-wise loads: `LayerwiseLoads` + `wait_layer`",
         "A prefill-like step, 32 layers of Llama-3-8B's matmuls over 2048 tokens in bf16, compiled and captured. "
         "Each cell is the layer-wise step's time over max(step alone, layer-wise copies alone), by `copies=` "
-        f"{' / '.join(mechanisms)}: 1.00 hides the faster half entirely behind the slower. "
+        f"{' / '.join(mechanisms)}: 1.00 hides the faster half entirely behind the slower.{_cards(rows)} "
         f"Results: {_links('layerwise')}.",
         "",
         *_table(head, "rrrrll", body),

@@ -101,6 +101,16 @@ def test_layerwise_table_from_fake_rows():
     assert "| 1.00 | 1.25 | 1 | 1 / 3 | yes |" in layerwise.markdown([auto], once, args)
 
 
+def test_readmes_layerwise_section_names_the_gpu_its_rows_ran_on(tmp_path, monkeypatch):
+    layerwise = importlib.import_module("layerwise")
+    row = dict.fromkeys(layerwise.COLUMNS, 1.0) | {"blocks": 16, "hosts": "run", "copies": "kernel", "bitwise": True}
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    report.write_csv(tmp_path / "layerwise_parts.csv", [], ["blocks", "hosts", "case", "vs_target"])
+    for gpu, says in (("NVIDIA H100 80GB HBM3", " Measured on H100. "), (None, " slower. Results")):
+        report.write_csv(tmp_path / "layerwise.csv", [row | {"gpu": gpu}], layerwise.COLUMNS)
+        assert says in report.layerwise()[1]
+
+
 def test_layerwise_parts_table_from_fake_rows():
     parts = importlib.import_module("layerwise_parts")
     rows = [
@@ -184,6 +194,50 @@ def test_hf_offload_tables_from_fake_rows_and_a_merged_earlier_run(tmp_path):
         "| H100 | 8 | 4 | 2048 | 16384 | HostOffloadedCache | cudagraphs | 400 | 10.00 | 1.05 | 4.25 | 1.11 |"
         in "\n".join(lines)
     )
+
+
+def test_hf_offload_keeps_each_shape_done_and_orders_a_merged_table_by_shape(tmp_path, monkeypatch):
+    """A run over shapes writes the CSV after each, so one stopped later (here the second shape
+    fails) leaves the first for ``--merge``; a merged run's table reads in the shapes' order."""
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # stands in the GPU the script asks for
+    monkeypatch.setattr(hf, "memcpy_rate", lambda: 54.4)
+
+    def shape_rows(layers, batch, sequence, capacity, *rest):
+        if batch == 16:
+            raise RuntimeError("stopped")
+        rows = [hf_row(hf, cache, "eager", capacity, 54.4, layers=layers) for cache in ("static", "offloaded")]
+        return [dict(r, batch=batch) for r in rows]
+
+    monkeypatch.setattr(hf, "shape_rows", shape_rows)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="stopped"):
+        hf.main(["--out", str(out), "--shapes", "32x4x2048x4,8x16x2048x4", "--graph-shapes", ""])
+    done = hf.read_rows(out / "hf_offload.csv")
+    assert [(r["layers"], r["batch"], r["cache"]) for r in done] == [(32, 4, "static"), (32, 4, "offloaded")]
+    assert not (out / "hf_offload.md").exists()  # the table only when every shape ran
+    hf.main(
+        [
+            "--out",
+            str(out),
+            "--shapes",
+            "8x4x2048x8,8x4x2048x1",
+            "--graph-shapes",
+            "",
+            "--merge",
+            str(out / "hf_offload.csv"),
+        ]
+    )
+    rows = hf.read_rows(out / "hf_offload.csv")
+    assert [(r["layers"], r["context"], r["cache"]) for r in rows] == [
+        (8, 2048, "static"), (8, 2048, "offloaded"), (8, 16384, "static"), (8, 16384, "offloaded"),
+        (32, 8192, "static"), (32, 8192, "offloaded"),
+    ]  # fmt: skip
+    table = [line for line in (out / "hf_offload.md").read_text().splitlines() if line.startswith("| H100 |")]
+    assert [line.split(" | ")[1:5] for line in table[::2]] == [
+        ["8", "4", "2048", "2048"], ["8", "4", "2048", "16384"], ["32", "4", "2048", "8192"]
+    ]  # fmt: skip
 
 
 def test_hf_offload_update_excess_is_the_paired_one_where_a_run_has_it(tmp_path):
