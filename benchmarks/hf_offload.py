@@ -33,7 +33,8 @@ of N): per decode step, how long the copy kernels and the other kernels kept the
 long both ran at once (benchmarks/timeline.py), and how long no load was under way (the step's
 boundary); ours' kernels are kept per mode, for a closer look.
 ``--merge`` adds an earlier run's CSV rows (other shapes, each with its own run's rate and
-references) to this run's table, for a sweep split over several processes.
+references) to this run's table, in the shapes' order, for a sweep split over several processes.
+The CSV is written after every shape, so a run stopped partway leaves the shapes it finished.
 Attention is transformers' ``sdpa``; its decode logits do not repeat bit for bit from run to run
 at these widths, so tokens are not compared here: examples/hf_offload.py (eager attention)
 checks them bit for bit.
