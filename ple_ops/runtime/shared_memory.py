@@ -151,7 +151,8 @@ class SharedHostBuffer:
         if nbytes > sys.maxsize:  # past any file's size (off_t) and any mapping's: os would overflow
             raise DoesNotFit(f"SharedHostBuffer: nbytes {nbytes} is past the largest file size, {sys.maxsize} bytes")
         tagged = "" if tag is None else f"{file_name_part('SharedHostBuffer', 'tag', tag)}."
-        path = os.path.join(_shm_dir(), f"{PREFIX}.{os.getpid()}.{tagged}{secrets.token_hex(8)}")
+        directory = _shm_dir()
+        path = os.path.join(directory, f"{PREFIX}.{os.getpid()}.{tagged}{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         # A tagged file is the offload runtime's, whose process removes it if this one is killed
         # (remove_files_of). An untagged one has no such process: multiprocessing's resource
@@ -159,7 +160,7 @@ class SharedHostBuffer:
         tracked = False
         try:
             try:
-                if tag is None and _shm_dir() == "/dev/shm":
+                if tag is None and directory == "/dev/shm":
                     track_shm_file(os.path.basename(path))
                     tracked = True
                 _reserve(fd, nbytes)
