@@ -143,6 +143,14 @@ def block_copy() -> list[str]:
     ]
 
 
+def _md_card(stem: str) -> str:
+    """The sentence naming the GPU of a results file whose CSV does not, from the first line of its
+    printed tables (``NVIDIA H100 80GB HBM3, torch ...``)."""
+    path = RESULTS / f"{stem}.md"
+    first = path.read_text().split(",", 1)[0] if path.exists() else ""
+    return f" Measured on {card(first)}." if first.startswith("NVIDIA") else ""
+
+
 def engine() -> list[str]:
     rows = _rows("engine.csv")
     cells = {(r["packed_bytes"], r["ids"], r["direction"], r["path"]): r for r in rows if r["kind"] == "bandwidth"}
@@ -169,8 +177,8 @@ def engine() -> list[str]:
         "### The offload engine: `OffloadEngine.store` / `load`",
         "An 8-layer K/V-first cache (16 regions per block id); 8 calls of 64 MiB back to back, clock stopped when "
         "`flush()` returns, as a ratio to contiguous pinned memcpy: store / load, then both directions at once (2.0 at "
-        f"most). Beside twenty bf16 8192^3 matmuls, the matmuls' slowdown and the paths' duplex rate: {beside}. "
-        f"Results: {_links('engine')}.",
+        f"most). Beside twenty bf16 8192^3 matmuls, the matmuls' slowdown and the paths' duplex rate: {beside}."
+        f"{_md_card('engine')} Results: {_links('engine')}.",
         "",
         *_table(head, "rlrrrrrrrr", body),
     ]
