@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-INT64_POINTERS = {"table_ptr", "src_ids_ptr", "dst_ids_ptr", "error_ptr", "go_ptr", "start_ptr"}
+INT64_POINTERS = {"table_ptr", "src_ids_ptr", "dst_ids_ptr", "error_ptr", "go_ptr"}
 
 
 def ptx(kernel: str, constexprs: dict) -> list[str]:
