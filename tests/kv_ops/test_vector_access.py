@@ -3,49 +3,24 @@ in 128-bit accesses when every address is 16-byte aligned.
 
 Triton's alignment hints are easy to lose in a refactor (a hint on a value a helper returns is
 dropped), and a kernel that silently falls back to byte accesses still copies correctly at a
-fraction of the link. Compiling needs no GPU: Triton's own LLVM and ptxas build the PTX, in a
-child process without TRITON_INTERPRET (under it, @jit gives interpreted functions that do not
-compile).
+fraction of the link. Compiling needs no GPU (``tests/sm90.py``).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import sm90
 
-INT64_POINTERS = {"table_ptr", "src_ids_ptr", "dst_ids_ptr", "error_ptr", "go_ptr"}
+from kv_ops.cuda.launch import NUM_WARPS
+
+KERNELS = {
+    "block_copy": ("kv_ops.kernels", "_block_copy_kernel"),
+    "prefix_copy": ("kv_ops.prefix_copy", "_prefix_copy_kernel"),
+}
 
 
 def ptx(kernel: str, constexprs: dict) -> list[str]:
-    """The PTX of ``kernel`` (block_copy or prefix_copy) for sm_90, compiled in a child process."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, __file__, kernel, json.dumps(constexprs)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    return child.stdout.splitlines()
-
-
-def compile_ptx(kernel, constexprs: dict) -> str:
-    """The kernel's PTX for sm_90, every pointer 16-byte aligned, every integer a runtime int64."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            int64 = name in INT64_POINTERS or "length" in name or "saved" in name
-            signature[name] = "*i64" if int64 else "*u8"
-        else:
-            signature[name] = "i64"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
-    return compiled.asm["ptx"]
+    """The PTX of ``kernel`` (block_copy or prefix_copy) for sm_90, every pointer 16-byte aligned."""
+    module, name = KERNELS[kernel]
+    return sm90.compiled(module, name, constexprs, NUM_WARPS, aligned=True)["ptx"].splitlines()
 
 
 def assert_vector_copy(lines: list[str]) -> None:
@@ -85,11 +60,3 @@ def test_the_check_fails_on_a_kernel_without_the_alignment_hint():
                 dict(COLS=2048, ROWS=16, ALIGN=1, LANES=1024, SRC_PACKED=False, DST_PACKED=False, IDS_IN_BLOCK=False),
             )
         )
-
-
-if __name__ == "__main__":
-    from kv_ops.kernels import _block_copy_kernel
-    from kv_ops.prefix_copy import _prefix_copy_kernel
-
-    kernels = {"block_copy": _block_copy_kernel, "prefix_copy": _prefix_copy_kernel}
-    print(compile_ptx(kernels[sys.argv[1]], json.loads(sys.argv[2])))
