@@ -40,6 +40,7 @@ from ..cuda.registration import register_op
 from ..cuda.torch_internals import mark_static_address
 from ..prefix_copy import PrefixCopy
 from . import in_step
+from .slot_engines import SlotEngines
 from .slot_plan import SlotPlan, slot_bytes
 
 
@@ -67,6 +68,13 @@ class SlotLoads:
         self.copies: dict[int, PrefixCopy] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
         self.execs: dict[int, int] = {}  # and their executable graphs' handles
+        # An eager step's own loads (:mod:`kv_ops.transfer.slot_engines`): the launches bound to
+        # the start words, captured, and the copy engines' part. ``known``: the positions every
+        # streamed layer's host copy holds, which the owner counts at each eager step (0: none).
+        self.eager_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.eager_execs: dict[int, int] = {}
+        self.engines: SlotEngines | None = None
+        self.known = 0
         self.moved = 0  # bytes the CPU loads and write-backs have moved (what tests count)
         # Per slot, the layer whose load was queued into it last (-1: none yet), as the host
         # queued them: whose keys a read between the loads finds there.
@@ -111,12 +119,16 @@ class SlotLoads:
             for t in pair:
                 mark_static_address(t)
             self.slots.append(pair)
-        # Host copies are never read past the positions written back into them: no need to zero.
+        # Zeros too: an eager load copies ``known`` positions whole, which an owner's count can
+        # put past the positions written back (a crop it could not count); they must be finite.
         for k in plan.streamed:
             if device.type == "cuda":
-                self.host[k] = (pinned_empty(k_shape, dtype=keys.dtype), pinned_empty(v_shape, dtype=values.dtype))
+                pair = (pinned_empty(k_shape, dtype=keys.dtype), pinned_empty(v_shape, dtype=values.dtype))
+                for t in pair:
+                    t.zero_()
+                self.host[k] = pair
             else:
-                self.host[k] = (torch.empty(k_shape, dtype=keys.dtype), torch.empty(v_shape, dtype=values.dtype))
+                self.host[k] = (torch.zeros(k_shape, dtype=keys.dtype), torch.zeros(v_shape, dtype=values.dtype))
         self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
         self.saved, self.held = self.counts[0], self.counts[2]
         mark_static_address(self.saved)  # the object a compiled step takes as input: read in place
@@ -137,6 +149,7 @@ class SlotLoads:
         plan = self.plan
         # Low priority: a load must never delay the layer that computes beside it.
         self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+        self.engines = SlotEngines(self.stream, plan.layers)
         views = {k: tuple(device_view(t, device) for t in pair) for k, pair in self.host.items()}
         for pair in views.values():
             for t in pair:
@@ -152,6 +165,12 @@ class SlotLoads:
                 self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim
             )
             self.copies[k], (self.graphs[k], self.execs[k]) = copy, self._bound_graph(copy)
+            eager = PrefixCopy(
+                self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim,
+                start=self.engines.starts[k],
+            )  # fmt: skip
+            self.eager_graphs[k], self.eager_execs[k] = self._bound_graph(eager)
+            self.engines.bind(k, self.slots[s], views[k])
             if self.ahead and k in plan.issues.get(0, ()):  # and bound to the lengths of a compiled step
                 held = self.ahead_lengths[k]
                 ahead = PrefixCopy(
@@ -317,12 +336,18 @@ class SlotLoads:
         launches the load's own graph (of ``execs``, else the one bound to the layers' lengths),
         the cheapest call; a capture in progress needs the kernel launched instead (a graph launch
         is not a node a capture records)."""
-        self.holder[self.plan.slot[k]] = k
+        s = self.plan.slot[k]
+        # An eager step's own load of a layer the slot does not hold: the first positions by the
+        # copy engine (the host holds them: a slot taken from a layer first writes it back).
+        eager = tensors is None and replay and execs is None and self.known and self.holder[s] != k
+        self.holder[s] = k
         compute = driver.current_stream_handle(self.saved.device.index)
         load = self.stream.cuda_stream
         driver.record_event(self.free[k], compute)
         driver.wait_event(load, self.free[k])
-        if tensors is None and replay:
+        if eager:
+            self.engines.load(k, self.known, self.eager_execs[k])
+        elif tensors is None and replay:
             driver.graph_launch((self.execs if execs is None else execs)[k], load)
         else:
             self.copies[k](load, tensors)
