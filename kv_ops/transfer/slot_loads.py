@@ -66,12 +66,13 @@ class SlotLoads:
         self.saved: torch.Tensor | None = None
         self.held: torch.Tensor | None = None
         self.copies: dict[int, PrefixCopy] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
-        self.execs: dict[int, int] = {}  # and their executable graphs' handles
+        # Every bound launch, captured: (copy, graph), kept together since a graph keeps none of
+        # the buffers it reads alive and a copy may own some (its default start word).
+        self.bound: list[tuple[PrefixCopy, torch.cuda.CUDAGraph]] = []
+        self.execs: dict[int, int] = {}  # the executable graphs' handles of self.copies' launches
         # An eager step's own loads (:mod:`kv_ops.transfer.slot_engines`): the launches bound to
         # the start words, captured, and the copy engines' part. ``known``: the positions every
         # streamed layer's host copy holds, which the owner counts at each eager step (0: none).
-        self.eager_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.eager_execs: dict[int, int] = {}
         self.engines: SlotEngines | None = None
         self.known = 0
@@ -91,8 +92,7 @@ class SlotLoads:
         self.pending: list[int] = []
         self.ahead_done: dict[int, torch.cuda.Event] = {}
         self.ahead_lengths: torch.Tensor | None = None
-        self.ahead_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # launches bound to ahead_lengths
-        self.ahead_execs: dict[int, int] = {}
+        self.ahead_execs: dict[int, int] = {}  # launches bound to ahead_lengths
         in_step.register(name, self, weak=True)  # it lives as long as its cache
 
     def allocate(
@@ -164,19 +164,19 @@ class SlotLoads:
             copy = PrefixCopy(
                 self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim
             )
-            self.copies[k], (self.graphs[k], self.execs[k]) = copy, self._bound_graph(copy)
+            self.copies[k], self.execs[k] = copy, self._bound_graph(copy)
             eager = PrefixCopy(
                 self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim,
                 start=self.engines.starts[k],
             )  # fmt: skip
-            self.eager_graphs[k], self.eager_execs[k] = self._bound_graph(eager)
+            self.eager_execs[k] = self._bound_graph(eager)
             self.engines.bind(k, self.slots[s], views[k])
             if self.ahead and k in plan.issues.get(0, ()):  # and bound to the lengths of a compiled step
                 held = self.ahead_lengths[k]
                 ahead = PrefixCopy(
                     self.slots[s], views[k], held[0], views[e], held[1], self.saved[e], self.saved[k], claim
                 )
-                self.ahead_graphs[k], self.ahead_execs[k] = self._bound_graph(ahead)
+                self.ahead_execs[k] = self._bound_graph(ahead)
             self.free[k], self.loaded[k], self.ahead_done[k] = (torch.cuda.Event() for _ in range(3))
             # driver.record_event needs events that exist: a torch event is made at its first
             # record, on the current device, which must be the streams' it is recorded on.
@@ -190,17 +190,18 @@ class SlotLoads:
         # print a traceback on the way out).
         weakref.finalize(self, self.stream.synchronize).atexit = False
 
-    def _bound_graph(self, copy: PrefixCopy) -> tuple[torch.cuda.CUDAGraph, int]:
-        """``copy``'s launch captured once, and its executable graph's handle: an eager load
-        replays it, one driver call where Triton's launcher costs several times more host time.
-        Every count is still zero here, so the first launch (which compiles) moves nothing."""
+    def _bound_graph(self, copy: PrefixCopy) -> int:
+        """``copy``'s launch captured once (kept in ``bound``), and its executable graph's handle:
+        an eager load replays it, one driver call where Triton's launcher costs several times more
+        host time. Every count is still zero here, so the first launch (which compiles) moves nothing."""
         load = self.stream.cuda_stream
         with torch.cuda.stream(self.stream):  # the cache's device is current in here, whatever was outside
             copy(load)
             graph = torch.cuda.CUDAGraph()
             with captured_into(graph):
                 copy(load)
-        return graph, graph.raw_cuda_graph_exec()
+        self.bound.append((copy, graph))
+        return graph.raw_cuda_graph_exec()
 
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""
