@@ -4,10 +4,10 @@ A load's kernel (:class:`kv_ops.prefix_copy.PrefixCopy`) reads host memory zero-
 SMs, and those reads slow the model's kernels that run beside it, where a copy engine moving the
 same bytes hardly does (docs/design.md). An eager step knows on the host how many positions every
 streamed layer's host copy holds: the tokens before the step. So its load of a layer runs the
-kernel told to start there (the layer's start word), which writes the evicted layer back and
-loads any positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions for
-the keys and one for the values, on the same stream: after the write-back has read the slot.
-A compiled or captured step knows no count on the host; its loads start at 0.
+kernel told to start there (the start word), which writes the evicted layer back and loads any
+positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions, keys and values
+together, on the same stream: after the write-back has read the slot. A compiled or captured
+step knows no count on the host; its loads start at 0.
 """
 
 from __future__ import annotations
@@ -19,35 +19,48 @@ from . import dma
 
 
 class SlotEngines:
-    """Per streamed layer: its start word and the copies of its first positions, bound once."""
+    """The start word, and per streamed layer the copies of its first positions, bound once."""
 
-    def __init__(self, stream: torch.cuda.Stream, layers: int):
+    def __init__(self, stream: torch.cuda.Stream):
         self.launcher = dma.Launcher(stream)
         self.stream = stream.cuda_stream
-        # int64 per layer, read by the layer's eager launch: the first position its kernel loads.
-        self.starts = torch.zeros(layers, dtype=torch.int64, device=stream.device)
+        # int64, read by every eager launch: the first position its kernel loads. One word for all
+        # layers, since an eager step's loads all start at the positions before the step.
+        self.start = torch.zeros((), dtype=torch.int64, device=stream.device)
+        self.word = self.start.data_ptr()
+        self.written = 0  # what the last write of the word put there (the host's copy of it)
+        # Per layer and copy: destination and pitch, source and pitch, the bytes of one position, rows.
         self.copies: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {}
-        self.words: dict[int, int] = {}  # per layer, its start word's address
 
     def bind(self, k: int, slot: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Bind layer k's copies from ``host`` (its host copy's device views) into ``slot``:
-        ``[batch, heads, max_cache_len, dim]`` pairs, a row's positions back to back. Per copy:
-        destination and pitch, source and pitch, rows, and the bytes of one position."""
-        self.words[k] = self.starts[k].data_ptr()
+        ``[batch, heads, max_cache_len, dim]`` pairs, a row's positions back to back. Keys and
+        values that lie one after the other on both sides, as the slots and host copies are
+        allocated where their shapes agree, move as one copy: a driver call less per load."""
+        (sk, sv), (hk, hv) = slot, host
+        rows, pitch = sk.shape[0] * sk.shape[1], sk.stride(1) * sk.element_size()
+        adjacent = all(
+            v.shape == k.shape and v.dtype == k.dtype and v.data_ptr() == k.data_ptr() + rows * pitch
+            for k, v in ((sk, sv), (hk, hv))
+        )
+        pairs = [((sk, hk), 2 * rows)] if adjacent else [((sk, hk), rows), ((sv, hv), sv.shape[0] * sv.shape[1])]
         self.copies[k] = tuple(
             (s.data_ptr(), s.stride(1) * s.element_size(), h.data_ptr(), h.stride(1) * h.element_size(),
-             s.shape[0] * s.shape[1], s.shape[-1] * s.element_size())
-            for s, h in zip(slot, host, strict=True)
+             s.shape[-1] * s.element_size(), height)
+            for (s, h), height in pairs
         )  # fmt: skip
 
     def load(self, k: int, known: int, launch: int) -> None:
-        """Layer k's load on the bound stream: the start word set to ``known``, the executable
-        graph ``launch`` (its kernel bound to that word), then the copies of ``[0, known)``."""
-        # The word's low 32 bits (its high ones stay 0: a position count fits). The write is
-        # stream-ordered before the launch that reads it, as the copies are after its write-back.
-        driver.write_value(self.stream, self.words[k], known)
+        """Layer k's load on the bound stream: the start word set to ``known`` (where it holds
+        another count), the executable graph ``launch`` (its kernel bound to that word), then the
+        copies of ``[0, known)``."""
+        if known != self.written:
+            # The word's low 32 bits (its high ones stay 0: a position count fits). The write is
+            # stream-ordered after every launch that read the old count, and before this one.
+            driver.write_value(self.stream, self.word, known)
+            self.written = known
         driver.graph_launch(launch, self.stream)
-        for dst, dst_pitch, src, src_pitch, rows, position in self.copies[k]:
+        for dst, dst_pitch, src, src_pitch, position, rows in self.copies[k]:  # after the write-back read the slot
             self.launcher.copy_2d(dma.Copy2D(dst, dst_pitch, src, src_pitch, known * position, rows))
 
 

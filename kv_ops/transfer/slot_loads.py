@@ -27,6 +27,7 @@ from a graph, is right whether or not a load ran ahead of it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -42,6 +43,15 @@ from ..prefix_copy import PrefixCopy
 from . import in_step
 from .slot_engines import SlotEngines
 from .slot_plan import SlotPlan, slot_bytes
+
+
+def _pair(make, k_shape, k_dtype, v_shape, v_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values by ``make(shape, dtype=...)``: one allocation, keys then values,
+    where their shapes and dtypes agree, so that an eager load moves both in one copy."""
+    if k_shape == v_shape and k_dtype == v_dtype:
+        both = make((2, *k_shape), dtype=k_dtype)
+        return both[0], both[1]
+    return make(k_shape, dtype=k_dtype), make(v_shape, dtype=v_dtype)
 
 
 class SlotLoads:
@@ -71,7 +81,7 @@ class SlotLoads:
         self.bound: list[tuple[PrefixCopy, torch.cuda.CUDAGraph]] = []
         self.execs: dict[int, int] = {}  # the executable graphs' handles of self.copies' launches
         # An eager step's own loads (:mod:`kv_ops.transfer.slot_engines`): the launches bound to
-        # the start words, captured, and the copy engines' part. ``known``: the positions every
+        # the start word, captured, and the copy engines' part. ``known``: the positions every
         # streamed layer's host copy holds, which the owner counts at each eager step (0: none).
         self.eager_execs: dict[int, int] = {}
         self.engines: SlotEngines | None = None
@@ -106,29 +116,19 @@ class SlotLoads:
         batch, heads = keys.shape[:2]
         k_shape, v_shape = (batch, heads, max_len, keys.shape[-1]), (batch, heads, max_len, values.shape[-1])
         if device.type == "cuda":
-            check_host_bytes(
-                "HostOffloadedCache",
-                "the host copy of the streamed layers",
-                len(plan.streamed) * slot_bytes(keys, values, max_len),
-            )
+            need = len(plan.streamed) * slot_bytes(keys, values, max_len)
+            check_host_bytes("HostOffloadedCache", "the host copy of the streamed layers", need)
+        shapes = (k_shape, keys.dtype, v_shape, values.dtype)
         for _ in range(plan.slots):
-            pair = (
-                torch.zeros(k_shape, dtype=keys.dtype, device=device),
-                torch.zeros(v_shape, dtype=values.dtype, device=device),
-            )
+            pair = _pair(functools.partial(torch.zeros, device=device), *shapes)
             for t in pair:
                 mark_static_address(t)
             self.slots.append(pair)
         # Zeros too: an eager load copies ``known`` positions whole, which an owner's count can
         # put past the positions written back (a crop it could not count); they must be finite.
+        host = (lambda shape, dtype: pinned_empty(shape, dtype=dtype).zero_()) if device.type == "cuda" else torch.zeros
         for k in plan.streamed:
-            if device.type == "cuda":
-                pair = (pinned_empty(k_shape, dtype=keys.dtype), pinned_empty(v_shape, dtype=values.dtype))
-                for t in pair:
-                    t.zero_()
-                self.host[k] = pair
-            else:
-                self.host[k] = (torch.zeros(k_shape, dtype=keys.dtype), torch.zeros(v_shape, dtype=values.dtype))
+            self.host[k] = _pair(host, *shapes)
         self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
         self.saved, self.held = self.counts[0], self.counts[2]
         mark_static_address(self.saved)  # the object a compiled step takes as input: read in place
@@ -149,7 +149,7 @@ class SlotLoads:
         plan = self.plan
         # Low priority: a load must never delay the layer that computes beside it.
         self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
-        self.engines = SlotEngines(self.stream, plan.layers)
+        self.engines = SlotEngines(self.stream)
         views = {k: tuple(device_view(t, device) for t in pair) for k, pair in self.host.items()}
         for pair in views.values():
             for t in pair:
@@ -167,7 +167,7 @@ class SlotLoads:
             self.copies[k], self.execs[k] = copy, self._bound_graph(copy)
             eager = PrefixCopy(
                 self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim,
-                start=self.engines.starts[k],
+                start=self.engines.start,
             )  # fmt: skip
             self.eager_execs[k] = self._bound_graph(eager)
             self.engines.bind(k, self.slots[s], views[k])
