@@ -5,9 +5,9 @@ SMs, and those reads slow the model's kernels that run beside it, where a copy e
 same bytes hardly does (docs/design.md). An eager step knows on the host how many positions every
 streamed layer's host copy holds: the tokens before the step. So its load of a layer runs the
 kernel told to start there (the start word), which writes the evicted layer back and loads any
-positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions, keys and values
-together, on the same stream: after the write-back has read the slot. A compiled or captured
-step knows no count on the host; its loads start at 0.
+positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions for the keys
+and one for the values, on the same stream: after the write-back has read the slot. A compiled
+or captured step knows no count on the host; its loads start at 0.
 """
 
 from __future__ import annotations
@@ -35,19 +35,12 @@ class SlotEngines:
     def bind(self, k: int, slot: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Bind layer k's copies from ``host`` (its host copy's device views) into ``slot``:
         ``[batch, heads, max_cache_len, dim]`` pairs, a row's positions back to back. Keys and
-        values that lie one after the other on both sides, as the slots and host copies are
-        allocated where their shapes agree, move as one copy: a driver call less per load."""
-        (sk, sv), (hk, hv) = slot, host
-        rows, pitch = sk.shape[0] * sk.shape[1], sk.stride(1) * sk.element_size()
-        adjacent = all(
-            v.shape == k.shape and v.dtype == k.dtype and v.data_ptr() == k.data_ptr() + rows * pitch
-            for k, v in ((sk, sv), (hk, hv))
-        )
-        pairs = [((sk, hk), 2 * rows)] if adjacent else [((sk, hk), rows), ((sv, hv), sv.shape[0] * sv.shape[1])]
+        values take a copy each: one allocation for both would make them aliases of one storage
+        to a compiled step, which then copies them in and out of a base of its own."""
         self.copies[k] = tuple(
             (s.data_ptr(), s.stride(1) * s.element_size(), h.data_ptr(), h.stride(1) * h.element_size(),
-             s.shape[-1] * s.element_size(), height)
-            for (s, h), height in pairs
+             s.shape[-1] * s.element_size(), s.shape[0] * s.shape[1])
+            for s, h in zip(slot, host, strict=True)
         )  # fmt: skip
 
     def load(self, k: int, known: int, launch: int) -> None:

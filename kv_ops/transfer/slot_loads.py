@@ -27,7 +27,6 @@ from a graph, is right whether or not a load ran ahead of it.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Sequence
 
@@ -43,15 +42,6 @@ from ..prefix_copy import PrefixCopy
 from . import in_step
 from .slot_engines import SlotEngines
 from .slot_plan import SlotPlan, slot_bytes
-
-
-def _pair(make, k_shape, k_dtype, v_shape, v_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's keys and values by ``make(shape, dtype=...)``: one allocation, keys then values,
-    where their shapes and dtypes agree, so that an eager load moves both in one copy."""
-    if k_shape == v_shape and k_dtype == v_dtype:
-        both = make((2, *k_shape), dtype=k_dtype)
-        return both[0], both[1]
-    return make(k_shape, dtype=k_dtype), make(v_shape, dtype=v_dtype)
 
 
 class SlotLoads:
@@ -118,9 +108,11 @@ class SlotLoads:
         if device.type == "cuda":
             need = len(plan.streamed) * slot_bytes(keys, values, max_len)
             check_host_bytes("HostOffloadedCache", "the host copy of the streamed layers", need)
-        shapes = (k_shape, keys.dtype, v_shape, values.dtype)
         for _ in range(plan.slots):
-            pair = _pair(functools.partial(torch.zeros, device=device), *shapes)
+            pair = (
+                torch.zeros(k_shape, dtype=keys.dtype, device=device),
+                torch.zeros(v_shape, dtype=values.dtype, device=device),
+            )
             for t in pair:
                 mark_static_address(t)
             self.slots.append(pair)
@@ -128,7 +120,7 @@ class SlotLoads:
         # put past the positions written back (a crop it could not count); they must be finite.
         host = (lambda shape, dtype: pinned_empty(shape, dtype=dtype).zero_()) if device.type == "cuda" else torch.zeros
         for k in plan.streamed:
-            self.host[k] = _pair(host, *shapes)
+            self.host[k] = (host(k_shape, dtype=keys.dtype), host(v_shape, dtype=values.dtype))
         self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
         self.saved, self.held = self.counts[0], self.counts[2]
         mark_static_address(self.saved)  # the object a compiled step takes as input: read in place
