@@ -5,9 +5,9 @@ SMs, and those reads slow the model's kernels that run beside it, where a copy e
 same bytes hardly does (docs/design.md). An eager step knows on the host how many positions every
 streamed layer's host copy holds: the tokens before the step. So its load of a layer runs the
 kernel told to start there (the start word), which writes the evicted layer back and loads any
-positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions for the keys
-and one for the values, on the same stream: after the write-back has read the slot. A compiled
-or captured step knows no count on the host; its loads start at 0.
+positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions, keys and values
+together where they lie back to back, on the same stream: after the write-back has read the
+slot. A compiled or captured step knows no count on the host; its loads start at 0.
 """
 
 from __future__ import annotations
@@ -15,7 +15,22 @@ from __future__ import annotations
 import torch
 
 from ..cuda import driver
+from ..cuda.host_memory import bytes_at
 from . import dma
+
+
+def kv_pair(make, k_shape, k_dtype, v_shape, v_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values, by ``make(shape, dtype)``: where their shapes and dtypes agree,
+    one allocation, keys then values, so that an eager load moves both in one copy, as two
+    tensors of storages of their own (two views of one storage would be aliases to a compiled
+    step, which then copies them in and out of a base of its own, not the memory the loads fill)."""
+    if k_shape != v_shape or k_dtype != v_dtype:
+        return make(k_shape, k_dtype), make(v_shape, v_dtype)
+    both = make((2, *k_shape), k_dtype)
+    half = both[0].numel() * both.element_size()
+    return tuple(
+        bytes_at(both, both.data_ptr() + i * half, half, both.device).view(k_dtype).view(k_shape) for i in (0, 1)
+    )
 
 
 class SlotEngines:
@@ -35,12 +50,19 @@ class SlotEngines:
     def bind(self, k: int, slot: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Bind layer k's copies from ``host`` (its host copy's device views) into ``slot``:
         ``[batch, heads, max_cache_len, dim]`` pairs, a row's positions back to back. Keys and
-        values take a copy each: one allocation for both would make them aliases of one storage
-        to a compiled step, which then copies them in and out of a base of its own."""
+        values that lie one after the other on both sides (the slots and host copies are so
+        allocated where their shapes agree) move as one copy: a driver call less per load."""
+        (sk, sv), (hk, hv) = slot, host
+        rows = sk.shape[0] * sk.shape[1]
+        adjacent = all(
+            v.shape == k.shape and v.dtype == k.dtype and v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+            for k, v in ((sk, sv), (hk, hv))
+        )
+        pairs = [(sk, hk, 2 * rows)] if adjacent else [(sk, hk, rows), (sv, hv, sv.shape[0] * sv.shape[1])]
         self.copies[k] = tuple(
             (s.data_ptr(), s.stride(1) * s.element_size(), h.data_ptr(), h.stride(1) * h.element_size(),
-             s.shape[-1] * s.element_size(), s.shape[0] * s.shape[1])
-            for s, h in zip(slot, host, strict=True)
+             s.shape[-1] * s.element_size(), height)
+            for s, h, height in pairs
         )  # fmt: skip
 
     def load(self, k: int, known: int, launch: int) -> None:
@@ -57,4 +79,4 @@ class SlotEngines:
             self.launcher.copy_2d(dma.Copy2D(dst, dst_pitch, src, src_pitch, known * position, rows))
 
 
-__all__ = ["SlotEngines"]
+__all__ = ["SlotEngines", "kv_pair"]

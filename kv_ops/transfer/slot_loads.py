@@ -40,7 +40,7 @@ from ..cuda.registration import register_op
 from ..cuda.torch_internals import mark_static_address
 from ..prefix_copy import PrefixCopy
 from . import in_step
-from .slot_engines import SlotEngines
+from .slot_engines import SlotEngines, kv_pair
 from .slot_plan import SlotPlan, slot_bytes
 
 
@@ -108,11 +108,9 @@ class SlotLoads:
         if device.type == "cuda":
             need = len(plan.streamed) * slot_bytes(keys, values, max_len)
             check_host_bytes("HostOffloadedCache", "the host copy of the streamed layers", need)
+        shapes = (k_shape, keys.dtype, v_shape, values.dtype)
         for _ in range(plan.slots):
-            pair = (
-                torch.zeros(k_shape, dtype=keys.dtype, device=device),
-                torch.zeros(v_shape, dtype=values.dtype, device=device),
-            )
+            pair = kv_pair(lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device), *shapes)
             for t in pair:
                 mark_static_address(t)
             self.slots.append(pair)
@@ -120,7 +118,7 @@ class SlotLoads:
         # put past the positions written back (a crop it could not count); they must be finite.
         host = (lambda shape, dtype: pinned_empty(shape, dtype=dtype).zero_()) if device.type == "cuda" else torch.zeros
         for k in plan.streamed:
-            self.host[k] = (host(k_shape, dtype=keys.dtype), host(v_shape, dtype=values.dtype))
+            self.host[k] = kv_pair(lambda shape, dtype: host(shape, dtype=dtype), *shapes)
         self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
         self.saved, self.held = self.counts[0], self.counts[2]
         mark_static_address(self.saved)  # the object a compiled step takes as input: read in place

@@ -1041,6 +1041,11 @@ def test_on_a_gpu_an_eager_load_moves_the_positions_below_the_known_ones_by_the_
     streamed = len(cache.loads.plan.streamed)
     # Each decode step loads every streamed layer, the prompt's 33 positions and one more per step.
     assert sorted(set(calls)) == list(range(33, 33 + NEW - 1)) and len(calls) == streamed * (NEW - 1)
+    # Llama's keys and values agree in shape: each load's copy-engine part is one copy of both,
+    # from and into memory where they lie back to back, each a storage of its own.
+    assert [len(copies) for copies in cache.loads.engines.copies.values()] == [1] * streamed
+    keys, values = cache.loads.slots[0]
+    assert keys.untyped_storage().data_ptr() != values.untyped_storage().data_ptr()
 
 
 @gpu
