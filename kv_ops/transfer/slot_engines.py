@@ -20,13 +20,13 @@ from . import dma
 
 
 def kv_pair(make, k_shape, k_dtype, v_shape, v_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's keys and values, by ``make(shape, dtype)``: where their shapes and dtypes agree,
+    """A layer's keys and values, by ``make(shape, dtype=...)``: where their shapes and dtypes agree,
     one allocation, keys then values, so that an eager load moves both in one copy, as two
     tensors of storages of their own (two views of one storage would be aliases to a compiled
     step, which then copies them in and out of a base of its own, not the memory the loads fill)."""
     if k_shape != v_shape or k_dtype != v_dtype:
-        return make(k_shape, k_dtype), make(v_shape, v_dtype)
-    both = make((2, *k_shape), k_dtype)
+        return make(k_shape, dtype=k_dtype), make(v_shape, dtype=v_dtype)
+    both = make((2, *k_shape), dtype=k_dtype)
     half = both[0].numel() * both.element_size()
     return tuple(
         bytes_at(both, both.data_ptr() + i * half, half, both.device).view(k_dtype).view(k_shape) for i in (0, 1)

@@ -27,6 +27,7 @@ from a graph, is right whether or not a load ran ahead of it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -110,7 +111,7 @@ class SlotLoads:
             check_host_bytes("HostOffloadedCache", "the host copy of the streamed layers", need)
         shapes = (k_shape, keys.dtype, v_shape, values.dtype)
         for _ in range(plan.slots):
-            pair = kv_pair(lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device), *shapes)
+            pair = kv_pair(functools.partial(torch.zeros, device=device), *shapes)
             for t in pair:
                 mark_static_address(t)
             self.slots.append(pair)
@@ -118,7 +119,7 @@ class SlotLoads:
         # put past the positions written back (a crop it could not count); they must be finite.
         host = (lambda shape, dtype: pinned_empty(shape, dtype=dtype).zero_()) if device.type == "cuda" else torch.zeros
         for k in plan.streamed:
-            self.host[k] = kv_pair(lambda shape, dtype: host(shape, dtype=dtype), *shapes)
+            self.host[k] = kv_pair(host, *shapes)
         self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
         self.saved, self.held = self.counts[0], self.counts[2]
         mark_static_address(self.saved)  # the object a compiled step takes as input: read in place
