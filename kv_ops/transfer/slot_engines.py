@@ -12,6 +12,8 @@ slot. A compiled or captured step knows no count on the host; its loads start at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..cuda import driver
@@ -44,8 +46,8 @@ class SlotEngines:
         self.start = torch.zeros((), dtype=torch.int64, device=stream.device)
         self.word = self.start.data_ptr()
         self.written = 0  # what the last write of the word put there (the host's copy of it)
-        # Per layer and copy: destination and pitch, source and pitch, the bytes of one position, rows.
-        self.copies: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {}
+        # Per layer, its copies (bound once: a call sets the width) and the bytes of one position.
+        self.copies: dict[int, tuple[tuple[Callable[[int], None], int], ...]] = {}
 
     def bind(self, k: int, slot: tuple[torch.Tensor, torch.Tensor], host: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Bind layer k's copies from ``host`` (its host copy's device views) into ``slot``:
@@ -60,8 +62,9 @@ class SlotEngines:
         )
         pairs = [(sk, hk, 2 * rows)] if adjacent else [(sk, hk, rows), (sv, hv, sv.shape[0] * sv.shape[1])]
         self.copies[k] = tuple(
-            (s.data_ptr(), s.stride(1) * s.element_size(), h.data_ptr(), h.stride(1) * h.element_size(),
-             s.shape[-1] * s.element_size(), height)
+            (self.launcher.bind_2d(dma.Copy2D(s.data_ptr(), s.stride(1) * s.element_size(), h.data_ptr(),
+                                              h.stride(1) * h.element_size(), 0, height)),
+             s.shape[-1] * s.element_size())
             for s, h, height in pairs
         )  # fmt: skip
 
@@ -75,8 +78,8 @@ class SlotEngines:
             driver.write_value(self.stream, self.word, known)
             self.written = known
         driver.graph_launch(launch, self.stream)
-        for dst, dst_pitch, src, src_pitch, position, rows in self.copies[k]:  # after the write-back read the slot
-            self.launcher.copy_2d(dma.Copy2D(dst, dst_pitch, src, src_pitch, known * position, rows))
+        for copy, position in self.copies[k]:  # after the write-back read the slot
+            copy(known * position)
 
 
 __all__ = ["SlotEngines", "kv_pair"]
