@@ -10,6 +10,7 @@ import math
 import mmap
 import numbers
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -141,7 +142,10 @@ class HostRegistration:
         return True
 
     def __del__(self):
-        self.release()
+        # Not at interpreter shutdown: the driver bindings may be torn down by then (a call finds
+        # None), and the process's exit releases every registration with its context.
+        if not sys.is_finalizing():
+            self.release()
 
 
 class _Pinned(HostRegistration):

@@ -241,3 +241,20 @@ print("OK")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("OK")
+
+
+@gpu
+def test_memory_alive_at_exit_leaves_the_process_quietly():
+    # Memory still referenced at interpreter shutdown (a global, a reference cycle) is released
+    # by the exit itself: its finalizer must not call into driver bindings torn down by then.
+    code = """
+import kv_ops
+held = kv_ops.pinned_empty(1 << 20)
+held.fill_(5)
+cycle = [kv_ops.pinned_empty(4096)]
+cycle.append(cycle)
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-4000:]
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-4000:]
