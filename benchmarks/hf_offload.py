@@ -12,8 +12,9 @@ step's first loads queued by the step before: what loading ahead gains, in the s
 Decode tokens/s is ``batch x (N - 1)`` over a generate of N new tokens less a generate of one
 (the prefill taken out), best of ``--reps``. The eager runs of a shape take turns rep by rep, so
 that a slow stretch of the host's time (an eager step is the host's launches) falls on every
-cache alike; the CUDA-graph runs go one after another, each compiled step warmed up and timed
-on its own.
+cache alike, and each eager cache's step over StaticCache's of the same turn, median over the
+turns, is kept beside the best of each (``paired_vs_static``); the CUDA-graph runs go one after
+another, each compiled step warmed up and timed on its own.
 
 Floor: the bytes HostOffloadedCache streams per step (the positions in use of every streamed
 layer in, one new position of each out, at the decode's mean length) at the same run's pinned
@@ -85,7 +86,7 @@ COLUMNS = [
     "vs_best_transformers_offload", "floor_ms", "target_ms", "step_vs_target", "kv_gpu_mib", "kv_gpu_saved_mib",
     "peak_gpu_gib", "mib_per_step", "update_host_us", "static_update_host_us", "update_excess_us",
     "part_layer_us", "part_check_us", "part_wait_us", "part_issue_us", "streamed_layers", "loads_alone_ms", "loads_alone_mib", "call_ms", "between_ms",
-    "kernels_span_ms", "copies_busy_ms", "others_busy_ms", "both_busy_ms", "loads_span_ms",
+    "kernels_span_ms", "copies_busy_ms", "others_busy_ms", "both_busy_ms", "loads_span_ms", "paired_vs_static",
 ]  # fmt: skip
 BUSY = ("span", "copies", "others", "both", "loads_span")  # timeline.per_step's keys, in the columns below
 KERNEL_COLUMNS = ("kernels_span", "copies_busy", "others_busy", "both_busy", "loads_span")
@@ -172,9 +173,10 @@ def step_split(model, ids, cache, gen, event=cuda_timing_event) -> tuple[float, 
     return statistics.median(calls) / 1e3, statistics.median(between) / 1e3
 
 
-def best_in_turns(timers: dict, reps: int, what=str) -> dict:
+def best_in_turns(timers: dict, reps: int, what=str, turns: dict | None = None) -> dict:
     """The best of ``reps`` calls of each timer, the timers taking turns rep by rep. A timer that
-    raises is reported as ``what(key)`` (:func:`common.guard`) and drops out; the others go on."""
+    raises is reported as ``what(key)`` (:func:`common.guard`) and drops out; the others go on.
+    ``turns``, where given, gets every timer's calls in order (key -> list)."""
     best = dict.fromkeys(timers, float("inf"))
     for _ in range(reps):
         for key in list(best):
@@ -183,7 +185,21 @@ def best_in_turns(timers: dict, reps: int, what=str) -> dict:
                 del best[key]
             else:
                 best[key] = min(best[key], got)
+                if turns is not None:
+                    turns.setdefault(key, []).append(got)
     return best
+
+
+def paired(turns: dict, reference) -> dict:
+    """Per timer of ``turns`` (:func:`best_in_turns`'s), the median over turns of its call over the
+    ``reference`` timer's call of the same turn: where the host's speed drifts from turn to turn,
+    each ratio compares calls made moments apart (the best of each can come from different turns)."""
+    base = turns.get(reference, [])
+    return {
+        key: statistics.median(t / b for t, b in zip(times, base))
+        for key, times in turns.items()
+        if key != reference and base and times
+    }
 
 
 def make(mode, new):
@@ -320,8 +336,9 @@ def kernel_time(model, ids, cache, mode, what: str, keep: Path | None = None) ->
 
 
 def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
-    """``run -> (best seconds per step, peak GPU GiB, facts(cache), split, kernels)`` for each run
-    that did not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None, and
+    """``run -> (best seconds per step, peak GPU GiB, facts(cache), split, kernels, paired)`` for each
+    run that did not fail, ``split`` being :func:`step_split`'s for a CUDA-graph run, else None,
+    ``paired`` an eager run's :func:`paired` ratio to static's eager step (else None), and
     ``kernels`` :func:`kernel_time`'s for a run whose cache is named in ``profiled``, else None;
     the kernels of ours are kept in ``keep(run)``, where given.
     The eager runs are all warmed up, then take turns; the CUDA-graph runs go one by one after
@@ -340,8 +357,11 @@ def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
         if got is not None:
             warm[run] = got
             held = torch.cuda.memory_allocated() - start  # what the caches warmed so far hold
-    for run, step in best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where).items():
-        measured[run] = (step, warm[run][2], facts(warm[run][0]), None, kernels_of(run, warm[run][0]))
+    turns: dict = {}
+    best = best_in_turns({run: once for run, (_, once, _) in warm.items()}, reps, where, turns)
+    ratios = paired(turns, next((run for run in warm if run[:2] == ("static", "eager")), None))
+    for run, step in best.items():
+        measured[run] = (step, warm[run][2], facts(warm[run][0]), None, kernels_of(run, warm[run][0]), ratios.get(run))
     for cache, _, _ in warm.values():
         if hasattr(cache, "close"):
             cache.close()
@@ -358,7 +378,7 @@ def measure(model, ids, runs, reps, where, profiled=(), keep=None) -> dict:
             )
             kernels = kernels_of(run, cache)
         if steps:
-            measured[run] = (min(steps), peak, facts(cache), split, kernels)
+            measured[run] = (min(steps), peak, facts(cache), split, kernels, None)
         if hasattr(cache, "close"):
             cache.close()
         del cache, once
@@ -421,7 +441,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
         if run not in measured:
             continue
         cache, mode, _ = run
-        step, peak, held, split, kernels = measured[run]
+        step, peak, held, split, kernels, ratio = measured[run]
         shown = "eager" if mode.startswith("transformers:") else mode
         if cache == "static":
             reference[mode] = step
@@ -455,6 +475,7 @@ def shape_rows(layers, batch, sequence, capacity, reps, rate, graphs: bool, prof
                 "loads_alone_mib": alone[1] / 2**20 if pieces and alone else None,
                 "call_ms": split[0] * 1e3 if split else None, "between_ms": split[1] * 1e3 if split else None,
                 **{f"{c}_ms": kernels.get(key) if kernels else None for key, c in zip(BUSY, KERNEL_COLUMNS)},
+                "paired_vs_static": ratio,
             }
         )  # fmt: skip
     best_hf = max((r["decode_tok_s"] for r in rows if r["cache"].startswith("offloaded")), default=None)
@@ -547,7 +568,32 @@ def markdown(rows) -> str:
             f"| {r['part_layer_us']:.1f} | {r['part_check_us']:.1f} | {r['part_wait_us']:.1f} "
             f"| {r['part_issue_us']:.1f} | {r['streamed_layers']} | {fmt(excess, '.1f')} |"
         )
-    return "\n".join(lines + loads_table(rows) + split_table(rows) + kernels_table(rows)) + "\n"
+    return "\n".join(lines + paired_table(rows) + loads_table(rows) + split_table(rows) + kernels_table(rows)) + "\n"
+
+
+def paired_table(rows) -> list[str]:
+    """The eager runs' steps over StaticCache's, turn by turn (:func:`paired`); nothing where no
+    row has them (a run from before they were kept)."""
+    if all(r.get("paired_vs_static") is None for r in rows):
+        return []
+    lines = [
+        "",
+        "Eager, paired: each cache's step over StaticCache's eager step of the same turn, median over the "
+        "turns (where the host's speed drifts between turns, steadier than the best of each).",
+        "",
+        "| layers | batch | max_cache_len | cache | over static, paired | over static, best of each |",
+        "| ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    static = statics(rows, "step_ms", "mode")
+    for r in rows:
+        if r.get("paired_vs_static") is None:
+            continue
+        base = static.get((r["layers"], r["batch"], r["context"], "eager"))
+        lines.append(
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['paired_vs_static']:.3f} "
+            f"| {fmt(r['step_ms'] / base if base else None, '.3f')} |"
+        )
+    return lines
 
 
 def loads_table(rows) -> list[str]:

@@ -367,14 +367,38 @@ def test_hf_offload_eager_runs_take_turns_and_a_failing_one_drops_out(capsys):
         return once
 
     failures = len(common.FAILURES)
+    turns = {}
     try:
-        best = hf.best_in_turns({name: timer(name) for name in ("static", "ours", "bad")}, 3)
+        best = hf.best_in_turns({name: timer(name) for name in ("static", "ours", "bad")}, 3, turns=turns)
         assert common.FAILURES[failures:] == ["bad"]
     finally:
         del common.FAILURES[failures:]
     assert best == {"static": 0.009, "ours": 0.008}
     assert calls == ["static", "ours", "bad", "static", "ours", "bad", "static", "ours"]
     assert "bad broke" in capsys.readouterr().err
+    assert turns == {"static": [0.012, 0.009, 0.011], "ours": [0.010, 0.013, 0.008], "bad": [0.005]}
+    # Paired turn by turn: ours over static 0.833, 1.444, 0.727 -> 0.833 (the best of each gives 0.889);
+    # a timer that dropped out pairs only the turns it ran.
+    ratios = hf.paired(turns, "static")
+    assert ratios["ours"] == pytest.approx(0.010 / 0.012) and ratios["bad"] == pytest.approx(0.005 / 0.012)
+    assert set(ratios) == {"ours", "bad"} and hf.paired(turns, None) == {}
+
+
+def test_hf_offload_markdown_shows_the_paired_ratios_only_where_a_run_kept_them():
+    pytest.importorskip("transformers")
+    hf = importlib.import_module("hf_offload")
+    rows = hf.read_rows(report.RESULTS / "hf_offload.csv")
+    assert "Eager, paired" not in hf.markdown(rows)  # rows from before the column: no table
+    shape = (rows[0]["layers"], rows[0]["batch"], rows[0]["context"])
+    of_shape = [dict(r) for r in rows if (r["layers"], r["batch"], r["context"]) == shape]
+    for r in of_shape:
+        r["paired_vs_static"] = 1.25 if r["cache"] == "HostOffloadedCache" and r["mode"] == "eager" else None
+    text = hf.markdown(of_shape)
+    assert "Eager, paired" in text
+    line = next(x for x in text.splitlines() if x.endswith("|") and "| HostOffloadedCache | 1.250 |" in x)
+    static = next(r["step_ms"] for r in of_shape if r["cache"] == "static" and r["mode"] == "eager")
+    ours = next(r["step_ms"] for r in of_shape if r["cache"] == "HostOffloadedCache" and r["mode"] == "eager")
+    assert line.endswith(f"| {ours / static:.3f} |")
 
 
 @pytest.mark.parametrize("script", ["block_copy", "engine", "host_cost", "layerwise", "layerwise_parts", "ple_latency"])
