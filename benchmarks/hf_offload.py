@@ -571,23 +571,29 @@ def markdown(rows) -> str:
     return "\n".join(lines + paired_table(rows) + loads_table(rows) + split_table(rows) + kernels_table(rows)) + "\n"
 
 
+def kept(rows, column: str) -> list[dict]:
+    """The rows that have ``column`` (a run from before it was measured has none)."""
+    return [r for r in rows if r.get(column) is not None]
+
+
+def head(caption: str, columns: str, aligns: str) -> list[str]:
+    """A table's first lines under the one before it: its caption, its header and alignment rows."""
+    return ["", caption, "", columns, aligns]
+
+
 def paired_table(rows) -> list[str]:
     """The eager runs' steps over StaticCache's, turn by turn (:func:`paired`); nothing where no
     row has them (a run from before they were kept)."""
-    if all(r.get("paired_vs_static") is None for r in rows):
+    if not kept(rows, "paired_vs_static"):
         return []
-    lines = [
-        "",
+    lines = head(
         "Eager, paired: each cache's step over StaticCache's eager step of the same turn, median over the "
         "turns (where the host's speed drifts between turns, steadier than the best of each).",
-        "",
         "| layers | batch | max_cache_len | cache | over static, paired | over static, best of each |",
         "| ---: | ---: | ---: | --- | ---: | ---: |",
-    ]
+    )
     static = statics(rows, "step_ms", "mode")
-    for r in rows:
-        if r.get("paired_vs_static") is None:
-            continue
+    for r in kept(rows, "paired_vs_static"):
         base = static.get((r["layers"], r["batch"], r["context"], "eager"))
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['paired_vs_static']:.3f} "
@@ -599,19 +605,15 @@ def paired_table(rows) -> list[str]:
 def loads_table(rows) -> list[str]:
     """The step's loads alone (:func:`loads_alone`), against the same run's memcpy; nothing where no
     row has them (a run from before they were measured)."""
-    if all(r.get("loads_alone_ms") is None for r in rows):
+    if not kept(rows, "loads_alone_ms"):
         return []
-    lines = [
-        "",
+    lines = head(
         "One step's loads alone, with no layer computing beside them (best of 5, after a prefill of the "
         "prompt): the bound copies of every streamed layer back to back, against the same run's memcpy.",
-        "",
         "| layers | batch | max_cache_len | MiB | ms | GB/s | ratio to memcpy |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        if r.get("loads_alone_ms") is None:
-            continue
+    )
+    for r in kept(rows, "loads_alone_ms"):
         gbs = r["loads_alone_mib"] * 2**20 / r["loads_alone_ms"] / 1e6
         lines.append(
             f"| {r['layers']} | {r['batch']} | {r['context']} | {r['loads_alone_mib']:.0f} | {r['loads_alone_ms']:.2f} "
@@ -623,19 +625,15 @@ def loads_table(rows) -> list[str]:
 def split_table(rows) -> list[str]:
     """The CUDA-graph steps split in two: the compiled step's call and generate()'s work between calls."""
     static = statics(rows, "call_ms")
-    lines = [
-        "",
+    lines = head(
         "CUDA graphs, per decode step, median of one generate(): the compiled step's call (from before it is "
         "launched to its end on the GPU) and the time from its end to the next call, when only generate()'s own "
         "work runs.",
-        "",
         "| layers | batch | max_cache_len | cache | step ms | call ms | between ms | floor ms | call / floor "
         "| call / static's |",
         "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        if r.get("call_ms") is None:
-            continue
+    )
+    for r in kept(rows, "call_ms"):
         base = static.get((r["layers"], r["batch"], r["context"]))
         ours = r["cache"] != "static" and r["floor_ms"] > 0
         lines.append(
@@ -648,11 +646,10 @@ def split_table(rows) -> list[str]:
 
 def kernels_table(rows) -> list[str]:
     """Per decode step, where the GPU's time went (``--timeline``); nothing where no row has it."""
-    if all(r.get("kernels_span_ms") is None for r in rows):
+    if not kept(rows, "kernels_span_ms"):
         return []
     static = statics(rows, "others_busy_ms", "mode")
-    lines = [
-        "",
+    lines = head(
         "Per decode step, from a torch.profiler trace (one generate of 32 tokens less one of 1): the kernels' span "
         "(first start to last end), how long the copy kernels (`kv_ops.prefix_copy`'s copy and claim) kept the GPU "
         "busy and how long the model's kernels did, how long both ran at once, the copies' rate while they ran "
@@ -660,14 +657,11 @@ def kernels_table(rows) -> list[str]:
         "Loads' span: the median step's time from its first copy's start to its last copy's end (back to back, "
         "the copies' busy time); no load: the span less the loads' span, the part of a step (the step's boundary "
         "included) with no load under way.",
-        "",
         "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | loads' span ms | no load ms | model ms "
         "| both ms | copies' rate / memcpy | model / static's |",
         "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        if r.get("kernels_span_ms") is None:
-            continue
+    )
+    for r in kept(rows, "kernels_span_ms"):
         copies = r["copies_busy_ms"]
         rate = r["mib_per_step"] * 2**20 / copies / 1e6 / r["memcpy_gbs"] if copies > 0 else None
         base = static.get((r["layers"], r["batch"], r["context"], r["mode"]))
