@@ -433,7 +433,7 @@ def hf_offload() -> list[str]:
         "time of one eager layer update, StaticCache's in brackets; call / floor: with CUDA graphs, the compiled "
         "step's call alone (from before its launch to its end on the GPU, without generate()'s work between steps) "
         "over the floor. Variant: `max_gpu_bytes` for half the layers (half resident), with CUDA graphs. hf_offload.md has "
-        "its eager rows, the same run with `load_ahead=True` (where a run has it), with the matmuls leaving the copy kernels their SMs (cuBLASLt's SM "
+        "its eager rows, each eager step over StaticCache's of the same turn (paired; where a run has it), the same run with `load_ahead=True` (where a run has it), with the matmuls leaving the copy kernels their SMs (cuBLASLt's SM "
         "carveout), one step's loads timed alone, and where each step's GPU time went (`--timeline`, where a run has it). "
         f"Each row's GPU is named in its first column ({LINK}). Results: {_links('hf_offload')}.",
         "",
