@@ -571,85 +571,103 @@ def markdown(rows) -> str:
     return "\n".join(lines + paired_table(rows) + loads_table(rows) + split_table(rows) + kernels_table(rows)) + "\n"
 
 
-def kept(rows, column: str) -> list[dict]:
-    """The rows that have ``column`` (a run from before it was measured has none)."""
-    return [r for r in rows if r.get(column) is not None]
-
-
-def head(caption: str, columns: str, aligns: str) -> list[str]:
-    """A table's first lines under the one before it: its caption, its header and alignment rows."""
-    return ["", caption, "", columns, aligns]
+def sub_table(rows, column: str, caption: str, columns: str, aligns: str, line) -> list[str]:
+    """A table under the one before it: its caption, header and ``line(row)`` for every row that has
+    ``column``; nothing where no row has it (a run from before it was measured)."""
+    have = [r for r in rows if r.get(column) is not None]
+    return ["", caption, "", columns, aligns, *map(line, have)] if have else []
 
 
 def paired_table(rows) -> list[str]:
-    """The eager runs' steps over StaticCache's, turn by turn (:func:`paired`); nothing where no
-    row has them (a run from before they were kept)."""
-    if not kept(rows, "paired_vs_static"):
-        return []
-    lines = head(
+    """The eager runs' steps over StaticCache's, turn by turn (:func:`paired`)."""
+    static = statics(rows, "step_ms", "mode")
+
+    def line(r: dict) -> str:
+        base = static.get((r["layers"], r["batch"], r["context"], "eager"))
+        return (
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['paired_vs_static']:.3f} "
+            f"| {fmt(r['step_ms'] / base if base else None, '.3f')} |"
+        )
+
+    return sub_table(
+        rows,
+        "paired_vs_static",
         "Eager, paired: each cache's step over StaticCache's eager step of the same turn, median over the "
         "turns (where the host's speed drifts between turns, steadier than the best of each).",
         "| layers | batch | max_cache_len | cache | over static, paired | over static, best of each |",
         "| ---: | ---: | ---: | --- | ---: | ---: |",
+        line,
     )
-    static = statics(rows, "step_ms", "mode")
-    for r in kept(rows, "paired_vs_static"):
-        base = static.get((r["layers"], r["batch"], r["context"], "eager"))
-        lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['paired_vs_static']:.3f} "
-            f"| {fmt(r['step_ms'] / base if base else None, '.3f')} |"
-        )
-    return lines
 
 
 def loads_table(rows) -> list[str]:
-    """The step's loads alone (:func:`loads_alone`), against the same run's memcpy; nothing where no
-    row has them (a run from before they were measured)."""
-    if not kept(rows, "loads_alone_ms"):
-        return []
-    lines = head(
+    """The step's loads alone (:func:`loads_alone`), against the same run's memcpy."""
+
+    def line(r: dict) -> str:
+        gbs = r["loads_alone_mib"] * 2**20 / r["loads_alone_ms"] / 1e6
+        return (
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['loads_alone_mib']:.0f} | {r['loads_alone_ms']:.2f} "
+            f"| {gbs:.1f} | {gbs / r['memcpy_gbs']:.2f} |"
+        )
+
+    return sub_table(
+        rows,
+        "loads_alone_ms",
         "One step's loads alone, with no layer computing beside them (best of 5, after a prefill of the "
         "prompt): the bound copies of every streamed layer back to back, against the same run's memcpy.",
         "| layers | batch | max_cache_len | MiB | ms | GB/s | ratio to memcpy |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        line,
     )
-    for r in kept(rows, "loads_alone_ms"):
-        gbs = r["loads_alone_mib"] * 2**20 / r["loads_alone_ms"] / 1e6
-        lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['loads_alone_mib']:.0f} | {r['loads_alone_ms']:.2f} "
-            f"| {gbs:.1f} | {gbs / r['memcpy_gbs']:.2f} |"
-        )
-    return lines
 
 
 def split_table(rows) -> list[str]:
     """The CUDA-graph steps split in two: the compiled step's call and generate()'s work between calls."""
     static = statics(rows, "call_ms")
-    lines = head(
+
+    def line(r: dict) -> str:
+        base = static.get((r["layers"], r["batch"], r["context"]))
+        ours = r["cache"] != "static" and r["floor_ms"] > 0
+        return (
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['call_ms']:.2f} "
+            f"| {r['between_ms']:.2f} | {r['floor_ms']:.2f} | {fmt(r['call_ms'] / r['floor_ms'] if ours else None, '.2f')} "
+            f"| {fmt(r['call_ms'] / base if ours and base else None, '.2f')} |"
+        )
+
+    return sub_table(
+        rows,
+        "call_ms",
         "CUDA graphs, per decode step, median of one generate(): the compiled step's call (from before it is "
         "launched to its end on the GPU) and the time from its end to the next call, when only generate()'s own "
         "work runs.",
         "| layers | batch | max_cache_len | cache | step ms | call ms | between ms | floor ms | call / floor "
         "| call / static's |",
         "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        line,
     )
-    for r in kept(rows, "call_ms"):
-        base = static.get((r["layers"], r["batch"], r["context"]))
-        ours = r["cache"] != "static" and r["floor_ms"] > 0
-        lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['step_ms']:.2f} | {r['call_ms']:.2f} "
-            f"| {r['between_ms']:.2f} | {r['floor_ms']:.2f} | {fmt(r['call_ms'] / r['floor_ms'] if ours else None, '.2f')} "
-            f"| {fmt(r['call_ms'] / base if ours and base else None, '.2f')} |"
-        )
-    return lines
 
 
 def kernels_table(rows) -> list[str]:
-    """Per decode step, where the GPU's time went (``--timeline``); nothing where no row has it."""
-    if not kept(rows, "kernels_span_ms"):
-        return []
+    """Per decode step, where the GPU's time went (``--timeline``)."""
     static = statics(rows, "others_busy_ms", "mode")
-    lines = head(
+
+    def line(r: dict) -> str:
+        copies = r["copies_busy_ms"]
+        rate = r["mib_per_step"] * 2**20 / copies / 1e6 / r["memcpy_gbs"] if copies > 0 else None
+        base = static.get((r["layers"], r["batch"], r["context"], r["mode"]))
+        loads = r.get("loads_span_ms")
+        idle = None if loads is None else r["kernels_span_ms"] - loads
+        return (
+            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['kernels_span_ms']:.2f} "
+            f"| {copies:.2f} | {fmt(loads, '.2f')} | {fmt(idle, '.2f')} | {r['others_busy_ms']:.2f} "
+            f"| {r['both_busy_ms']:.2f} "
+            f"| {fmt(rate, '.2f')} "
+            f"| {fmt(r['others_busy_ms'] / base if base else None, '.2f')} |"
+        )
+
+    return sub_table(
+        rows,
+        "kernels_span_ms",
         "Per decode step, from a torch.profiler trace (one generate of 32 tokens less one of 1): the kernels' span "
         "(first start to last end), how long the copy kernels (`kv_ops.prefix_copy`'s copy and claim) kept the GPU "
         "busy and how long the model's kernels did, how long both ran at once, the copies' rate while they ran "
@@ -660,21 +678,8 @@ def kernels_table(rows) -> list[str]:
         "| layers | batch | max_cache_len | cache | mode | span ms | copies ms | loads' span ms | no load ms | model ms "
         "| both ms | copies' rate / memcpy | model / static's |",
         "| ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        line,
     )
-    for r in kept(rows, "kernels_span_ms"):
-        copies = r["copies_busy_ms"]
-        rate = r["mib_per_step"] * 2**20 / copies / 1e6 / r["memcpy_gbs"] if copies > 0 else None
-        base = static.get((r["layers"], r["batch"], r["context"], r["mode"]))
-        loads = r.get("loads_span_ms")
-        idle = None if loads is None else r["kernels_span_ms"] - loads
-        lines.append(
-            f"| {r['layers']} | {r['batch']} | {r['context']} | {r['cache']} | {r['mode']} | {r['kernels_span_ms']:.2f} "
-            f"| {copies:.2f} | {fmt(loads, '.2f')} | {fmt(idle, '.2f')} | {r['others_busy_ms']:.2f} "
-            f"| {r['both_busy_ms']:.2f} "
-            f"| {fmt(rate, '.2f')} "
-            f"| {fmt(r['others_busy_ms'] / base if base else None, '.2f')} |"
-        )
-    return lines
 
 
 def plot(rows, path) -> None:
