@@ -141,10 +141,12 @@ class HostRegistration:
             self.registered.pop()
         return True
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
         # Not at interpreter shutdown: the driver bindings may be torn down by then (a call finds
-        # None), and the process's exit releases every registration with its context.
-        if not sys.is_finalizing():
+        # None), and the process's exit releases every registration with its context. The test
+        # is bound here, not looked up: shutdown clears this module's globals too (``sys`` is
+        # None then) before a registration that another module holds is collected.
+        if not _finalizing():
             self.release()
 
 

@@ -258,3 +258,25 @@ print("OK")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-4000:]
     assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-4000:]
+
+
+def test_a_registration_collected_after_the_modules_at_exit_leaves_the_process_quietly():
+    # At exit the modules still alive have their globals cleared, the last imported first: this
+    # module's ``sys`` and the driver bindings' functions are None by the time a registration
+    # held by a module imported before them (here ``holder``) is collected. The registration
+    # stands for one made on a GPU (one piece registered; the bindings as shutdown leaves them).
+    code = """
+import sys, types
+holder = types.ModuleType("holder")
+sys.modules["holder"] = holder
+from kv_ops.cuda import host_memory
+reg = host_memory.HostRegistration(0, 0, register=False)
+reg.registered, reg.drv = [1 << 21], types.SimpleNamespace(cuMemHostUnregister=None)
+holder.reg = reg
+del reg
+sys.keep = (holder, host_memory)  # both alive until sys's own globals go, after every module's
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-4000:]
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-4000:]
