@@ -70,7 +70,7 @@ def clone_views(tensors) -> list[torch.Tensor]:
 
 def assert_same_storages(got, want) -> None:
     """Every byte of every storage under ``got`` equals the one under ``want`` (parallel lists)."""
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         ra, rb = _raw(a).cpu(), _raw(b).cpu()
         diff = (ra != rb).nonzero().flatten()
         assert diff.numel() == 0, f"tensor {i}: {diff.numel()} bytes differ, first at storage byte {int(diff[0])}"

@@ -14,6 +14,7 @@ from packaging.version import Version
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 transformers = pytest.importorskip("transformers")
+from byte_checks import as_bytes, assert_same_storages  # noqa: E402
 from transformers import (  # noqa: E402
     CompileConfig,
     Gemma3ForCausalLM,
@@ -308,13 +309,6 @@ def everything_held(cache) -> list[torch.Tensor]:
     return [t.clone() for pair in loads.slots for t in pair] + [t.clone() for t in host + windowed]
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit: a host copy's positions past what its layer saved there were never written
-    (uninitialised memory, which can hold NaNs, never equal to themselves), and unmoved they
-    must still be the same bytes."""
-    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 @pytest.mark.parametrize(
     ("beam_idx", "message"),
     [
@@ -337,9 +331,11 @@ def test_a_bad_beam_idx_is_refused_before_any_row_moves(beam_idx, message):
     before = everything_held(cache)
     with pytest.raises(ValueError, match=rf"HostOffloadedCache.reorder_cache: beam_idx .*{message}"):
         cache.reorder_cache(beam_idx)
-    assert all(same_bytes(a, b) for a, b in zip(everything_held(cache), before, strict=True))
+    # Bit for bit: a host copy's positions past what its layer saved there were never written
+    # (uninitialised memory, which can hold NaNs, never equal to themselves).
+    assert_same_storages(everything_held(cache), before)
     cache.reorder_cache(torch.tensor([1, 1]))  # a good one, repeating a row as beam search may
-    assert all(same_bytes(t[0], t[1]) for t in everything_held(cache))
+    assert all(torch.equal(as_bytes(t[0]), as_bytes(t[1])) for t in everything_held(cache))
 
 
 @pytest.mark.parametrize(("name", "cfg", "cls"), list(models())[:2], ids=lambda v: v if isinstance(v, str) else "")
@@ -369,7 +365,7 @@ def test_a_closed_cache_is_neither_reordered_nor_copied():
     for use in (lambda: cache.reorder_cache(torch.tensor([1, 0])), lambda: copy.deepcopy(cache)):
         with pytest.raises(ValueError, match=rf"HostOffloadedCache: '{cache.name}' was closed"):
             use()
-    assert all(same_bytes(a, b) for a, b in zip(everything_held(cache), before, strict=True))
+    assert_same_storages(everything_held(cache), before)
 
 
 @pytest.mark.parametrize("layer_idx", [3, -1])
