@@ -6,8 +6,9 @@ turn. One launch does, per row and per tile of positions, two things in order:
 
 1. **write back** the positions the slot's last layer (the *evicted* layer) wrote since it was
    loaded, ``[saved, length)`` of that layer, from the slot to the layer's host copy;
-2. **load** the positions the next layer (the *target*) has written so far, ``[0, length)``,
-   from its host copy into the slot.
+2. **load** the positions the next layer (the *target*) has written so far, ``[start, length)``,
+   from its host copy into the slot. ``start`` is 0 but where the copy engine brings the first
+   positions in after the launch (an eager step's loads: :mod:`kv_ops.transfer.slot_loads`).
 
 Both lengths are read on the GPU when the kernel runs, so one captured launch serves every step
 of a growing sequence, and the bytes moved follow the positions in use, not ``max_cache_len``.
@@ -35,6 +36,7 @@ def _prefix_copy_kernel(
     host_k_ptr,  # the target layer's host keys (device address of page-locked memory)
     host_v_ptr,  # the target layer's host values
     length_ptr,  # int64 [1]: positions the target layer holds (its cumulative_length)
+    start_ptr,  # int64 [1]: the first of them to load (the copy engine brings those below)
     out_k_ptr,  # the evicted layer's host keys
     out_v_ptr,  # the evicted layer's host values
     out_length_ptr,  # int64 [1]: positions the evicted layer holds, those in the slot included
@@ -53,6 +55,7 @@ def _prefix_copy_kernel(
     nprog = tl.num_programs(0)
     go = tl.load(go_ptr) != 0
     length = tl.load(length_ptr)
+    load_from = tl.minimum(tl.load(start_ptr), length)
     out_hi = tl.load(out_length_ptr)
     # A crop (cumulative_length.sub_) can leave fewer positions than were saved: none to write.
     out_lo = tl.minimum(tl.load(out_saved_ptr), out_hi)
@@ -67,6 +70,7 @@ def _prefix_copy_kernel(
         slot = slot.to(tl.pointer_type(tl.uint8))
         host = host.to(tl.pointer_type(tl.uint8))
         out = out.to(tl.pointer_type(tl.uint8))
+        load_start = tl.multiple_of(load_from * pos_bytes, ALIGN)
         load_end = tl.multiple_of(length * pos_bytes, ALIGN)
         out_start = tl.multiple_of(out_lo * pos_bytes, ALIGN)
         out_end = tl.multiple_of(out_hi * pos_bytes, ALIGN)
@@ -79,7 +83,7 @@ def _prefix_copy_kernel(
             row = i // per_row
             col = (i - row * per_row) * TILE
             offsets = tl.multiple_of(row * row_bytes + col, ALIGN) + lanes
-            _move_tile(slot, host, out, offsets, col + lanes, col, out_start, out_end, load_end, TILE)
+            _move_tile(slot, host, out, offsets, col + lanes, col, out_start, out_end, load_start, load_end, TILE)
         first += tiles
     if go & (pid == 0):
         # No program reads the target's saved count (the target is never the evicted layer).
@@ -87,7 +91,7 @@ def _prefix_copy_kernel(
 
 
 @triton.jit
-def _move_tile(slot, host, out, offsets, within, col, out_start, out_end, load_end, TILE: tl.constexpr):
+def _move_tile(slot, host, out, offsets, within, col, out_start, out_end, load_start, load_end, TILE: tl.constexpr):
     """One tile of a row (bytes ``within`` of it, at ``offsets``): the evicted layer's new bytes
     out of the slot, then the target's into it."""
     if (col < out_end) & (col + TILE > out_start):
@@ -96,8 +100,8 @@ def _move_tile(slot, host, out, offsets, within, col, out_start, out_end, load_e
         # Every thread's read of the slot above comes before any thread's write below: the same
         # bytes may be both a new position of the evicted layer and a position of the target.
         tl.debug_barrier()
-    if col < load_end:
-        mask = within < load_end
+    if (col < load_end) & (col + TILE > load_start):
+        mask = (within >= load_start) & (within < load_end)
         tl.store(slot + offsets, tl.load(host + offsets, mask=mask), mask=mask)
 
 
@@ -147,23 +151,31 @@ class PrefixCopy:
     shape ``[batch, heads, max_cache_len, dim]``, contiguous; the lengths and saved counts are
     int64 scalars on the kernel's device. CPU tensors run under ``TRITON_INTERPRET=1`` only.
 
+    ``start``, where given, is an int64 scalar on the device: the first target position to load
+    (those below are left to the caller). Without it every load starts at 0.
+
     ``claim``, where given, is ``(holder, go, target)``: the slot's holder word and this load's
     go word (int64 scalars on the device, kept as long as the launch may run) and the target's
     number. Each call then launches the claim first, and moves nothing where the slot already
     holds ``target``. Without it every call moves its bytes.
     """
 
-    def __init__(self, slot, host, length, out, out_length, out_saved: torch.Tensor, saved: torch.Tensor, claim=None):
+    def __init__(
+        self, slot, host, length, out, out_length, out_saved: torch.Tensor, saved: torch.Tensor, claim=None, start=None
+    ):
         (slot_k, slot_v), (host_k, host_v), (out_k, out_v) = slot, host, out
         rows = slot_k.shape[0] * slot_k.shape[1]
         self.device = slot_k.device
         go = torch.ones((), dtype=torch.int64, device=self.device) if claim is None else claim[1]
+        if start is None:
+            start = torch.zeros((), dtype=torch.int64, device=self.device)
         self.args = (
             slot_k,
             slot_v,
             host_k,
             host_v,
             length,
+            start,
             out_k,
             out_v,
             out_length,
@@ -180,7 +192,7 @@ class PrefixCopy:
         byte_tensors = (slot_k, slot_v, host_k, host_v, out_k, out_v)
         self.constexprs = {
             "TILE": TILE_BYTES,
-            "ALIGN": alignment([t.data_ptr() for t in byte_tensors] + list(self.args[12:])),
+            "ALIGN": alignment([t.data_ptr() for t in byte_tensors] + list(self.args[13:])),
         }
         self.copy = _Kernel(_prefix_copy_kernel, NUM_PROGRAMS, NUM_WARPS, self.device)
         # (launcher, arguments) of the claim, or None: every call then moves its bytes.
@@ -194,7 +206,7 @@ class PrefixCopy:
         args = (
             self.args
             if tensors is None
-            else (*tensors[:2], *self.args[2:4], tensors[2], *self.args[5:7], tensors[3], *self.args[8:])
+            else (*tensors[:2], *self.args[2:4], tensors[2], *self.args[5:8], tensors[3], *self.args[9:])
         )
         if self.claim is not None:
             launch, claim_args = self.claim

@@ -64,17 +64,17 @@ def _packed_copy(regions: Sequence[torch.Tensor], ids: torch.Tensor, packed: tor
     return int((~ok).sum())
 
 
-def prefix_copy(slot, host, length: int, out, out_length: int, out_saved: int) -> int:
+def prefix_copy(slot, host, length: int, out, out_length: int, out_saved: int, start: int = 0) -> int:
     """What :class:`kv_ops.prefix_copy.PrefixCopy` does, for (keys, values) pairs of
     ``[batch, heads, max_cache_len, dim]``: first ``out[..., out_saved:out_length, :] = slot[...]``
     (the evicted layer's new positions; none where a crop left ``out_length <= out_saved``),
-    then ``slot[..., :length, :] = host[...]``. Returns the bytes moved."""
-    lo = min(out_saved, out_length)
+    then ``slot[..., start:length, :] = host[...]``. Returns the bytes moved."""
+    lo, start = min(out_saved, out_length), min(start, length)
     moved = 0
     for s, h, o in zip(slot, host, out):
         o[:, :, lo:out_length] = s[:, :, lo:out_length]
-        s[:, :, :length] = h[:, :, :length]
-        moved += (out_length - lo + length) * s[:, :, :1].numel() * s.element_size()
+        s[:, :, start:length] = h[:, :, start:length]
+        moved += (out_length - lo + length - start) * s[:, :, :1].numel() * s.element_size()
     return moved
 
 

@@ -15,7 +15,7 @@ import sys
 POINTERS = {
     "_block_copy_kernel": {"table_ptr": "*i64", "src_ids_ptr": "*i64", "dst_ids_ptr": "*i64", "error_ptr": "*i64"},
     "_prefix_copy_kernel": {
-        name: "*i64" for name in ("length_ptr", "out_length_ptr", "out_saved_ptr", "saved_ptr", "go_ptr")
+        name: "*i64" for name in ("length_ptr", "start_ptr", "out_length_ptr", "out_saved_ptr", "saved_ptr", "go_ptr")
     },
     "_claim_kernel": {"holder_ptr": "*i64", "go_ptr": "*i64"},
     "_wait_landed_kernel": {"flags_ptr": "*i32", "error_ptr": "*i64"},

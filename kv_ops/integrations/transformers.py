@@ -349,10 +349,9 @@ class HostOffloadedCache(Cache):
         if self.offloaded and layer_idx == self.offloaded[0]:  # windowed layers never run out
             self._check_slots(key_states)
             if self._seen + new > self.max_cache_len_:
-                raise ValueError(
-                    f"HostOffloadedCache: {self._seen} tokens cached and {new} more would pass max_cache_len "
-                    f"{self.max_cache_len_}"
-                )
+                n, cap = self._seen, self.max_cache_len_
+                raise ValueError(f"HostOffloadedCache: {n} tokens cached and {new} more would pass max_cache_len {cap}")
+            self.loads.known = self._seen  # on every streamed layer's host copy: its eager loads' copy-engine part
             self._seen += new
 
     def _check_slots(self, key_states: torch.Tensor) -> None:

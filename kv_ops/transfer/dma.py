@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -341,6 +342,22 @@ class Launcher:
         """One ``cuMemcpyAsync`` of ``nbytes`` between two addresses (unified addressing: GPU or
         page-locked host memory on either side), e.g. a transfer's ids into the GPU."""
         check_code(self._memcpy(dst, src, nbytes, self.handle), "cuMemcpyAsync")
+
+    def bind_2d(self, copy: Copy2D) -> Callable[[int], None]:
+        """``copy`` with every field but its width bound once, in a descriptor of its own: the
+        returned call stores the width and enqueues the copy, one driver call (a hot path's copy
+        of a prefix that grows, as an eager step's slot loads make per layer)."""
+        m = _Memcpy2D()
+        m.srcMemoryType = m.dstMemoryType = _CU_MEMORYTYPE_UNIFIED
+        m.srcDevice, m.srcPitch, m.dstDevice, m.dstPitch = copy.src, copy.src_pitch, copy.dst, copy.dst_pitch
+        m.Height = copy.height
+        call, descriptor, handle = self._memcpy_2d, ctypes.byref(m), self.handle  # byref keeps m alive
+
+        def enqueue(width: int) -> None:
+            m.WidthInBytes = width
+            check_code(call(descriptor, handle), "cuMemcpy2DAsync")
+
+        return enqueue
 
     def copy_2d(self, copy: Copy2D) -> None:
         """One ``cuMemcpy2DAsync`` of ``copy``, through the launcher's one descriptor."""

@@ -27,6 +27,7 @@ from a graph, is right whether or not a load ran ahead of it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -40,6 +41,7 @@ from ..cuda.registration import register_op
 from ..cuda.torch_internals import mark_static_address
 from ..prefix_copy import PrefixCopy
 from . import in_step
+from .slot_engines import SlotEngines, kv_pair
 from .slot_plan import SlotPlan, slot_bytes
 
 
@@ -65,8 +67,16 @@ class SlotLoads:
         self.saved: torch.Tensor | None = None
         self.held: torch.Tensor | None = None
         self.copies: dict[int, PrefixCopy] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same launches, captured
-        self.execs: dict[int, int] = {}  # and their executable graphs' handles
+        # Every bound launch, captured: (copy, graph), kept together since a graph keeps none of
+        # the buffers it reads alive and a copy may own some (its default start word).
+        self.bound: list[tuple[PrefixCopy, torch.cuda.CUDAGraph]] = []
+        self.execs: dict[int, int] = {}  # the executable graphs' handles of self.copies' launches
+        # An eager step's own loads (:mod:`kv_ops.transfer.slot_engines`): the launches bound to
+        # the start word, captured, and the copy engines' part. ``known``: the positions every
+        # streamed layer's host copy holds, which the owner counts at each eager step (0: none).
+        self.eager_execs: dict[int, int] = {}
+        self.engines: SlotEngines | None = None
+        self.known = 0
         self.moved = 0  # bytes the CPU loads and write-backs have moved (what tests count)
         # Per slot, the layer whose load was queued into it last (-1: none yet), as the host
         # queued them: whose keys a read between the loads finds there.
@@ -83,8 +93,7 @@ class SlotLoads:
         self.pending: list[int] = []
         self.ahead_done: dict[int, torch.cuda.Event] = {}
         self.ahead_lengths: torch.Tensor | None = None
-        self.ahead_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # launches bound to ahead_lengths
-        self.ahead_execs: dict[int, int] = {}
+        self.ahead_execs: dict[int, int] = {}  # launches bound to ahead_lengths
         in_step.register(name, self, weak=True)  # it lives as long as its cache
 
     def allocate(
@@ -98,25 +107,19 @@ class SlotLoads:
         batch, heads = keys.shape[:2]
         k_shape, v_shape = (batch, heads, max_len, keys.shape[-1]), (batch, heads, max_len, values.shape[-1])
         if device.type == "cuda":
-            check_host_bytes(
-                "HostOffloadedCache",
-                "the host copy of the streamed layers",
-                len(plan.streamed) * slot_bytes(keys, values, max_len),
-            )
+            need = len(plan.streamed) * slot_bytes(keys, values, max_len)
+            check_host_bytes("HostOffloadedCache", "the host copy of the streamed layers", need)
+        shapes = (k_shape, keys.dtype, v_shape, values.dtype)
         for _ in range(plan.slots):
-            pair = (
-                torch.zeros(k_shape, dtype=keys.dtype, device=device),
-                torch.zeros(v_shape, dtype=values.dtype, device=device),
-            )
+            pair = kv_pair(functools.partial(torch.zeros, device=device), *shapes)
             for t in pair:
                 mark_static_address(t)
             self.slots.append(pair)
-        # Host copies are never read past the positions written back into them: no need to zero.
+        # Zeros too: an eager load copies ``known`` positions whole, which an owner's count can
+        # put past the positions written back (a crop it could not count); they must be finite.
+        host = (lambda shape, dtype: pinned_empty(shape, dtype=dtype).zero_()) if device.type == "cuda" else torch.zeros
         for k in plan.streamed:
-            if device.type == "cuda":
-                self.host[k] = (pinned_empty(k_shape, dtype=keys.dtype), pinned_empty(v_shape, dtype=values.dtype))
-            else:
-                self.host[k] = (torch.empty(k_shape, dtype=keys.dtype), torch.empty(v_shape, dtype=values.dtype))
+            self.host[k] = kv_pair(host, *shapes)
         self.counts = torch.zeros(3, plan.layers, dtype=torch.int64, device=device)
         self.saved, self.held = self.counts[0], self.counts[2]
         mark_static_address(self.saved)  # the object a compiled step takes as input: read in place
@@ -137,6 +140,7 @@ class SlotLoads:
         plan = self.plan
         # Low priority: a load must never delay the layer that computes beside it.
         self.stream = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[0])
+        self.engines = SlotEngines(self.stream)
         views = {k: tuple(device_view(t, device) for t in pair) for k, pair in self.host.items()}
         for pair in views.values():
             for t in pair:
@@ -151,13 +155,19 @@ class SlotLoads:
             copy = PrefixCopy(
                 self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim
             )
-            self.copies[k], (self.graphs[k], self.execs[k]) = copy, self._bound_graph(copy)
+            self.copies[k], self.execs[k] = copy, self._bound_graph(copy)
+            eager = PrefixCopy(
+                self.slots[s], views[k], lengths[k], views[e], lengths[e], self.saved[e], self.saved[k], claim,
+                start=self.engines.start,
+            )  # fmt: skip
+            self.eager_execs[k] = self._bound_graph(eager)
+            self.engines.bind(k, self.slots[s], views[k])
             if self.ahead and k in plan.issues.get(0, ()):  # and bound to the lengths of a compiled step
                 held = self.ahead_lengths[k]
                 ahead = PrefixCopy(
                     self.slots[s], views[k], held[0], views[e], held[1], self.saved[e], self.saved[k], claim
                 )
-                self.ahead_graphs[k], self.ahead_execs[k] = self._bound_graph(ahead)
+                self.ahead_execs[k] = self._bound_graph(ahead)
             self.free[k], self.loaded[k], self.ahead_done[k] = (torch.cuda.Event() for _ in range(3))
             # driver.record_event needs events that exist: a torch event is made at its first
             # record, on the current device, which must be the streams' it is recorded on.
@@ -171,17 +181,18 @@ class SlotLoads:
         # print a traceback on the way out).
         weakref.finalize(self, self.stream.synchronize).atexit = False
 
-    def _bound_graph(self, copy: PrefixCopy) -> tuple[torch.cuda.CUDAGraph, int]:
-        """``copy``'s launch captured once, and its executable graph's handle: an eager load
-        replays it, one driver call where Triton's launcher costs several times more host time.
-        Every count is still zero here, so the first launch (which compiles) moves nothing."""
+    def _bound_graph(self, copy: PrefixCopy) -> int:
+        """``copy``'s launch captured once (kept in ``bound``), and its executable graph's handle:
+        an eager load replays it, one driver call where Triton's launcher costs several times more
+        host time. Every count is still zero here, so the first launch (which compiles) moves nothing."""
         load = self.stream.cuda_stream
         with torch.cuda.stream(self.stream):  # the cache's device is current in here, whatever was outside
             copy(load)
             graph = torch.cuda.CUDAGraph()
             with captured_into(graph):
                 copy(load)
-        return graph, graph.raw_cuda_graph_exec()
+        self.bound.append((copy, graph))
+        return graph.raw_cuda_graph_exec()
 
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""
@@ -317,12 +328,18 @@ class SlotLoads:
         launches the load's own graph (of ``execs``, else the one bound to the layers' lengths),
         the cheapest call; a capture in progress needs the kernel launched instead (a graph launch
         is not a node a capture records)."""
-        self.holder[self.plan.slot[k]] = k
+        s = self.plan.slot[k]
+        # An eager step's own load of a layer the slot does not hold: the first positions by the
+        # copy engine (the host holds them: a slot taken from a layer first writes it back).
+        eager = tensors is None and replay and execs is None and self.known and self.holder[s] != k
+        self.holder[s] = k
         compute = driver.current_stream_handle(self.saved.device.index)
         load = self.stream.cuda_stream
         driver.record_event(self.free[k], compute)
         driver.wait_event(load, self.free[k])
-        if tensors is None and replay:
+        if eager:
+            self.engines.load(k, self.known, self.eager_execs[k])
+        elif tensors is None and replay:
             driver.graph_launch((self.execs if execs is None else execs)[k], load)
         else:
             self.copies[k](load, tensors)

@@ -27,6 +27,7 @@ from transformers import (  # noqa: E402
 
 from kv_ops.cuda.launch import TILE_BYTES  # noqa: E402
 from kv_ops.integrations.transformers import HostOffloadedCache  # noqa: E402
+from kv_ops.transfer.slot_engines import SlotEngines  # noqa: E402
 
 NEW = 6
 gpu = pytest.mark.gpu
@@ -1021,6 +1022,33 @@ def test_on_a_gpu_eager_generate_is_bitwise_the_static_caches(name, cfg, cls, ah
     got, want, cache = cuda_run(cfg, cls, load_ahead=ahead)
     assert same(got, want)
     assert all(k.is_pinned() and v.is_pinned() for k, v in cache.loads.host.values())
+
+
+@gpu
+@pytest.mark.parametrize("skew", [0, 1, 3])
+def test_on_a_gpu_an_eager_load_moves_the_positions_below_the_known_ones_by_the_copy_engine(skew, monkeypatch):
+    # An eager step's load of a layer copies the positions the host counted (every streamed
+    # layer's host copy holds them) with the copy engine and the rest with the kernel. A count
+    # that falls short (skew; the host's own is exact) moves the difference with the kernel: the
+    # tokens are the static cache's either way, and the copy engines' part ran at every decode step.
+    calls = []
+    load = SlotEngines.load
+
+    def short(self, k, known, launch):
+        calls.append(known)
+        load(self, k, max(0, known - skew), launch)
+
+    monkeypatch.setattr(SlotEngines, "load", short)
+    got, want, cache = cuda_run(llama(), LlamaForCausalLM)
+    assert same(got, want)
+    streamed = len(cache.loads.plan.streamed)
+    # Each decode step loads every streamed layer, the prompt's 33 positions and one more per step.
+    assert sorted(set(calls)) == list(range(33, 33 + NEW - 1)) and len(calls) == streamed * (NEW - 1)
+    # Llama's keys and values agree in shape: each load's copy-engine part is one copy of both,
+    # from and into memory where they lie back to back, each a storage of its own.
+    assert [len(copies) for copies in cache.loads.engines.copies.values()] == [1] * streamed
+    keys, values = cache.loads.slots[0]
+    assert keys.untyped_storage().data_ptr() != values.untyped_storage().data_ptr()
 
 
 @gpu

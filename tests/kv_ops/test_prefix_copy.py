@@ -28,27 +28,28 @@ def host_pair(shape_k, shape_v, dtype, gen):
     return tuple(pair)
 
 
-def run_case(seed, batch, heads, max_len, k_dim, v_dim, dtype, length, out_length, out_saved):
+def run_case(seed, batch, heads, max_len, k_dim, v_dim, dtype, length, out_length, out_saved, start=0):
     gen = torch.Generator().manual_seed(seed)
     shape_k, shape_v = (batch, heads, max_len, k_dim), (batch, heads, max_len, v_dim)
     slot = tuple(torch.randn(s, generator=gen).to(dtype) for s in (shape_k, shape_v))
     host, out = host_pair(shape_k, shape_v, dtype, gen), host_pair(shape_k, shape_v, dtype, gen)
     want_slot, want_host, want_out = ([t.clone() for t in pair] for pair in (slot, host, out))
-    reference.prefix_copy(want_slot, want_host, length, want_out, out_length, out_saved)
+    reference.prefix_copy(want_slot, want_host, length, want_out, out_length, out_saved, start)
 
     gpu_slot = tuple(t.to(DEVICE) for t in slot)
     views = (lambda p: tuple(device_view(t) for t in p)) if CUDA else (lambda p: p)
-    counts = torch.zeros(4, dtype=torch.int64, device=DEVICE)
-    copy = PrefixCopy(gpu_slot, views(host), counts[0], views(out), counts[1], counts[2], counts[3])
+    counts = torch.zeros(5, dtype=torch.int64, device=DEVICE)
+    copy = PrefixCopy(gpu_slot, views(host), counts[0], views(out), counts[1], counts[2], counts[3], start=counts[4])
     stream = torch.cuda.current_stream().cuda_stream if CUDA else 0
     copy(stream)  # all counts zero: moves nothing (and compiles; on a GPU later calls skip @jit)
-    counts.copy_(torch.tensor([length, out_length, out_saved, -7]))  # read when the kernel runs
+    counts.copy_(torch.tensor([length, out_length, out_saved, -7, start]))  # read when the kernel runs
     copy(stream)
     if CUDA:
         torch.cuda.synchronize()
     for got, want in zip((*gpu_slot, *host, *out), (*want_slot, *want_host, *want_out)):
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
-    assert counts.tolist() == [length, out_length, out_saved, length]  # the target's saved count is its length
+    # The target's saved count is its length, the positions below start included (the caller's).
+    assert counts.tolist() == [length, out_length, out_saved, length, start]
 
 
 def test_a_load_across_tiles_with_the_write_back_in_the_same_tile():
@@ -66,6 +67,17 @@ def test_nothing_to_load_still_writes_the_new_positions_back():
     run_case(2, 2, 1, 48, 8, 24, torch.float16, 0, 17, 0)
 
 
+def test_a_start_leaves_the_positions_below_it_as_they_were_across_tiles():
+    # The positions below start are the copy engine's (an eager step's): the kernel must not
+    # write them, and must load the rest, from inside one tile to two tiles on.
+    per_tile = TILE_BYTES // 256
+    run_case(3, 2, 3, 4 * per_tile, 128, 128, torch.bfloat16, 3 * per_tile + 1, per_tile + 9, per_tile, per_tile + 3)
+
+
+def test_a_start_past_the_length_loads_nothing_and_still_writes_back():
+    run_case(4, 1, 2, 64, 16, 16, torch.float32, 20, 33, 21, 50)
+
+
 @settings(max_examples=12 if CUDA else 6, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
@@ -74,11 +86,11 @@ def test_nothing_to_load_still_writes_the_new_positions_back():
     max_len=st.integers(1, 300),
     dims=st.sampled_from([(16, 16), (8, 24), (64, 64), (128, 128), (3, 5)]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    fractions=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)),
+    fractions=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)),
 )
 def test_any_lengths_move_exactly_the_reference_bytes(seed, batch, heads, max_len, dims, dtype, fractions):
-    length, out_length, out_saved = (int(f * max_len) for f in fractions)
-    run_case(seed, batch, heads, max_len, *dims, dtype, length, out_length, out_saved)
+    length, out_length, out_saved, start = (int(f * max_len) for f in fractions)
+    run_case(seed, batch, heads, max_len, *dims, dtype, length, out_length, out_saved, start)
 
 
 def test_a_claimed_load_moves_its_bytes_once_until_another_layer_takes_the_slot():

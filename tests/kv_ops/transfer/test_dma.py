@@ -158,3 +158,27 @@ def test_the_dma_path_refuses_capture_and_the_legacy_stream_before_enqueueing():
             dma.launch(plan, stream)
     torch.cuda.synchronize()
     assert torch.equal(dst[0], before)
+
+
+@gpu
+def test_a_bound_2d_copy_moves_each_rows_first_width_bytes_at_every_width_it_is_given():
+    from kv_ops.cuda.host_memory import device_view, pinned_empty
+
+    gen = torch.Generator().manual_seed(11)
+    rows, row_bytes = 24, 4096
+    host = pinned_empty((rows, row_bytes), dtype=torch.uint8)
+    host.copy_(torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=gen))
+    view = device_view(host, torch.device("cuda", 0))
+    stream = torch.cuda.Stream()
+    slot = torch.full((rows, 2 * row_bytes), 0xA5, dtype=torch.uint8, device="cuda")  # poison; pitch of its own
+    copy = dma.Launcher(stream).bind_2d(
+        dma.Copy2D(slot.data_ptr(), slot.stride(0), view.data_ptr(), host.stride(0), 0, rows)
+    )
+    for width in (512, 4096, 128, 2048):  # grows and shrinks: each call copies its own width
+        slot.fill_(0xA5)
+        torch.cuda.current_stream().synchronize()
+        copy(width)
+        stream.synchronize()
+        want = torch.full((rows, 2 * row_bytes), 0xA5, dtype=torch.uint8)
+        want[:, :width] = host[:, :width]
+        assert torch.equal(slot.cpu(), want), width
