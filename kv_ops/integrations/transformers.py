@@ -351,7 +351,7 @@ class HostOffloadedCache(Cache):
             if self._seen + new > self.max_cache_len_:
                 n, cap = self._seen, self.max_cache_len_
                 raise ValueError(f"HostOffloadedCache: {n} tokens cached and {new} more would pass max_cache_len {cap}")
-            self.loads.known = self._seen  # on every streamed layer's host copy: its eager loads' copy-engine part
+            self.loads.know(self._seen)  # on every streamed layer's host copy: its eager loads' copy-engine part
             self._seen += new
 
     def _check_slots(self, key_states: torch.Tensor) -> None:

@@ -7,7 +7,9 @@ streamed layer's host copy holds: the tokens before the step. So its load of a l
 kernel told to start there (the start word), which writes the evicted layer back and loads any
 positions past them, then one ``cuMemcpy2DAsync`` of every row's first positions, keys and values
 together where they lie back to back, on the same stream: after the write-back has read the
-slot. A compiled or captured step knows no count on the host; its loads start at 0.
+slot. Where those positions are small (under :data:`FROM_BYTES` a layer), the step waits on the
+host more than on the kernel's reads, and the copy's driver call is not worth it: the kernel
+starts at 0. A compiled or captured step knows no count on the host; its loads start at 0.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ def kv_pair(make, k_shape, k_dtype, v_shape, v_dtype) -> tuple[torch.Tensor, tor
     return tuple(
         bytes_at(both, both.data_ptr() + i * half, half, both.device).view(k_dtype).view(k_shape) for i in (0, 1)
     )
+
+
+# The bytes of a layer's known positions (keys and values) from which an eager load moves them by
+# the copy engine; below, the kernel moves every position. Between the measured sides: the step
+# gained with it at 32 and 128 MiB a load, and lost a little at 8 MiB, where it waits on the host
+# and a driver call more per load costs more than the kernel's reads slow (docs/measurements.md).
+FROM_BYTES = 16 << 20
+
+
+def engine_positions(known: int, position_bytes: int) -> int:
+    """The positions an eager step's loads move by the copy engine: all ``known`` ones where they
+    hold at least :data:`FROM_BYTES` a layer (``position_bytes`` each), else none."""
+    return known if known * position_bytes >= FROM_BYTES else 0
 
 
 class SlotEngines:
@@ -82,4 +97,4 @@ class SlotEngines:
             copy(known * position)
 
 
-__all__ = ["SlotEngines", "kv_pair"]
+__all__ = ["FROM_BYTES", "SlotEngines", "engine_positions", "kv_pair"]

@@ -41,7 +41,7 @@ from ..cuda.registration import register_op
 from ..cuda.torch_internals import mark_static_address
 from ..prefix_copy import PrefixCopy
 from . import in_step
-from .slot_engines import SlotEngines, kv_pair
+from .slot_engines import SlotEngines, engine_positions, kv_pair
 from .slot_plan import SlotPlan, slot_bytes
 
 
@@ -77,6 +77,7 @@ class SlotLoads:
         self.eager_execs: dict[int, int] = {}
         self.engines: SlotEngines | None = None
         self.known = 0
+        self.position_bytes = 0  # of one position of a slot, keys and values
         self.moved = 0  # bytes the CPU loads and write-backs have moved (what tests count)
         # Per slot, the layer whose load was queued into it last (-1: none yet), as the host
         # queued them: whose keys a read between the loads finds there.
@@ -110,6 +111,7 @@ class SlotLoads:
             need = len(plan.streamed) * slot_bytes(keys, values, max_len)
             check_host_bytes("HostOffloadedCache", "the host copy of the streamed layers", need)
         shapes = (k_shape, keys.dtype, v_shape, values.dtype)
+        self.position_bytes = slot_bytes(keys, values, 1)
         for _ in range(plan.slots):
             pair = kv_pair(functools.partial(torch.zeros, device=device), *shapes)
             for t in pair:
@@ -193,6 +195,11 @@ class SlotLoads:
                 copy(load)
         self.bound.append((copy, graph))
         return graph.raw_cuda_graph_exec()
+
+    def know(self, positions: int) -> None:
+        """Before an eager step: every streamed layer's host copy holds its first ``positions``.
+        Its loads move them by the copy engine where that is worth it (:func:`engine_positions`)."""
+        self.known = engine_positions(positions, self.position_bytes)
 
     def reset(self) -> None:
         """Forget every layer's host positions (the owner zeroes the lengths)."""

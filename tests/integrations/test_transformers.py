@@ -27,6 +27,7 @@ from transformers import (  # noqa: E402
 
 from kv_ops.cuda.launch import TILE_BYTES  # noqa: E402
 from kv_ops.integrations.transformers import HostOffloadedCache  # noqa: E402
+from kv_ops.transfer import slot_engines  # noqa: E402
 from kv_ops.transfer.slot_engines import SlotEngines  # noqa: E402
 
 NEW = 6
@@ -488,6 +489,28 @@ def test_the_bytes_a_step_moves_follow_the_sequence_not_max_cache_len():
     streamed = 4  # every full-attention layer but the first
     # Each streamed layer's positions so far come in, and its one new position goes out.
     assert moved[1] == moved[8] == streamed * (ids.shape[1] + 1 + 1) * per_position
+
+
+def test_each_eager_step_tells_its_loads_the_positions_before_it_and_the_copy_engine_takes_them_from_from_bytes(
+    monkeypatch,
+):
+    # The positions every streamed layer's host copy holds before a step are the tokens before it;
+    # its loads' copy-engine part takes them where they are FROM_BYTES a layer or more (here from
+    # 12 positions), else none: the kernel moves every position.
+    cfg = llama(layers=5)
+    model, ids = model_of(cfg, LlamaForCausalLM), prompt(cfg.vocab_size, batch=3)
+    position = 3 * cfg.num_key_value_heads * 2 * cfg.head_dim * 4  # batch 3, keys and values, float32
+    monkeypatch.setattr(slot_engines, "FROM_BYTES", 12 * position)
+    cache = HostOffloadedCache(config=cfg, max_cache_len=4 * (ids.shape[1] + NEW))
+    told = []
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        told.append(cache.loads.known)
+        for _ in range(4):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            told.append(cache.loads.known)
+    assert cache.loads.position_bytes == position
+    assert told == [0, 0, 0, 0, 12]  # the prefill, then decode steps after 9 (the prompt), 10, 11 and 12 tokens
 
 
 @pytest.mark.parametrize("ahead", [True, False, None])  # None: the default, off
@@ -1039,6 +1062,7 @@ def test_on_a_gpu_an_eager_load_moves_the_positions_below_the_known_ones_by_the_
         load(self, k, max(0, known - skew), launch)
 
     monkeypatch.setattr(SlotEngines, "load", short)
+    monkeypatch.setattr(slot_engines, "FROM_BYTES", 0)  # these loads are far smaller than the default
     got, want, cache = cuda_run(llama(), LlamaForCausalLM)
     assert same(got, want)
     streamed = len(cache.loads.plan.streamed)
@@ -1049,6 +1073,30 @@ def test_on_a_gpu_an_eager_load_moves_the_positions_below_the_known_ones_by_the_
     assert [len(copies) for copies in cache.loads.engines.copies.values()] == [1] * streamed
     keys, values = cache.loads.slots[0]
     assert keys.untyped_storage().data_ptr() != values.untyped_storage().data_ptr()
+
+
+@gpu
+@pytest.mark.parametrize("from_positions", [36, None], ids=["from-36-positions", "default"])
+def test_on_a_gpu_the_copy_engine_takes_an_eager_load_from_its_bytes_threshold_on(from_positions, monkeypatch):
+    # Below FROM_BYTES a layer's known positions are the kernel's (SlotEngines.load is not
+    # called); from it on, the copy engine's. The default (16 MiB) is far above these loads.
+    cfg = llama()
+    position = 2 * cfg.num_key_value_heads * 2 * cfg.head_dim * 2  # batch 2, keys and values, bf16
+    if from_positions is not None:
+        monkeypatch.setattr(slot_engines, "FROM_BYTES", from_positions * position)
+    calls = []
+    load = SlotEngines.load
+
+    def counted(self, k, known, launch):
+        calls.append(known)
+        load(self, k, known, launch)
+
+    monkeypatch.setattr(SlotEngines, "load", counted)
+    got, want, cache = cuda_run(cfg, LlamaForCausalLM)
+    assert same(got, want) and cache.loads.position_bytes == position
+    first = 33 + NEW - 1 if from_positions is None else from_positions  # the prompt: 33 positions
+    streamed = len(cache.loads.plan.streamed)
+    assert calls == [known for known in range(first, 33 + NEW - 1) for _ in range(streamed)]
 
 
 @gpu

@@ -1,4 +1,4 @@
-"""kv_pair: a layer's keys and values in one allocation where they agree, as two storages."""
+"""kv_pair: keys and values in one allocation, as two storages; engine_positions: which eager loads the copy engine takes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from kv_ops.transfer.slot_engines import kv_pair
+from kv_ops.transfer.slot_engines import FROM_BYTES, engine_positions, kv_pair
 
 make = functools.partial(torch.empty, device="cpu")
 
@@ -55,3 +55,18 @@ def test_keys_and_values_that_differ_get_an_allocation_each(k_shape, k_dtype, v_
     keys, values = kv_pair(counted, k_shape, k_dtype, v_shape, v_dtype)
     assert made == [(k_shape, k_dtype), (v_shape, v_dtype)]
     assert (keys.shape, keys.dtype, values.shape, values.dtype) == (k_shape, k_dtype, v_shape, v_dtype)
+
+
+def test_an_eager_step_takes_the_copy_engine_from_from_bytes_of_known_positions_on():
+    assert engine_positions(0, 4096) == 0  # a prefill: nothing on the host yet
+    n = FROM_BYTES // 4096
+    assert engine_positions(n - 1, 4096) == 0 and engine_positions(n, 4096) == n
+    assert engine_positions(5 * n, 4096) == 5 * n
+
+    def llama_3_8b(batch):  # one position's bytes: 8 KV heads, keys and values of 128 bf16 each
+        return batch * 8 * 2 * 128 * 2
+
+    # The measured sides of the line: a 2k prompt at batch 1 (8 MiB a layer) stays with the
+    # kernel; at batch 4 (32 MiB) and 16 (128 MiB) it takes the copy engine.
+    assert engine_positions(2048, llama_3_8b(1)) == 0
+    assert engine_positions(2048, llama_3_8b(4)) == engine_positions(2048, llama_3_8b(16)) == 2048
